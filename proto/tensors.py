@@ -1,0 +1,259 @@
+"""Building and describing KV tensors for a :class:`KVLayout` (imports torch).
+
+Every layer is handed a view of logical shape ``(2, num_blocks, block_size,
+H, C)`` — K/V, block, token, head, channel — whose strides follow the
+physical order, the way vLLM hands per-layer views to its attention
+backends. A layer that shares another layer's KV gets the very same tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+import torch
+from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.layout import (
+    DTYPE_BYTES,
+    GroupSpec,
+    KVLayout,
+    LayerSpec,
+    ModelSpec,
+    Region,
+)
+
+__all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
+
+LOGICAL = ("KV", "B", "N", "H", "C")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPE_BYTES:
+        raise LayoutError(f"dtype {name!r} is not one of {', '.join(DTYPE_BYTES)}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise LayoutError(
+            f"KV tensors of dtype {dtype} are not supported; use one of {list(DTYPE_BYTES)}"
+        )
+    return name
+
+
+def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Zeroed KV tensors for ``layout``: one allocation per group, per-layer views.
+
+    Block-outermost groups are one contiguous allocation in which each block
+    holds every layer's K and V; layer-separate groups are one allocation with
+    layers outermost (each layer's slice is its own region).
+    """
+    dtype = torch_dtype(layout.model.dtype)
+    elem = layout.model.dtype_bytes
+    out: dict[str, torch.Tensor] = {}
+    for g in layout.groups:
+        sizes = layout.sizes(g.name)
+        strides = {d: s // elem for d, s in layout.strides(g.name).items()}
+        buf = torch.zeros(layout.group_bytes(g.name) // elem, dtype=dtype, device=device)
+        shape = [sizes[d] for d in LOGICAL]
+        stride = [strides[d] for d in LOGICAL]
+        owners = layout.owning_layers(g.name)
+        for li, layer in enumerate(owners):
+            out[layer.name] = torch.as_strided(buf, shape, stride, li * strides["L"])
+        for layer in layout.layers:
+            if layer.group == g.name and layer.kv_source is not None:
+                out[layer.name] = out[layer.kv_source]
+    return {x.name: out[x.name] for x in layout.layers}
+
+
+def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
+    regions = []
+    for g in layout.groups:
+        owners = layout.owning_layers(g.name)
+        per = layout.group_bytes(g.name) // len(layout.regions_of(g.name))
+        starts = (
+            [kv_caches[x.name] for x in owners]
+            if layout.layer_separate
+            else [kv_caches[owners[0].name]]
+        )
+        for t in starts:
+            regions.append(Region(t.data_ptr(), per, str(t.device)))
+    return regions
+
+
+def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+    """``layout`` with its regions read from ``kv_caches``, after checking they match it."""
+    described = from_tensors(
+        kv_caches,
+        model_name=layout.model.name,
+        block_size=layout.block_size,
+        layer_groups={x.name: x.group for x in layout.layers},
+        tp_rank=layout.tp_rank,
+        tp_size=layout.tp_size,
+    )
+    # with one owning layer the L dimension can sit anywhere: take the layout's word
+    same_without_l = [d for d in described.order if d != "L"] == [
+        d for d in layout.order if d != "L"
+    ]
+    if len(layout.owning_layers("self")) == 1 and same_without_l:
+        described = layout.with_regions(_regions(layout, kv_caches))
+    if described.identity() != layout.identity() or described.order != layout.order:
+        raise LayoutError(
+            f"tensors do not match the layout: they are {' '.join(described.order)} "
+            f"{described.identity()}, layout is {' '.join(layout.order)} {layout.identity()}"
+        )
+    if [g.num_blocks for g in described.groups] != [g.num_blocks for g in layout.groups]:
+        raise LayoutError("tensors have other block counts than the layout")
+    return described
+
+
+def from_tensors(
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    model_name: str,
+    block_size: int,
+    layer_groups: Mapping[str, str] | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> KVLayout:
+    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``.
+
+    The physical order is inferred from the views' strides and, for the
+    ``L`` dimension, from the distance between consecutive layers' data
+    pointers. Layers whose tensor has the same address as an earlier layer's
+    become KV-sharing layers. Anything that is not dense in some supported
+    order is rejected with a LayoutError saying what was found.
+    """
+    if not kv_caches:
+        raise LayoutError("no KV tensors given")
+    groups_of = dict(layer_groups or {})
+    first = next(iter(kv_caches.values()))
+    dtype = _dtype_name(first.dtype)
+    elem = DTYPE_BYTES[dtype]
+    layers: list[LayerSpec] = []
+    owner_at: dict[tuple[int, str], str] = {}
+    num_blocks: dict[str, int] = {}
+    order: tuple[str, ...] | None = None
+    for name, t in kv_caches.items():
+        group = groups_of.get(name, "self")
+        if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != block_size:
+            raise LayoutError(
+                f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size), "
+                f"got {tuple(t.shape)}"
+            )
+        if t.dtype != first.dtype or t.shape[3:] != first.shape[3:] or t.device != first.device:
+            raise LayoutError(
+                f"layer {name!r}: dtype/heads/head_size/device differ from other layers"
+            )
+        if num_blocks.setdefault(group, t.shape[1]) != t.shape[1]:
+            raise LayoutError(
+                f"layer {name!r}: {t.shape[1]} blocks, group {group!r} has {num_blocks[group]}"
+            )
+        key = (t.data_ptr(), group)
+        if key in owner_at:
+            if kv_caches[owner_at[key]].stride() != t.stride():
+                raise LayoutError(f"layer {name!r} aliases {owner_at[key]!r} with other strides")
+            layers.append(LayerSpec(name, group, owner_at[key]))
+            continue
+        owner_at[key] = name
+        layers.append(LayerSpec(name, group))
+        inner = _inner_order(name, t)
+        if order is None:
+            order = inner
+        elif order != inner:
+            raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
+    assert order is not None
+    group_names = ["self"] + [g for g in ("cross",) if g in num_blocks]
+    if set(num_blocks) - set(group_names):
+        raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
+    per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}
+    if len(set(per_group.values())) != 1:
+        raise LayoutError(f"groups have different layer counts {per_group}")
+    # Where does L go? Uniform layer step inside one allocation -> by stride; else outermost.
+    full_order = _place_layer_dim(kv_caches, layers, order, elem)
+    model = ModelSpec(
+        name=model_name,
+        dtype=dtype,
+        num_layers=per_group["self"],
+        num_kv_heads=first.shape[3] * tp_size,
+        head_size=first.shape[4],
+    )
+    layout = KVLayout(
+        model=model,
+        block_size=block_size,
+        groups=tuple(GroupSpec(g, num_blocks[g]) for g in group_names),
+        layers=tuple(layers),
+        order=full_order,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
+    _check_dense(layout, kv_caches)
+    return layout.with_regions(_regions(layout, kv_caches))
+
+
+def _inner_order(name: str, t: torch.Tensor) -> tuple[str, ...]:
+    """The five per-layer dims by stride, outermost first; size-1 dims go canonically."""
+    stride = dict(zip(LOGICAL, t.stride(), strict=True))
+    size = dict(zip(LOGICAL, t.shape, strict=True))
+    canonical = {d: i for i, d in enumerate(("B", "KV", "N", "H", "C"))}
+    dims = sorted(LOGICAL, key=lambda d: (-stride[d] if size[d] > 1 else 0, canonical[d]))
+    movable = [d for d in dims if size[d] > 1]
+    fixed = sorted((d for d in dims if size[d] == 1), key=canonical.__getitem__)
+    # size-1 dims have no meaningful stride: put them where the canonical order would
+    result = list(movable)
+    for d in fixed:
+        pos = sum(1 for x in result if canonical[x] < canonical[d])
+        result.insert(pos, d)
+    if set(result[:2]) != {"B", "KV"}:
+        raise LayoutError(
+            f"layer {name!r}: strides {t.stride()} put {' '.join(result)} in order; "
+            "kvbridge needs K/V and block dims outside the token/head/channel dims"
+        )
+    return tuple(result)
+
+
+def _place_layer_dim(
+    kv_caches: Mapping[str, torch.Tensor],
+    layers: list[LayerSpec],
+    order: tuple[str, ...],
+    elem: int,
+) -> tuple[str, ...]:
+    owners = [x for x in layers if x.kv_source is None and x.group == "self"]
+    ptrs = [kv_caches[x.name].data_ptr() for x in owners]
+    steps = {b - a for a, b in itertools.pairwise(ptrs)}
+    t = kv_caches[owners[0].name]
+    stride = dict(zip(LOGICAL, (s * elem for s in t.stride()), strict=True))
+    if len(steps) == 1 and (step := steps.pop()) > 0:
+        for i, d in enumerate(order[:2]):
+            if step > stride[d]:
+                return (*order[:i], "L", *order[i:]) if i else ("L", *order)
+        return (*order[:2], "L", *order[2:])
+    return ("L", *order)
+
+
+def _check_dense(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    elem = layout.model.dtype_bytes
+    for g in layout.groups:
+        st = layout.strides(g.name)
+        want = tuple(st[d] // elem for d in LOGICAL)
+        owners = layout.owning_layers(g.name)
+        base = kv_caches[owners[0].name].data_ptr()
+        for li, x in enumerate(owners):
+            t = kv_caches[x.name]
+            got = t.stride()
+            if any(
+                a != b
+                for a, b, d in zip(got, want, LOGICAL, strict=True)
+                if t.shape[LOGICAL.index(d)] > 1
+            ):
+                raise LayoutError(
+                    f"layer {x.name!r}: strides {got} are not dense for order "
+                    f"{' '.join(layout.order)} (expected {want}); padded layouts are not supported"
+                )
+            if not layout.layer_separate and t.data_ptr() != base + li * st["L"]:
+                raise LayoutError(
+                    f"layer {x.name!r} is not at layer offset {li} of one allocation in order "
+                    f"{' '.join(layout.order)}"
+                )
