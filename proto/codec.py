@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import msgpack
+
 from kvbridge.proto.errors import VersionMismatchError, WireError
 from kvbridge.proto.version import SCHEMA_VERSION
 

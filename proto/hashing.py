@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.types import BlockHash

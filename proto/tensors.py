@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Mapping
 
 import torch
+
 from kvbridge.proto.errors import LayoutError
 from kvbridge.proto.layout import (
     DTYPE_BYTES,

@@ -1,0 +1,146 @@
+"""The KV-connector seam between an inference engine and kvbridge.
+
+Shaped after vLLM's KV connector v1 so that the vLLM adapter is a thin layer:
+a **scheduler half** decides per request which blocks to load and what to
+hand over when a request finishes, and a **worker half** owns the KV tensors
+and moves bytes. In vLLM they live in different processes and talk only
+through :class:`StepMetadata`, which is therefore a msgpack-able value. The
+reference engine (``kvbridge.worker.engine``) runs both halves in one process
+and calls them in exactly the order vLLM does:
+
+scheduler step::
+
+    n_ext, is_async = sched.get_num_new_matched_tokens(req, num_local_computed)
+    ... allocate blocks for the request ...
+    sched.update_state_after_alloc(req, block_ids, n_ext)
+    meta = sched.build_connector_meta()       # once per step, after all allocations
+
+worker step::
+
+    worker.start_load_kv(meta)                # non-blocking
+    ... forward pass (wait_for_layer_load / save_kv_layer per layer) ...
+    worker.wait_for_save()
+    sending, receiving = worker.get_finished(finished_request_ids)
+    bad = worker.get_block_ids_with_load_errors()
+
+and when a request finishes, ``sched.request_finished(req, block_ids)``
+returns ``(delay_free, kv_transfer_params)``: with ``delay_free`` the engine
+leaves the blocks referenced and frees them only when ``get_finished``
+reports the request in ``sending`` (done or lease expired).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.proto.types import BlockHash, BlockId, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.proto.layout import KVLayout
+
+__all__ = [
+    "RequestView",
+    "SchedulerConnector",
+    "WorkerConnector",
+    "StepMetadata",
+    "BlockLoad",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the connector may know about a request (scheduler side)."""
+
+    request_id: RequestId
+    prompt_token_ids: Sequence[int]
+    block_hashes: Mapping[str, Sequence[BlockHash]]
+    """Names of the request's full blocks per group (``self``; ``cross`` if encoder-decoder)."""
+    kv_transfer_params: Mapping[str, Any] | None = None
+    """Set by the router: ``do_remote_decode`` on prefill; the prefill's answer on decode."""
+    encoder_hash: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLoad:
+    """Load ``remote_ids`` of a remote engine into ``local_ids``, per group."""
+
+    request_id: RequestId
+    remote_engine: str
+    remote_address: str
+    local_ids: Mapping[str, Sequence[BlockId]]
+    remote_ids: Mapping[str, Sequence[BlockId]]
+    lease_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """The scheduler half's plan for one step, consumed by the worker half."""
+
+    loads: tuple[BlockLoad, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class SchedulerConnector(ABC):
+    """Scheduler half: runs in the engine's scheduler process, single-threaded."""
+
+    @abstractmethod
+    def get_num_new_matched_tokens(
+        self, request: RequestView, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens beyond ``num_computed_tokens`` (local prefix hits) that kvbridge can load,
+        and whether they load asynchronously (the request then waits for ``get_finished``)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self,
+        request: RequestView,
+        block_ids: Mapping[str, Sequence[BlockId]],
+        num_external_tokens: int,
+    ) -> None:
+        """The engine allocated ``block_ids`` (the request's whole block table per group)."""
+
+    @abstractmethod
+    def build_connector_meta(self) -> StepMetadata:
+        """The plan for this step; resets the per-step state."""
+
+    @abstractmethod
+    def request_finished(
+        self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay_free, kv_transfer_params)`` for a finished (or aborted) request."""
+
+
+class WorkerConnector(ABC):
+    """Worker half: runs where the KV tensors live (the model runner)."""
+
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
+        """Called once at start-up with every layer's KV view and the layout describing them."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        """Begin this step's loads; must not block on the network."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:  # noqa: B027 - optional hook
+        """Whole-block loads complete before the request is scheduled: a no-op by default."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:  # noqa: B027
+        """Called after each layer's KV is written; kvbridge saves whole blocks instead."""
+
+    def wait_for_save(self) -> None:  # noqa: B027
+        """Block until this step's saves are safe to overwrite."""
+
+    @abstractmethod
+    def get_finished(
+        self, finished_request_ids: set[RequestId]
+    ) -> tuple[set[RequestId], set[RequestId]]:
+        """``(done_sending, done_receiving)`` request ids since the last call."""
+
+    @abstractmethod
+    def get_block_ids_with_load_errors(self) -> set[BlockId]:
+        """Local ``self``-group block ids whose load failed since the last call (fail closed)."""
