@@ -93,9 +93,9 @@ def test_cross_blocks_are_named_by_encoder_input_only() -> None:
 
 
 def test_bad_tokens_and_config_raise_config_error() -> None:
-    with pytest.raises(ConfigError, match="0..2\\*\\*32-1"):
+    with pytest.raises(ConfigError, match=r"0\.\.2\*\*32-1"):
         hasher().hash_blocks([-1] * 16)
-    with pytest.raises(ConfigError, match="0..2\\*\\*32-1"):
+    with pytest.raises(ConfigError, match=r"0\.\.2\*\*32-1"):
         hasher().hash_blocks(np.full(16, 2**40))
     with pytest.raises(ConfigError, match="hash_algorithm 'md5'"):
         HashConfig(algorithm="md5")

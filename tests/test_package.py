@@ -23,7 +23,8 @@ def test_importing_the_contract_loads_no_heavy_or_gpu_code() -> None:
 
 
 def test_no_top_level_proto_or_kernels_module_is_installed() -> None:
-    code = "import importlib.util as u; print([n for n in ('proto','kernels','connector','worker') if u.find_spec(n)])"
+    names = ("proto", "kernels", "connector", "worker")
+    code = f"import importlib.util as u; print([n for n in {names} if u.find_spec(n)])"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
     )
