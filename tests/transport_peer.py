@@ -1,0 +1,174 @@
+"""A NIXL transport in its own process, driven by the test over stdin/stdout.
+
+Run as ``python tests/transport_peer.py NAME``. Requests and replies are
+msgpack maps framed by a 4-byte big-endian length. Each request has an
+``op``; replies are ``{"ok": True, ...}`` or ``{"ok": False, "error": <type
+name>, "message": ...}``. Logs go to stderr, which the test keeps so it can
+check for UCX leak warnings. Tensors are filled with seeded random data per
+logical layer so any two processes agree on what a block should hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import sys
+import time
+from typing import Any, BinaryIO
+
+import msgpack
+import torch
+
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.presets import preset_layout
+from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
+from kvbridge.worker.transport import LocalMemory, PeerLink
+
+
+def read_frame(stream: BinaryIO) -> Any:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return msgpack.unpackb(stream.read(n), raw=False)
+
+
+def write_frame(stream: BinaryIO, obj: Any) -> None:
+    body = msgpack.packb(obj, use_bin_type=True)
+    stream.write(struct.pack(">I", len(body)) + body)
+    stream.flush()
+
+
+def fill(layout: KVLayout, kv: dict[str, torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for g in layout.groups:
+        for layer in layout.owning_layers(g.name):
+            t = kv[layer.name]
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+
+
+def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: int) -> bytes:
+    """Logical content of block ``b``: every owning layer's K and V, in layer order."""
+    parts = [kv[x.name][:, b].contiguous().view(torch.uint8) for x in layout.owning_layers(group)]
+    return torch.cat([p.reshape(-1) for p in parts]).numpy().tobytes()
+
+
+class Peer:
+    def __init__(self, name: str) -> None:
+        self.transport = NixlTransport(NixlConfig(name, progress_interval_s=0.002))
+        self.memories: list[tuple[LocalMemory, dict[str, torch.Tensor]]] = []
+        self.links: list[PeerLink] = []
+        self.handles: list[Any] = []
+
+    def op_setup(self, preset: str, num_blocks: int, order: str, seed: int) -> dict[str, Any]:
+        layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        kv = layout.allocate()
+        fill(layout, kv, seed)
+        memory = self.transport.register(layout, kv)
+        self.memories.append((memory, kv))
+        return {
+            "mem": len(self.memories) - 1,
+            "layout": memory.layout.to_bytes(),
+            "metadata": self.transport.metadata(),
+            "regions": self.transport.registered_regions(memory),
+        }
+
+    def op_metadata(self) -> dict[str, Any]:
+        return {"metadata": self.transport.metadata()}
+
+    def op_connect(self, peer: str, metadata: bytes, layout: bytes, mem: int) -> dict[str, Any]:
+        remote = KVLayout.from_bytes(layout)
+        link = self.transport.connect(peer, metadata, remote, self.memories[mem][0])
+        self.links.append(link)
+        return {
+            "link": len(self.links) - 1,
+            "mode": link.mode.value,
+            "descriptors_per_block": link.descriptors_per_block,
+        }
+
+    def op_transfer(
+        self,
+        kind: str,
+        link: int,
+        local_ids: list[int],
+        remote_ids: list[int],
+        timeout_s: float,
+        notify: bytes | None = None,
+        group: str = "self",
+    ) -> dict[str, Any]:
+        fn = self.transport.read_blocks if kind == "read" else self.transport.write_blocks
+        t0 = time.monotonic()
+        handle = fn(
+            self.links[link], group, local_ids, remote_ids, notify=notify, timeout_s=timeout_s
+        )
+        try:
+            handle.wait()
+        finally:
+            handle.release()
+        return {
+            "elapsed": time.monotonic() - t0,
+            "nbytes": handle.nbytes,
+            "descriptors": handle.num_descriptors,
+        }
+
+    def op_blocks(self, mem: int, ids: list[int], group: str = "self") -> dict[str, Any]:
+        memory, kv = self.memories[mem]
+        return {"blocks": [block_bytes(memory.layout, kv, group, b) for b in ids]}
+
+    def op_notify(self, link: int, message: bytes) -> dict[str, Any]:
+        self.transport.send_notification(self.links[link], message)
+        return {}
+
+    def op_notifications(self, wait_s: float = 0.0) -> dict[str, Any]:
+        end = time.monotonic() + wait_s
+        got: dict[str, list[bytes]] = {}
+        while True:
+            for k, v in self.transport.poll_notifications().items():
+                got.setdefault(k, []).extend(v)
+            if got or time.monotonic() >= end:
+                return {"notifications": got}
+            time.sleep(0.01)
+
+    def op_disconnect(self, link: int) -> dict[str, Any]:
+        self.transport.disconnect(self.links[link])
+        return {}
+
+    def op_state(self) -> dict[str, Any]:
+        t = self.transport
+        return {
+            "pending": sum(len(s.handles) for s in t._links.values()),
+            "leaked": len(t._leaked),
+            "links_down": sum(1 for s in t._links.values() if s.down is not None),
+            "dlists": sum(len(s.dlists) for s in t._links.values()),
+            "peers": sorted(t._peers),
+        }
+
+    def op_close(self) -> dict[str, Any]:
+        state = self.op_state()
+        self.transport.close()
+        return state
+
+
+def main() -> int:
+    # keep the frame channel private: libraries that print to fd 1 go to stderr instead
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    peer = Peer(sys.argv[1])
+    stdin = sys.stdin.buffer
+    write_frame(stdout, {"ok": True, "ready": sys.argv[1]})
+    while (req := read_frame(stdin)) is not None:
+        op = req.pop("op")
+        try:
+            reply = {"ok": True, **getattr(peer, f"op_{op}")(**req)}
+        except Exception as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        write_frame(stdout, reply)
+        if op == "close":
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The data-plane seam: move whole KV blocks between two processes' registered memory.
+
+A :class:`Transport` lives in every kvbridge process that owns KV memory or
+reads someone else's: the engine worker (the connector's worker side), the
+offload daemon and the benchmark's target/reader processes. There is **one
+transport per process**; it is created, used and closed by that process's
+own code, never shared across processes. Peers find each other through the
+control plane: each side sends :meth:`Transport.metadata` and its bound
+:class:`~kvbridge.proto.layout.KVLayout` (``LocalMemory.layout.to_bytes()``)
+and the reader calls :meth:`Transport.connect` with the other side's pair.
+
+Calls are blocking. Several (``read_blocks`` on same-host CMA in particular)
+block until the bytes have moved, so **never call a transport from an
+asyncio event loop thread**: use :func:`wait_async` (which runs the wait in
+a thread executor) or ``loop.run_in_executor`` for the whole transfer.
+
+Policy lives elsewhere: the transport never decides which blocks move, never
+pins and never evicts. It validates every id it is given against the
+layouts before anything reaches the wire (DESIGN.md §3, "bounds-checked").
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from kvbridge.proto.errors import PeerError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.proto.layout import KVLayout
+    from kvbridge.proto.negotiate import TransferMode
+
+__all__ = [
+    "TransferState",
+    "LocalMemory",
+    "PeerLink",
+    "TransferHandle",
+    "Transport",
+    "LinkDownError",
+    "check_transfer_ids",
+    "wait_async",
+]
+
+TransferState = Literal["pending", "done", "failed"]
+
+
+class LinkDownError(TransferError, PeerError):
+    """The link was disconnected or its peer failed; reconnect with fresh metadata."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalMemory:
+    """A registration made by :meth:`Transport.register`; owned by the registering process.
+
+    ``layout`` is the layout bound to the registered addresses: send
+    ``layout.to_bytes()`` to peers so they can connect to this memory.
+    """
+
+    memory_id: int
+    layout: KVLayout
+    device: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLink:
+    """A connection from one local memory to one remote memory, made by :meth:`Transport.connect`.
+
+    ``descriptors_per_block`` is 1 for ``WHOLE_BLOCK`` and ``2 x owning layers``
+    for ``PER_SPAN``; ``prep_s`` is how long preparing its descriptor lists took.
+    """
+
+    link_id: int
+    peer_name: str
+    local: LocalMemory
+    remote_layout: KVLayout
+    mode: TransferMode
+    descriptors_per_block: int
+    prep_s: float
+
+
+def check_transfer_ids(
+    local: KVLayout,
+    remote: KVLayout,
+    group: str,
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+) -> None:
+    """Raise LayoutError/TransferError for any id or length that must not reach the wire.
+
+    Called by every transport before it builds a request: lists must have
+    equal length, and every id must be an int inside its side's group.
+    """
+    if len(local_ids) != len(remote_ids):
+        raise TransferError(
+            f"local_ids has {len(local_ids)} ids and remote_ids {len(remote_ids)}; "
+            "they pair one to one and must have equal length"
+        )
+    local.check_block_ids(group, local_ids)
+    remote.check_block_ids(group, remote_ids)
+
+
+class TransferHandle(abc.ABC):
+    """One posted transfer; owned by the thread that called read/write_blocks.
+
+    The owner either waits for it or releases it; every path (done, failed,
+    timed out, released early) frees the underlying request exactly once.
+    """
+
+    @abc.abstractmethod
+    def poll(self) -> TransferState:
+        """Non-blocking: drive progress once and say where the transfer is."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until done; raise TransferTimeoutError / TransferError (handle released)."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        """Abandon or finish the transfer and free its request; idempotent."""
+
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this transfer moves."""
+
+    @property
+    @abc.abstractmethod
+    def num_descriptors(self) -> int:
+        """Descriptors in the request (before any merging by the backend)."""
+
+
+class Transport(abc.ABC):
+    """Moves blocks between registered KV memories of two processes; one per process.
+
+    Lifecycle: ``register`` → ``metadata`` (send to peers) → ``connect`` →
+    ``read_blocks``/``write_blocks`` → ``disconnect`` → ``unregister`` →
+    ``close``. Register before exporting metadata: a peer only sees memory
+    registered before it loaded our metadata. Use as a context manager.
+    """
+
+    @abc.abstractmethod
+    def register(self, layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> LocalMemory:
+        """Register every distinct memory region of ``kv_caches`` (aliases once)."""
+
+    @abc.abstractmethod
+    def unregister(self, memory: LocalMemory) -> None:
+        """Deregister ``memory``; links that use it must be disconnected first."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """This process's agent metadata, for peers' :meth:`connect`."""
+
+    @abc.abstractmethod
+    def connect(
+        self,
+        peer_name: str,
+        peer_metadata: bytes,
+        remote_layout: KVLayout,
+        local: LocalMemory,
+    ) -> PeerLink:
+        """Load the peer, negotiate the mode and prep descriptor lists; raises on mismatch."""
+
+    @abc.abstractmethod
+    def disconnect(self, link: PeerLink) -> None:
+        """Drop the link's prepped lists; pending transfers on it fail with LinkDownError."""
+
+    @abc.abstractmethod
+    def read_blocks(
+        self,
+        link: PeerLink,
+        group: str,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        *,
+        notify: bytes | None = None,
+        timeout_s: float,
+    ) -> TransferHandle:
+        """Post a READ of remote blocks into local blocks; ``notify`` reaches the owner."""
+
+    @abc.abstractmethod
+    def write_blocks(
+        self,
+        link: PeerLink,
+        group: str,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        *,
+        notify: bytes | None = None,
+        timeout_s: float,
+    ) -> TransferHandle:
+        """Post a WRITE of local blocks into remote blocks; ``notify`` reaches the owner."""
+
+    @abc.abstractmethod
+    def send_notification(self, link: PeerLink, message: bytes) -> None:
+        """Send ``message`` to the link's peer (e.g. "request X done, unpin")."""
+
+    @abc.abstractmethod
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call, by sending peer's agent name."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every handle, link and registration; idempotent."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def wait_async(handle: TransferHandle, timeout_s: float | None = None) -> None:
+    """Await ``handle`` from asyncio code without blocking the event loop thread."""
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, handle.wait, timeout_s)
