@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import ORDERS
 from kvbridge.proto.presets import PRESETS
+from kvbridge.proto.types import BlockId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 
 BLOCK = 16
@@ -152,6 +155,37 @@ def test_abort_frees_waiting_and_running_requests() -> None:
     out = engine.abort(running)
     assert out is not None and out.finished and out.finish_reason == "abort"
     assert engine.abort(running) is None
+    assert_all_blocks_free(engine)
+
+
+def test_pins_from_another_thread_under_the_lock_change_no_output(
+    reference: list[list[int]],
+) -> None:
+    """The control server pins and unpins blocks under leases from its own thread."""
+    engine = Engine(EngineConfig())
+    stop = threading.Event()
+    pins = 0
+
+    def pin_and_unpin() -> None:
+        nonlocal pins
+        rng = random.Random(0)
+        while not stop.is_set():
+            block = BlockId(rng.randrange(engine.pools["self"].num_blocks))
+            with engine.lock:
+                engine.pools["self"].touch([block])
+            time.sleep(0.0005)
+            with engine.lock:
+                engine.pools["self"].free([block])
+            pins += 1
+
+    thread = threading.Thread(target=pin_and_unpin)
+    thread.start()
+    try:
+        assert engine.generate(PROMPTS, 12) == reference
+    finally:
+        stop.set()
+        thread.join()
+    assert pins > 0
     assert_all_blocks_free(engine)
 
 

@@ -385,3 +385,16 @@ def test_worker_hooks_run_in_vllm_order() -> None:
     step = ["start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors"]
     assert calls[: len(step)] == step
     assert len(calls) % len(step) == 0
+
+
+def test_aborting_a_waiting_request_tells_the_connector() -> None:
+    dep = Deployment()
+    (first,) = dep.prefill_all(PROMPTS[:1])
+    rid = dep.decode.add_request(
+        [*PROMPTS[0], first.output_token_ids[0]], 4, kv_transfer_params=first.kv_transfer_params
+    )
+    out = dep.decode.abort(rid)
+    assert out is not None and out.finish_reason == "abort"
+    assert dep.decode_scheduler.finished == [rid]
+    dep.wire.released.add(first.request_id)  # what a real decode connector would do
+    dep.assert_no_leaks()

@@ -141,8 +141,9 @@ class EngineConfig:
 
     def kv_sources(self) -> list[int | None]:
         """Per layer: the index of the layer whose KV it reuses, or None if it owns KV."""
-        index = {x.name: i for i, x in enumerate(self.layout().layers)}
-        return [None if x.kv_source is None else index[x.kv_source] for x in self.layout().layers]
+        layers = self.layout().layers
+        index = {x.name: i for i, x in enumerate(layers)}
+        return [None if x.kv_source is None else index[x.kv_source] for x in layers]
 
 
 def _from_preset(shape: PresetShape, **model: Any) -> EngineConfig:

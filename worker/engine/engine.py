@@ -18,7 +18,7 @@ output never depends on what else is running.
 
 from __future__ import annotations
 
-import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,8 +34,6 @@ from kvbridge.worker.engine.request import RequestOutput
 from kvbridge.worker.engine.scheduler import Scheduler
 
 __all__ = ["Engine"]
-
-logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -137,7 +135,7 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     @property
-    def lock(self) -> Any:
+    def lock(self) -> threading.Lock:
         """The lock that guards every operation on :attr:`pools`."""
         return self.scheduler.lock
 

@@ -139,6 +139,8 @@ class Scheduler:
                 self._waiting.remove(request)
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
+                if self.connector is not None:  # it may have pinned remote blocks already
+                    self.connector.request_finished(request.view(), {GROUP: []})
                 return request.output(())
         for request in self._running:
             if request.request_id == request_id:
