@@ -144,6 +144,19 @@ def test_a_request_larger_than_the_pool_is_rejected() -> None:
         engine.add_request(list(range(40)), 4)
 
 
+def test_bad_requests_are_rejected_with_the_reason() -> None:
+    engine = Engine(EngineConfig())
+    with pytest.raises(ConfigError, match="vocabulary"):
+        engine.add_request([1, 512], 4)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        engine.add_request([1, 2], 0)
+    engine.add_request([1, 2], 2, request_id="x")
+    with pytest.raises(ConfigError, match="already in use"):
+        engine.add_request([1, 2], 2, request_id="x")
+    run_to_end(engine)
+    assert_all_blocks_free(engine)
+
+
 def test_abort_frees_waiting_and_running_requests() -> None:
     engine = Engine(EngineConfig(num_blocks=4))
     running = engine.add_request(PROMPTS[0], 12)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvbridge.connector.base import SchedulerConnector, WorkerConnector
+from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import RequestId
 from kvbridge.worker.block_pool import BlockPool
@@ -75,6 +76,10 @@ class Engine:
         ``kv_transfer_params`` and ``max_tokens`` minus one: the connector then
         loads the prompt's KV and this engine computes from the first token on.
         """
+        vocab = self.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
         request = self.scheduler.add_request(
             prompt_token_ids, max_tokens, request_id, kv_transfer_params
         )

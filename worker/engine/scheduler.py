@@ -120,7 +120,7 @@ class Scheduler:
                 f"{need} blocks; raise num_blocks (now {self.pools[GROUP].num_blocks})"
             )
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-        if any(r.request_id == rid for r in (*self._waiting, *self._running)):
+        if rid in self._held or any(r.request_id == rid for r in (*self._waiting, *self._running)):
             raise ConfigError(f"request id {rid!r} is already in use")
         request = Request(
             request_id=rid,
