@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--request-tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     p.add_argument("--latency-repeats", type=int, default=20)
     p.add_argument(
-        "--max-pool-mib", type=int, default=4096, help="largest KV pool per side (caps requests)"
+        "--max-pool-mib", type=int, default=1024, help="largest KV pool per side (caps requests)"
     )
     p.add_argument(
         "--target-progress-us", type=float, default=500.0, help="target's progress poll interval"

@@ -8,6 +8,7 @@ the reader connects, moves blocks and times it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -131,7 +132,10 @@ def serve(name: str, conn: Connection, env: Mapping[str, str], progress_interval
     conn.send_bytes(msgpack.packb({"ok": True}))
     try:
         while True:
-            req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            try:
+                req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            except EOFError:  # the driver went away: clean up and exit
+                break
             rpc = req.pop("rpc")
             if rpc == "stop":
                 break
@@ -143,4 +147,5 @@ def serve(name: str, conn: Connection, env: Mapping[str, str], progress_interval
             conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
     finally:
         peer.close()
-        conn.send_bytes(msgpack.packb({"ok": True}))
+        with contextlib.suppress(OSError):
+            conn.send_bytes(msgpack.packb({"ok": True}))
