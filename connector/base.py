@@ -75,6 +75,8 @@ class BlockLoad:
     local_ids: Mapping[str, Sequence[BlockId]]
     remote_ids: Mapping[str, Sequence[BlockId]]
     lease_id: str = ""
+    remote_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
+    """Hashes of the remote blocks' full blocks, to re-pin by hash if the lease expired."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,11 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_layout)
 
+    from kvbridge.worker import demo, node_cmd
+
+    node_cmd.add_parser(sub)
+    demo.add_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from kvbridge.worker import bench_hash
+    from kvbridge.worker import bench_hash, bench_transfer
 
     bench_hash.add_parser(bench_sub)
+    bench_transfer.add_parser(bench_sub)
     return parser
 
 

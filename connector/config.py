@@ -1,0 +1,56 @@
+"""``ConnectorConfig``: how one engine's kvbridge connector behaves (built once at the edge)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbridge.proto.errors import ConfigError
+
+__all__ = ["ConnectorConfig", "ROLES", "LOAD_ERROR_POLICIES"]
+
+ROLES = ("prefill", "decode", "both")
+LOAD_ERROR_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    """Settings of a kvbridge connector; every knob is validated here and named on error."""
+
+    engine_id: str
+    role: str = "both"
+    control_address: str = ""
+    """Where this engine's control server listens (host:port), put into kv_transfer_params."""
+    token: str | None = None
+    lease_ttl_s: float = 30.0
+    load_timeout_s: float = 10.0
+    control_timeout_s: float = 5.0
+    on_load_error: str = "recompute"
+    max_concurrent_loads: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.engine_id or len(self.engine_id) > 128:
+            raise ConfigError("engine_id must be 1..128 characters, unique per engine")
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.on_load_error not in LOAD_ERROR_POLICIES:
+            raise ConfigError(
+                f"on_load_error {self.on_load_error!r} is not one of {', '.join(LOAD_ERROR_POLICIES)}"
+            )
+        for knob in ("lease_ttl_s", "load_timeout_s", "control_timeout_s"):
+            if getattr(self, knob) <= 0:
+                raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
+        if self.load_timeout_s >= self.lease_ttl_s:
+            raise ConfigError(
+                f"load_timeout_s ({self.load_timeout_s}) must be shorter than lease_ttl_s "
+                f"({self.lease_ttl_s}), or a lease could expire under a running read"
+            )
+        if self.max_concurrent_loads < 1:
+            raise ConfigError("max_concurrent_loads must be >= 1")
+
+    @property
+    def produces(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.role in ("decode", "both")

@@ -1,0 +1,127 @@
+"""``kv_transfer_params``: what prefill hands decode (through the router) for one request.
+
+They travel as a plain map inside the router's request (msgpack on the wire,
+a dict inside engines, as vLLM passes them). :meth:`KVTransferParams.parse`
+validates every field and bounds every list before anything acts on it, so a
+malformed or hostile map becomes a :class:`WireError`, and the request is
+recomputed instead of read from wrong memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.proto.errors import WireError
+from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
+
+__all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST"]
+
+MAX_BLOCKS_PER_REQUEST = 1 << 16
+_MAX_STR = 256
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """Where a finished prefill's KV is and how long it stays pinned."""
+
+    remote_engine_id: EngineId
+    remote_address: str
+    request_id: RequestId
+    num_tokens: int
+    block_ids: Mapping[str, tuple[BlockId, ...]]
+    block_hashes: Mapping[str, tuple[BlockHash, ...]]
+    lease_id: LeaseId
+    lease_ttl_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "remote_engine_id": self.remote_engine_id,
+            "remote_address": self.remote_address,
+            "request_id": self.request_id,
+            "num_tokens": self.num_tokens,
+            "block_ids": {g: list(ids) for g, ids in self.block_ids.items()},
+            "block_hashes": {g: list(h) for g, h in self.block_hashes.items()},
+            "lease_id": self.lease_id,
+            "lease_ttl_s": self.lease_ttl_s,
+        }
+
+    @staticmethod
+    def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
+        """Whether ``params`` came from a prefill worker (decode should load)."""
+        return params is not None and "remote_engine_id" in params
+
+    @classmethod
+    def parse(cls, params: Mapping[str, Any], block_size: int) -> KVTransferParams:
+        """Validate a peer's map; raises WireError naming the bad field."""
+        try:
+            out = cls(
+                remote_engine_id=EngineId(_str(params, "remote_engine_id")),
+                remote_address=_str(params, "remote_address"),
+                request_id=RequestId(_str(params, "request_id")),
+                num_tokens=_int(params, "num_tokens"),
+                block_ids=_group_map(params, "block_ids", _block_id),
+                block_hashes=_group_map(params, "block_hashes", _hash),
+                lease_id=LeaseId(_str(params, "lease_id")),
+                lease_ttl_s=float(_num(params, "lease_ttl_s")),
+            )
+        except (TypeError, ValueError) as exc:
+            raise WireError(f"kv_transfer_params: {exc}") from None
+        need_blocks = -(-out.num_tokens // block_size)
+        got = len(out.block_ids.get("self", ()))
+        if got != need_blocks:
+            raise WireError(
+                f"kv_transfer_params: {out.num_tokens} tokens need {need_blocks} blocks of "
+                f"{block_size}, got {got} block ids"
+            )
+        if len(out.block_hashes.get("self", ())) != out.num_tokens // block_size:
+            raise WireError("kv_transfer_params: one hash per full block expected")
+        return out
+
+
+def _str(params: Mapping[str, Any], key: str) -> str:
+    value = params.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_STR:
+        raise WireError(f"kv_transfer_params: {key!r} must be a non-empty string")
+    return value
+
+
+def _int(params: Mapping[str, Any], key: str) -> int:
+    value = params.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise WireError(f"kv_transfer_params: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _num(params: Mapping[str, Any], key: str) -> float:
+    value = params.get(key)
+    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+        raise WireError(f"kv_transfer_params: {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _block_id(value: object) -> BlockId:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WireError(f"kv_transfer_params: block id {value!r} is not a non-negative integer")
+    return BlockId(value)
+
+
+def _hash(value: object) -> BlockHash:
+    if not isinstance(value, bytes) or not 8 <= len(value) <= 64:
+        raise WireError("kv_transfer_params: a block hash must be 8..64 bytes")
+    return BlockHash(value)
+
+
+def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[str, tuple[Any, ...]]:
+    value = params.get(key)
+    if not isinstance(value, Mapping) or not 0 < len(value) <= 2:
+        raise WireError(f"kv_transfer_params: {key!r} must map group names to lists")
+    out: dict[str, tuple[Any, ...]] = {}
+    for group, items in value.items():
+        if group not in ("self", "cross") or not isinstance(items, list | tuple):
+            raise WireError(f"kv_transfer_params: {key!r} has a bad group {group!r}")
+        if len(items) > MAX_BLOCKS_PER_REQUEST:
+            raise WireError(f"kv_transfer_params: {key!r} lists {len(items)} items, too many")
+        out[group] = tuple(item(x) for x in items)
+    return out

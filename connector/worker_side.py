@@ -1,0 +1,230 @@
+"""kvbridge's worker half: pulls remote blocks into this engine's KV cache, fail closed.
+
+Runs in the engine's worker thread (vLLM: each model-runner process). It owns
+a :class:`~kvbridge.worker.transport.Transport` (injected: the transport lives
+in ``kvbridge.worker``) and one control client per remote engine.
+
+Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
+``start_load_kv`` never blocks the engine on the network:
+
+1. connect (handshake over gRPC, then ``Transport.connect``) unless a link to
+   that engine is already up;
+2. heartbeat the request's lease; if it is gone, pin the remote blocks again
+   by hash, which yields the still-present prefix (maybe none);
+3. READ the pinned blocks in one prepped transfer, under a deadline;
+4. release the lease.
+
+Blocks that were not read whole are reported by
+``get_block_ids_with_load_errors`` and the engine recomputes from the first
+of them. Nothing here raises into the engine's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbridge.connector.base import BlockLoad, StepMetadata, WorkerConnector
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.proto.errors import KVBridgeError
+from kvbridge.proto.types import BlockId, EngineId, LeaseId, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.connector.control_client import ControlClient
+    from kvbridge.connector.control_types import PeerInfo
+    from kvbridge.proto.layout import KVLayout
+    from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
+
+__all__ = ["KVBridgeWorker", "LoadResult"]
+
+log = logging.getLogger(__name__)
+
+ClientFactory = Callable[[str], "ControlClient"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What one request's load did; kept for the engine's per-request report."""
+
+    request_id: RequestId
+    blocks_requested: int
+    blocks_moved: int
+    bad_block_ids: tuple[BlockId, ...]
+    transfer_ms: float
+    error: str = ""
+
+
+@dataclass(slots=True)
+class _Peer:
+    client: ControlClient
+    link: PeerLink
+
+
+@dataclass(slots=True)
+class _State:
+    jobs: dict[RequestId, Future[LoadResult]] = field(default_factory=dict)
+    bad: set[BlockId] = field(default_factory=set)
+    results: dict[RequestId, LoadResult] = field(default_factory=dict)
+
+
+class KVBridgeWorker(WorkerConnector):
+    """The worker half; ``local_info`` builds this engine's handshake identity."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        transport: Transport,
+        client_factory: ClientFactory,
+        local_info: Callable[[KVLayout], PeerInfo],
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self._client_factory = client_factory
+        self._local_info = local_info
+        self.memory: LocalMemory | None = None
+        self._peers: dict[EngineId, _Peer] = {}
+        self._peers_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvb-load")
+        self._state = _State()
+
+    # ----- WorkerConnector -----------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
+        self.memory = self.transport.register(layout, kv_caches)
+
+    def start_load_kv(self, metadata: StepMetadata) -> None:
+        for load in metadata.loads:
+            self._state.jobs[load.request_id] = self._pool.submit(self._load, load)
+
+    def get_finished(
+        self, finished_request_ids: set[RequestId]
+    ) -> tuple[set[RequestId], set[RequestId]]:
+        done: set[RequestId] = set()
+        for rid, job in list(self._state.jobs.items()):
+            if not job.done():
+                continue
+            del self._state.jobs[rid]
+            result = job.result()  # _load never raises
+            self._state.results[rid] = result
+            self._state.bad.update(result.bad_block_ids)
+            done.add(rid)
+        return set(), done
+
+    def get_block_ids_with_load_errors(self) -> set[BlockId]:
+        bad, self._state.bad = self._state.bad, set()
+        return bad
+
+    # ----- reports and lifecycle -----------------------------------------------------------
+    def pop_result(self, request_id: RequestId) -> LoadResult | None:
+        """The load report of a request (once), for the per-request stats."""
+        return self._state.results.pop(request_id, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._peers_lock:
+            peers, self._peers = self._peers, {}
+        for peer in peers.values():
+            self._drop(peer)
+
+    # ----- one load, on a pool thread ------------------------------------------------------
+    def _load(self, load: BlockLoad) -> LoadResult:
+        local = list(load.local_ids["self"])
+        remote = list(load.remote_ids["self"])
+        t0 = time.perf_counter()
+        lease: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
+        peer: _Peer | None = None
+        try:
+            peer = self._peer(load)
+            alive = peer.client.heartbeat([lease], ttl_s=self.config.lease_ttl_s) if lease else []
+            if not alive:
+                # the lease is gone: its blocks may be reused. Pin what is still there by hash.
+                hashes = list(load.remote_hashes.get("self", ()))
+                pinned = peer.client.pin_hashes({"self": hashes}, ttl_s=self.config.lease_ttl_s)
+                lease = pinned.lease_id
+                remote = list(pinned.blocks.get("self", ()))
+                log.info(
+                    "request %s: lease expired; %d of %d blocks still pinned",
+                    load.request_id,
+                    len(remote),
+                    len(local),
+                )
+            n = len(remote)
+            if n:
+                handle = self.transport.read_blocks(
+                    peer.link, "self", local[:n], remote, timeout_s=self.config.load_timeout_s
+                )
+                try:
+                    handle.wait(self.config.load_timeout_s)
+                finally:
+                    handle.release()
+            ms = (time.perf_counter() - t0) * 1e3
+            self._release(peer, lease)
+            return LoadResult(
+                load.request_id,
+                len(local),
+                n,
+                tuple(local[n:]),
+                ms,
+                "" if n == len(local) else "lease expired: partial prefix",
+            )
+        except KVBridgeError as exc:
+            log.warning(
+                "request %s: load from %s failed: %s", load.request_id, load.remote_engine, exc
+            )
+            if peer is not None:
+                self._release(peer, lease)
+                self._forget(load.remote_engine, peer)
+            ms = (time.perf_counter() - t0) * 1e3
+            return LoadResult(load.request_id, len(local), 0, tuple(local), ms, str(exc))
+        except Exception as exc:  # a bug must still fail closed, not hang the request
+            log.exception("request %s: unexpected load failure", load.request_id)
+            return LoadResult(load.request_id, len(local), 0, tuple(local), 0.0, repr(exc))
+
+    def _peer(self, load: BlockLoad) -> _Peer:
+        engine = EngineId(load.remote_engine)
+        with self._peers_lock:
+            peer = self._peers.get(engine)
+            if peer is not None:
+                return peer
+            assert self.memory is not None, "register_kv_caches was not called"
+            client = self._client_factory(load.remote_address)
+            try:
+                hs = client.handshake(self._local_info(self.memory.layout))
+                link = self.transport.connect(
+                    hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, self.memory
+                )
+            except BaseException:
+                client.close()
+                raise
+            peer = self._peers[engine] = _Peer(client, link)
+            log.info(
+                "connected to %s at %s (%s)", engine, load.remote_address, hs.negotiation.mode.value
+            )
+            return peer
+
+    def _release(self, peer: _Peer, lease: LeaseId | None) -> None:
+        if lease is None:
+            return
+        try:
+            peer.client.release(lease)
+        except KVBridgeError as exc:  # the lease expires on its own
+            log.info("release of lease %s failed (%s); it will expire", lease, exc)
+
+    def _forget(self, engine: str, peer: _Peer) -> None:
+        with self._peers_lock:
+            if self._peers.get(EngineId(engine)) is peer:
+                del self._peers[EngineId(engine)]
+        self._drop(peer)
+
+    def _drop(self, peer: _Peer) -> None:
+        try:
+            self.transport.disconnect(peer.link)
+        except KVBridgeError as exc:
+            log.debug("disconnect: %s", exc)
+        peer.client.close()

@@ -1,0 +1,269 @@
+"""``kvbridge demo``: a 1-prefill / 1-decode deployment on loopback, checked token for token.
+
+Starts a prefill node and a decode node (``kvbridge serve`` subprocesses,
+pinned to different cores where there are two), routes a few dozen requests
+that share prefixes through them, and compares every decode output with a
+single-process run of the same engine. Prints per request what moved, writes
+JSON with ``--json``, and exits non-zero if any output differs or any block
+or lease is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.bench_report import machine_info
+from kvbridge.worker.node_cmd import add_engine_arguments, engine_config_from_args
+
+__all__ = ["add_parser", "run", "make_workload", "start_node"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "demo",
+        help="run 1 prefill + 1 decode on loopback and check outputs token for token",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_arguments(p)
+    p.add_argument(
+        "--decode-order",
+        default=None,
+        choices=sorted(ORDERS),
+        help="decode's layout order (default: same as --order)",
+    )
+    p.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
+    p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (default 4)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument("--json", type=Path, default=None, help="write per-request results here")
+    p.add_argument("--startup-timeout", type=float, default=90.0)
+    p.set_defaults(func=run)
+
+
+def make_workload(
+    n: int, prefixes: int, vocab: int, block_size: int, seed: int = 0
+) -> list[list[int]]:
+    """Prompts built from a few shared prefixes (2-5 blocks) plus unique suffixes."""
+    rng = random.Random(seed)
+    heads = [
+        [rng.randrange(vocab) for _ in range(rng.randint(2, 5) * block_size + rng.randrange(4))]
+        for _ in range(max(1, prefixes))
+    ]
+    return [
+        heads[i % len(heads)]
+        + [rng.randrange(vocab) for _ in range(rng.randint(3, 2 * block_size))]
+        for i in range(n)
+    ]
+
+
+def _pin_to_core(core: int | None) -> Any:
+    if core is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+@contextmanager
+def start_node(
+    role: str,
+    args: argparse.Namespace,
+    order: str,
+    workdir: Path,
+    core: int | None,
+    extra: list[str] | None = None,
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
+    """Start ``kvbridge serve --role ROLE`` and yield (process, its ready info); always stops it."""
+    ready = workdir / f"{role}.ready"
+    log = open(workdir / f"{role}.log", "wb")  # noqa: SIM115 - closed in finally
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbridge.worker.cli",
+        "serve",
+        "--role",
+        role,
+        "--engine-id",
+        f"{role}-{os.getpid()}",
+        "--model",
+        args.model,
+        "--order",
+        order,
+        "--block-size",
+        str(args.block_size),
+        "--num-blocks",
+        str(args.num_blocks),
+        "--seed",
+        str(args.seed),
+        "--on-load-error",
+        args.on_load_error,
+        "--ready-file",
+        str(ready),
+        *(extra or []),
+    ]
+    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin_to_core(core)
+    )
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{role} node exited with {proc.returncode}; see {log.name}:\n"
+                    + Path(log.name).read_text()[-2000:]
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{role} node not ready after {args.startup_timeout}s; see {log.name}"
+                )
+            time.sleep(0.1)
+        yield proc, json.loads(ready.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def _reference(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+    import torch
+
+    from kvbridge.worker.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
+    return [engine.generate([p], args.max_tokens)[0] for p in prompts]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.worker.router import EngineClient, Router
+
+    config: Any = engine_config_from_args(args)
+    prompts = make_workload(
+        args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed
+    )
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    p_core, d_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
+    print(
+        f"kvbridge demo: {args.requests} requests, model {args.model}, block size "
+        f"{args.block_size}, prefill {args.order} -> decode {args.decode_order or args.order}"
+    )
+    print("computing single-process reference outputs ...", flush=True)
+    expected = _reference(args, prompts)
+    rows: list[dict[str, Any]] = []
+    leaks: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp:
+        work = Path(tmp)
+        with (
+            start_node("prefill", args, args.order, work, p_core) as (_, pinfo),
+            start_node("decode", args, args.decode_order or args.order, work, d_core) as (_, dinfo),
+        ):
+            prefill, decode = EngineClient(pinfo["inference"]), EngineClient(dinfo["inference"])
+            router = Router(prefill, decode)
+            print(
+                f"prefill at {pinfo['inference']} (control {pinfo['control']}), "
+                f"decode at {dinfo['inference']}\n"
+            )
+            header = (
+                f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'recomp':>6} "
+                f"{'xfer_ms':>8} {'ttft_ms':>8}  match"
+            )
+            print(header)
+            for i, prompt in enumerate(prompts):
+                rid = f"demo-{i}"
+                try:
+                    res = router.generate(prompt, args.max_tokens, rid)
+                    tokens, d, ttft = res.tokens, res.decode, res.ttft_ms
+                    error = d.load_error
+                except Exception as exc:  # the demo reports failures per request
+                    tokens, d, ttft, error = [], None, 0.0, str(exc)
+                row = {
+                    "request_id": rid,
+                    "prompt_tokens": len(prompt),
+                    "blocks_local_hit": d.blocks_local_hit if d else 0,
+                    "blocks_moved": d.blocks_moved if d else 0,
+                    "blocks_moved_by_group": dict(d.blocks_moved_by_group) if d else {},
+                    "blocks_recomputed": d.blocks_recomputed if d else 0,
+                    "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
+                    "ttft_ms": round(ttft, 3),
+                    "tokens_match": tokens == expected[i],
+                    "load_error": error,
+                }
+                rows.append(row)
+                print(
+                    f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
+                    f"{row['blocks_moved']:>5} {row['blocks_recomputed']:>6} "
+                    f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
+                    f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
+                    flush=True,
+                )
+            leaks = _check_no_leaks({"prefill": prefill, "decode": decode})
+            prefill.close()
+            decode.close()
+    summary = {
+        "requests": len(rows),
+        "all_match": all(r["tokens_match"] for r in rows),
+        "blocks_moved": sum(r["blocks_moved"] for r in rows),
+        "blocks_local_hit": sum(r["blocks_local_hit"] for r in rows),
+        "blocks_recomputed": sum(r["blocks_recomputed"] for r in rows),
+        "leaks": leaks,
+    }
+    print(
+        f"\nall_match: {str(summary['all_match']).lower()}; moved {summary['blocks_moved']} "
+        f"blocks, decode hit {summary['blocks_local_hit']} locally, recomputed "
+        f"{summary['blocks_recomputed']}; leaks: {leaks or 'none'}"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine_info(),
+                    "settings": _settings(args),
+                    "requests": rows,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        print(f"wrote {args.json}")
+    return 0 if summary["all_match"] and not leaks else 1
+
+
+def _check_no_leaks(clients: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
+    """Every pool back to full and no lease left, within ``timeout_s`` (releases are async)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        problems = []
+        for name, client in clients.items():
+            stats = client.stats()
+            for group, total in stats.total_blocks.items():
+                free = stats.free_blocks[group]
+                if free != total:
+                    problems.append(f"{name}: {total - free} of {total} '{group}' blocks in use")
+            if stats.active_leases:
+                problems.append(f"{name}: {stats.active_leases} leases held")
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(0.1)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

@@ -1,0 +1,118 @@
+"""The P/D router: prefill computes the prompt, decode continues from its KV.
+
+For each request: send the prompt to a prefill worker with
+``{"do_remote_decode": true}`` and ``max_tokens=1``; it answers with the first
+token and ``kv_transfer_params``. Send prompt + first token and those params
+to a decode worker with ``max_tokens - 1``; it pulls the blocks it lacks and
+generates the rest. Both hops have deadlines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvbridge.proto import codec
+from kvbridge.proto import engine_pb2 as epb
+from kvbridge.proto import engine_pb2_grpc as epb_grpc
+from kvbridge.proto.errors import KVBridgeError
+
+__all__ = ["Router", "RoutedResult", "EngineClient"]
+
+
+class EngineClient:
+    """A client of one engine's ``Inference`` service."""
+
+    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = epb_grpc.InferenceStub(self._channel)
+
+    def generate(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        request_id: str,
+        params: dict[str, Any] | None = None,
+    ) -> epb.GenerateResponse:
+        req = epb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params=codec.pack("KVTransferParams", params) if params else b"",
+        )
+        try:
+            resp: epb.GenerateResponse = self._stub.Generate(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise KVBridgeError(
+                f"{self.address}: Generate {request_id} failed: {exc.code().name}: {exc.details()}"
+            ) from None
+        return resp
+
+    def stats(self, timeout_s: float = 5.0) -> epb.EngineStatsResponse:
+        try:
+            resp: epb.EngineStatsResponse = self._stub.EngineStats(
+                epb.EngineStatsRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise KVBridgeError(f"{self.address}: EngineStats failed: {exc.code().name}") from None
+        return resp
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise KVBridgeError(
+                f"engine at {self.address} did not come up in {timeout_s}s"
+            ) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedResult:
+    request_id: str
+    tokens: list[int]
+    prefill: epb.RequestStats
+    decode: epb.RequestStats
+    ttft_ms: float
+    total_ms: float
+
+
+class Router:
+    """Sends each request to prefill, then to decode with prefill's kv_transfer_params."""
+
+    def __init__(self, prefill: EngineClient, decode: EngineClient) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    def generate(self, prompt: list[int], max_tokens: int, request_id: str) -> RoutedResult:
+        t0 = time.perf_counter()
+        first = self.prefill.generate(prompt, 1, request_id, {"do_remote_decode": True})
+        ttft_ms = (time.perf_counter() - t0) * 1e3
+        if not first.token_ids:
+            raise KVBridgeError(f"prefill returned no token for {request_id}")
+        tokens = list(first.token_ids)
+        decode_stats = epb.RequestStats()
+        if max_tokens > 1:
+            params = (
+                codec.unpack(first.kv_transfer_params, "KVTransferParams")
+                if first.kv_transfer_params
+                else None
+            )
+            rest = self.decode.generate(prompt + tokens, max_tokens - 1, request_id, params)
+            tokens += list(rest.token_ids)
+            decode_stats = rest.stats
+        return RoutedResult(
+            request_id,
+            tokens,
+            first.stats,
+            decode_stats,
+            ttft_ms,
+            (time.perf_counter() - t0) * 1e3,
+        )
