@@ -34,7 +34,8 @@ class ConnectorConfig:
             raise ConfigError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
         if self.on_load_error not in LOAD_ERROR_POLICIES:
             raise ConfigError(
-                f"on_load_error {self.on_load_error!r} is not one of {', '.join(LOAD_ERROR_POLICIES)}"
+                f"on_load_error {self.on_load_error!r} is not one of "
+                f"{', '.join(LOAD_ERROR_POLICIES)}"
             )
         for knob in ("lease_ttl_s", "load_timeout_s", "control_timeout_s"):
             if getattr(self, knob) <= 0:

@@ -109,6 +109,7 @@ class Node:
         self._inbox: queue.Queue[_Submission] = queue.Queue()
         self._waiting: dict[RequestId, _Submission] = {}
         self._stop = threading.Event()
+        self._wakeup = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
         self._thread.start()
         self._grpc = grpc.server(futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"))
@@ -150,6 +151,7 @@ class Node:
     ) -> futures.Future[GenerateResult]:
         sub = _Submission(request_id, prompt, max_tokens, params)
         self._inbox.put(sub)
+        self._wakeup.set()
         return sub.future
 
     def _run(self) -> None:
@@ -157,10 +159,8 @@ class Node:
         while not self._stop.is_set():
             self._admit()
             if not engine.has_unfinished() and not engine.has_held_blocks():
-                try:
-                    self._inbox_wait(0.05)
-                except queue.Empty:
-                    pass
+                self._wakeup.wait(0.05)  # idle: sleep until a request arrives
+                self._wakeup.clear()
                 continue
             before = engine.num_forwards
             try:
@@ -174,10 +174,6 @@ class Node:
                     self._finish(out)
             if engine.num_forwards == before:
                 time.sleep(0.0005)  # waiting on loads: do not spin a core
-
-    def _inbox_wait(self, timeout: float) -> None:
-        sub = self._inbox.get(timeout=timeout)
-        self._inbox.put(sub)
 
     def _admit(self) -> None:
         while True:
