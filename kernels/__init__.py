@@ -1,0 +1,36 @@
+"""Block copies inside one process: copy, layout conversion, gather/scatter (CPU and CUDA).
+
+Caches are ``{layer name: tensor}`` dicts as :meth:`KVLayout.allocate` builds
+them (per-layer views of logical shape ``(2, num_blocks, block_size, H, C)``);
+only owning layers are touched, KV-sharing layers are skipped. Each call
+checks everything before moving a byte, then dispatches on device: torch
+index ops on CPU (and between devices), one cupy span-kernel launch on a
+CUDA device. cupy is imported only when a CUDA tensor is passed.
+
+- :func:`copy_blocks` — same layout, ``(src id, dst id)`` pairs;
+- :func:`convert_blocks` — between two orders of the same model;
+- :func:`gather_blocks` / :func:`scatter_blocks` — cache <-> contiguous staging
+  buffer, block ``i`` at ``i * layout.block_bytes(group)`` (see
+  :func:`gather_blocks` for the byte order inside a block);
+- :class:`BlockMapping` — two id lists as one mapping.
+"""
+
+from __future__ import annotations
+
+from kvbridge.kernels.mapping import BlockMapping
+from kvbridge.kernels.ops import (
+    convert_blocks,
+    copy_blocks,
+    gather_blocks,
+    scatter_blocks,
+    staging_nbytes,
+)
+
+__all__ = [
+    "BlockMapping",
+    "copy_blocks",
+    "convert_blocks",
+    "gather_blocks",
+    "scatter_blocks",
+    "staging_nbytes",
+]

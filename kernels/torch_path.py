@@ -1,0 +1,111 @@
+"""The torch implementation: vectorised index ops over coalesced views (CPU, and any device).
+
+Called by :mod:`kvbridge.kernels.ops` with views already coalesced and
+widened (:mod:`kvbridge.kernels.views`); ``dim`` is the block dimension.
+It is the CPU path, the path between two devices (e.g. a CUDA cache and a
+host cache: gather on the source device, one ``.to()``, scatter on the
+destination device), and the CUDA fallback where the runs are too short for
+the span kernel (e.g. NHD <-> HND conversion).
+
+- gather: ``torch.index_select(src, dim, ids, out=dst)``, one pass;
+- scatter: ``dst.index_copy_(dim, ids, src)``, one pass;
+- copy/convert: ``index_select`` into a cache-sized temporary, then
+  ``index_copy_``, in steps of about :data:`CHUNK_BYTES` (a 2 MiB Llama-8B
+  block moves two to a step, a 32 KiB one 128 to a step). Only blocks bigger
+  than the chunk take one step each. When the destination (or source) ids
+  are one run of consecutive blocks the copy is a single gather (scatter).
+
+Host memory taking part in a call (a CPU cache or staging buffer) is
+finished with when the call returns (copies between devices are blocking);
+work on one CUDA device is queued on torch's current stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["CHUNK_BYTES", "gather_rows", "scatter_rows", "copy_rows"]
+
+#: bytes of the temporary of one copy step (at least one block): small enough to stay in
+#: the last-level cache, so the second pass reads it from there, and so that no call
+#: faults in a big fresh buffer
+CHUNK_BYTES = 4 << 20
+
+
+def _on(ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ids if ids.device == t.device else ids.to(t.device, non_blocking=True)
+
+
+def gather_rows(src: torch.Tensor, dst: torch.Tensor, dim: int, ids: torch.Tensor) -> None:
+    """``dst[..., i, ...] = src[..., ids[i], ...]`` along ``dim`` (``dst`` has ``len(ids)``)."""
+    if ids.numel() == 0:
+        return
+    if dst.device == src.device:
+        torch.index_select(src, dim, _on(ids, src), out=dst)
+    else:
+        dst.copy_(torch.index_select(src, dim, _on(ids, src)))
+
+
+def scatter_rows(src: torch.Tensor, dst: torch.Tensor, dim: int, ids: torch.Tensor) -> None:
+    """``dst[..., ids[i], ...] = src[..., i, ...]`` along ``dim`` (ids distinct)."""
+    if ids.numel() == 0:
+        return
+    if src.device != dst.device:
+        src = src.to(dst.device)
+    dst.index_copy_(dim, _on(ids, dst), src)
+
+
+def _is_run(ids: torch.Tensor) -> bool:
+    """Whether ``ids`` are consecutive ascending block ids."""
+    return ids.numel() == 1 or bool((ids.diff() == 1).all())
+
+
+def _steps(per_id: int, n: int, chunked: bool) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` id ranges whose temporary is at most ``CHUNK_BYTES`` (>= one block)."""
+    rows = n if not chunked else max(1, CHUNK_BYTES // max(1, per_id))
+    for start in range(0, n, rows):
+        yield start, min(n, start + rows)
+
+
+def copy_rows(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    dim: int,
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    *,
+    chunked: bool = True,
+) -> None:
+    """``dst[.., dst_ids[i], ..] = src[.., src_ids[i], ..]``; all reads before writes if unchunked.
+
+    Pass ``chunked=False`` when ``src`` and ``dst`` may overlap (same cache,
+    shared ids): one temporary then holds every source block before any write.
+    """
+    n = src_ids.numel()
+    if n == 0:
+        return
+    if chunked and dim == 0 and src.device == dst.device:
+        # one pass when either side is a run of consecutive blocks (e.g. freshly allocated ones)
+        if _is_run(dst_ids):
+            gather_rows(src, dst.narrow(0, int(dst_ids[0]), n), 0, src_ids)
+            return
+        if _is_run(src_ids):
+            scatter_rows(src.narrow(0, int(src_ids[0]), n), dst, 0, dst_ids)
+            return
+    s_all, d_all = _on(src_ids, src), _on(dst_ids, dst)
+    per_id = src.numel() // max(1, src.shape[dim]) * src.element_size()
+    rows = n if not chunked else min(n, max(1, CHUNK_BYTES // max(1, per_id)))
+    shape = list(src.shape)
+    shape[dim] = rows
+    tmp = torch.empty(shape, dtype=src.dtype, device=src.device)
+    for start, end in _steps(per_id, n, chunked):
+        part = tmp.narrow(dim, 0, end - start)
+        if dim == 0:
+            torch.index_select(src, dim, s_all[start:end], out=part)
+        else:
+            part = torch.index_select(src, dim, s_all[start:end])
+        if part.device != dst.device:
+            part = part.to(dst.device)
+        dst.index_copy_(dim, d_all[start:end], part)
