@@ -142,7 +142,7 @@ def test_on_load_error_fail_returns_a_clear_error(tmp: Path) -> None:
         params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
         from kvbridge.proto import KVBridgeError
 
-        with pytest.raises(KVBridgeError, match="KV load failed .* --on-load-error is 'fail'"):
+        with pytest.raises(KVBridgeError, match=r"KV load failed .* --on-load-error is 'fail'"):
             pair.decode.generate(PROMPTS[0] + list(first.token_ids), MAX_TOKENS - 1, "x", params)
         assert _check_no_leaks({"decode": pair.decode}) == []
     finally:
