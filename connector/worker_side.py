@@ -11,7 +11,10 @@ Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
    that engine is already up;
 2. heartbeat the request's lease; if it is gone, pin the remote blocks again
    by hash, which yields the still-present prefix (maybe none);
-3. READ the pinned blocks in one prepped transfer, under a deadline;
+3. READ the pinned blocks in one prepped transfer, under a deadline — straight
+   into the KV cache, or, when the peer's inner order differs (``REARRANGE``),
+   into a staging cache in the peer's order followed by
+   :func:`kvbridge.kernels.convert_blocks`;
 4. release the lease.
 
 Blocks that were not read whole are reported by
@@ -31,7 +34,9 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.proto.errors import KVBridgeError
+from kvbridge.kernels import BlockMapping, convert_blocks
+from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError
+from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockId, EngineId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -61,10 +66,38 @@ class LoadResult:
     error: str = ""
 
 
+STAGING_BLOCKS = 256
+"""Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
+
+
+@dataclass(slots=True)
+class _Staging:
+    """A cache in a peer's order that blocks land in before conversion (REARRANGE)."""
+
+    memory: LocalMemory
+    caches: Mapping[str, torch.Tensor]
+    free: list[BlockId]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, n: int) -> list[BlockId]:
+        with self.lock:
+            if n > len(self.free):
+                raise OutOfBlocksError(
+                    f"REARRANGE staging has {len(self.free)} free blocks, a load needs {n}"
+                )
+            taken, self.free[:] = self.free[:n], self.free[n:]
+            return taken
+
+    def give_back(self, slots: list[BlockId]) -> None:
+        with self.lock:
+            self.free.extend(slots)
+
+
 @dataclass(slots=True)
 class _Peer:
     client: ControlClient
     link: PeerLink
+    staging: _Staging | None = None
 
 
 @dataclass(slots=True)
@@ -89,6 +122,8 @@ class KVBridgeWorker(WorkerConnector):
         self._client_factory = client_factory
         self._local_info = local_info
         self.memory: LocalMemory | None = None
+        self.kv_caches: Mapping[str, torch.Tensor] = {}
+        self._staging: dict[tuple[str, ...], _Staging] = {}
         self._peers: dict[EngineId, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvb-load")
@@ -97,6 +132,7 @@ class KVBridgeWorker(WorkerConnector):
     # ----- WorkerConnector -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
         self.memory = self.transport.register(layout, kv_caches)
+        self.kv_caches = kv_caches
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
         for load in metadata.loads:
@@ -131,6 +167,9 @@ class KVBridgeWorker(WorkerConnector):
             peers, self._peers = self._peers, {}
         for peer in peers.values():
             self._drop(peer)
+        for staging in self._staging.values():
+            self.transport.unregister(staging.memory)
+        self._staging.clear()
 
     # ----- one load, on a pool thread ------------------------------------------------------
     def _load(self, load: BlockLoad) -> LoadResult:
@@ -156,13 +195,7 @@ class KVBridgeWorker(WorkerConnector):
                 )
             n = len(remote)
             if n:
-                handle = self.transport.read_blocks(
-                    peer.link, "self", local[:n], remote, timeout_s=self.config.load_timeout_s
-                )
-                try:
-                    handle.wait(self.config.load_timeout_s)
-                finally:
-                    handle.release()
+                self._read(peer, local[:n], remote)
             ms = (time.perf_counter() - t0) * 1e3
             self._release(peer, lease)
             return LoadResult(
@@ -173,18 +206,64 @@ class KVBridgeWorker(WorkerConnector):
                 ms,
                 "" if n == len(local) else "lease expired: partial prefix",
             )
-        except KVBridgeError as exc:
-            log.warning(
-                "request %s: load from %s failed: %s", load.request_id, load.remote_engine, exc
-            )
+        except Exception as exc:
+            if isinstance(exc, KVBridgeError):
+                log.warning(
+                    "request %s: load from %s failed: %s", load.request_id, load.remote_engine, exc
+                )
+            else:  # a bug must still fail closed and give the pin back, not hang the request
+                log.exception("request %s: unexpected load failure", load.request_id)
             if peer is not None:
                 self._release(peer, lease)
                 self._forget(load.remote_engine, peer)
             ms = (time.perf_counter() - t0) * 1e3
-            return LoadResult(load.request_id, len(local), 0, tuple(local), ms, str(exc))
-        except Exception as exc:  # a bug must still fail closed, not hang the request
-            log.exception("request %s: unexpected load failure", load.request_id)
-            return LoadResult(load.request_id, len(local), 0, tuple(local), 0.0, repr(exc))
+            return LoadResult(
+                load.request_id, len(local), 0, tuple(local), ms, str(exc) or repr(exc)
+            )
+
+    def _read(self, peer: _Peer, local: list[BlockId], remote: list[BlockId]) -> None:
+        """READ ``remote`` into ``local``, through the staging cache if the orders differ."""
+        staging = peer.staging
+        if staging is None:
+            self._read_into(peer, local, remote)
+            return
+        assert self.memory is not None
+        slots = staging.take(len(remote))  # OutOfBlocksError: the request recomputes
+        try:
+            self._read_into(peer, slots, remote)
+            convert_blocks(
+                staging.caches,
+                staging.memory.layout,
+                self.kv_caches,
+                self.memory.layout,
+                BlockMapping(slots, local),
+            )
+        finally:
+            staging.give_back(slots)
+
+    def _read_into(self, peer: _Peer, local: list[BlockId], remote: list[BlockId]) -> None:
+        handle = self.transport.read_blocks(
+            peer.link, "self", local, remote, timeout_s=self.config.load_timeout_s
+        )
+        try:
+            handle.wait(self.config.load_timeout_s)
+        finally:
+            handle.release()
+
+    def _staging_for(self, remote: KVLayout) -> _Staging:
+        """The staging cache in ``remote``'s order (made and registered once per order)."""
+        assert self.memory is not None
+        staging = self._staging.get(remote.order)
+        if staging is None:
+            local = self.memory.layout
+            count = min(local.group("self").num_blocks, STAGING_BLOCKS)
+            layout = local.with_order(remote.order).with_num_blocks(self=count)
+            caches = layout.allocate(next(iter(self.kv_caches.values())).device.type)
+            memory = self.transport.register(layout, caches)
+            staging = self._staging[remote.order] = _Staging(
+                memory, caches, [BlockId(i) for i in range(count)]
+            )
+        return staging
 
     def _peer(self, load: BlockLoad) -> _Peer:
         engine = EngineId(load.remote_engine)
@@ -196,13 +275,18 @@ class KVBridgeWorker(WorkerConnector):
             client = self._client_factory(load.remote_address)
             try:
                 hs = client.handshake(self._local_info(self.memory.layout))
+                staging = None
+                target = self.memory
+                if hs.negotiation.mode is TransferMode.REARRANGE:
+                    staging = self._staging_for(hs.peer.layout)
+                    target = staging.memory
                 link = self.transport.connect(
-                    hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, self.memory
+                    hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
                 )
             except BaseException:
                 client.close()
                 raise
-            peer = self._peers[engine] = _Peer(client, link)
+            peer = self._peers[engine] = _Peer(client, link, staging)
             log.info(
                 "connected to %s at %s (%s)", engine, load.remote_address, hs.negotiation.mode.value
             )

@@ -381,7 +381,7 @@ class KVLayout:
     def with_regions(self, regions: Sequence[Region]) -> KVLayout:
         return replace(self, regions=tuple(regions), _cache={})
 
-    def with_num_blocks(self, **num_blocks: int) -> KVLayout:
+    def with_num_blocks(self, /, **num_blocks: int) -> KVLayout:
         """A copy with other block counts per group, e.g. ``with_num_blocks(self=128)``."""
         groups = tuple(GroupSpec(g.name, num_blocks.get(g.name, g.num_blocks)) for g in self.groups)
         return replace(self, groups=groups, regions=(), _cache={})

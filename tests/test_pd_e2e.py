@@ -86,7 +86,12 @@ def tmp(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize(
     ("prefill_order", "decode_order"),
-    [("block-nhd", "block-nhd"), ("layer-nhd", "layer-nhd"), ("block-nhd", "layer-kv-nhd")],
+    [
+        ("block-nhd", "block-nhd"),
+        ("layer-nhd", "layer-nhd"),
+        ("block-nhd", "layer-kv-nhd"),
+        ("layer-hnd", "block-nhd"),
+    ],
 )
 def test_decode_continues_exactly_where_prefill_left_off(
     tmp: Path, prefill_order: str, decode_order: str
