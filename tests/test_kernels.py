@@ -50,8 +50,9 @@ def random_cache(layout: KVLayout, seed: int) -> Cache:
     gen = torch.Generator().manual_seed(seed)
     for g in layout.groups:
         for layer in layout.owning_layers(g.name):
-            raw = cache[layer.name].view(torch.uint8)
-            raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+            t = bits(cache[layer.name])
+            raw = torch.randint(0, 256, (*t.shape, t.element_size()), generator=gen)
+            t.copy_(raw.to(torch.uint8).view(t.dtype).squeeze(-1))
     return cache
 
 
@@ -424,3 +425,38 @@ def test_span_table_addresses_the_right_bytes(
         assert_cache_equals(dst, want, dl)
     else:
         assert torch.equal(staging, reference_staging(src, sl, [6, 2, 2], "self"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+@pytest.mark.parametrize(
+    ("src_order", "dst_order"),
+    [
+        ("KV B L N H C", "block-nhd"),
+        ("layer-hnd", "B KV L C H N"),
+        ("KV L B H C N", "KV B L N H C"),
+    ],
+)
+def test_mixed_orders_outside_the_presets_convert_and_stage_exactly(
+    src_order: str, dst_order: str, dtype: str
+) -> None:
+    shape = small(dtype)
+    sl, dl = layout_of(shape, src_order, 5), layout_of(shape, dst_order, 4)
+    src, dst = random_cache(sl, 34), random_cache(dl, 35)
+    pairs = [(4, 0), (1, 3)]
+    want = reference_copy(src, sl, dst, pairs, "self")
+    convert_blocks(src, sl, dst, dl, pairs)
+    assert_cache_equals(dst, want, dl)
+    staging = torch.empty(staging_nbytes(dl, 2), dtype=torch.uint8)
+    gather_blocks(dst, dl, [3, 0], staging)
+    assert torch.equal(staging, reference_staging(dst, dl, [3, 0], "self"))
+
+
+def test_block_outermost_copy_is_one_index_op_over_a_block_matrix() -> None:
+    from kvbridge.kernels.views import coalesce, group_views, widen
+
+    layout = preset_layout("kv-share-third", block_size=2, num_blocks=4, order="block-nhd")
+    cache = layout.allocate()
+    (view,) = group_views(cache, layout, "self")
+    a, _ = widen(coalesce([view, view]))
+    assert a.shape == (4, layout.block_bytes() // 8) and a.dtype == torch.int64
+    assert a.is_contiguous() and a.data_ptr() == cache["layers.0.self_attn"].data_ptr()
