@@ -5,7 +5,8 @@ them (per-layer views of logical shape ``(2, num_blocks, block_size, H, C)``);
 only owning layers are touched, KV-sharing layers are skipped. Each call
 checks everything before moving a byte, then dispatches on device: torch
 index ops on CPU (and between devices), one cupy span-kernel launch on a
-CUDA device. cupy is imported only when a CUDA tensor is passed.
+CUDA device. Importing this package loads neither torch nor cupy; torch
+loads on first use of a name below, cupy only when a CUDA tensor is passed.
 
 - :func:`copy_blocks` — same layout, ``(src id, dst id)`` pairs;
 - :func:`convert_blocks` — between two orders of the same model;
@@ -17,14 +18,18 @@ CUDA device. cupy is imported only when a CUDA tensor is passed.
 
 from __future__ import annotations
 
-from kvbridge.kernels.mapping import BlockMapping
-from kvbridge.kernels.ops import (
-    convert_blocks,
-    copy_blocks,
-    gather_blocks,
-    scatter_blocks,
-    staging_nbytes,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbridge.kernels.mapping import BlockMapping
+    from kvbridge.kernels.ops import (
+        convert_blocks,
+        copy_blocks,
+        gather_blocks,
+        scatter_blocks,
+        staging_nbytes,
+    )
 
 __all__ = [
     "BlockMapping",
@@ -34,3 +39,24 @@ __all__ = [
     "scatter_blocks",
     "staging_nbytes",
 ]
+
+# ``import kvbridge.kernels`` stays light (no torch): the names load on first use.
+_HOME = {
+    "BlockMapping": "kvbridge.kernels.mapping",
+    "copy_blocks": "kvbridge.kernels.ops",
+    "convert_blocks": "kvbridge.kernels.ops",
+    "gather_blocks": "kvbridge.kernels.ops",
+    "scatter_blocks": "kvbridge.kernels.ops",
+    "staging_nbytes": "kvbridge.kernels.ops",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvbridge.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

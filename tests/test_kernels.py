@@ -366,10 +366,15 @@ def test_bad_caches_and_staging_are_rejected_before_any_write() -> None:
     assert_cache_equals(dst, before, layout)
 
 
-def test_importing_kernels_does_not_import_cupy() -> None:
-    code = "import sys, kvbridge.kernels; print('cupy' in sys.modules)"
+def test_cpu_calls_never_import_cupy_and_a_bare_import_loads_no_torch() -> None:
+    code = (
+        "import sys, kvbridge.kernels as k; light = 'torch' not in sys.modules;"
+        "from kvbridge.proto.presets import preset_layout;"
+        "lay = preset_layout('tiny', num_blocks=4); c = lay.allocate();"
+        "k.copy_blocks(c, lay.allocate(), lay, [(0, 1)]); print(light, 'cupy' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.split() == ["True", "False"]
 
 
 @pytest.mark.parametrize("runs", ["dst", "src"])
