@@ -6,6 +6,7 @@
 // temporary when they could). One thread block copies one span at a time (grid-stride over
 // spans); inside a span the threads use the widest loads the alignment of the two
 // addresses allows: 16 bytes (uint4), then 8, 4, and single bytes for what is left.
+// Loads go through the read-only data cache (__ldg): a source is never written by the call.
 
 extern "C" __global__ void kvb_copy_spans(const long long* __restrict__ spans,
                                           long long n_spans) {
@@ -20,21 +21,21 @@ extern "C" __global__ void kvb_copy_spans(const long long* __restrict__ spans,
             const long long n = len >> 4;
             const uint4* s4 = reinterpret_cast<const uint4*>(src);
             uint4* d4 = reinterpret_cast<uint4*>(dst);
-            for (long long i = threadIdx.x; i < n; i += blockDim.x) d4[i] = s4[i];
+            for (long long i = threadIdx.x; i < n; i += blockDim.x) d4[i] = __ldg(s4 + i);
             done = n << 4;
         } else if ((align & 7ULL) == 0) {
             const long long n = len >> 3;
             const unsigned long long* s8 = reinterpret_cast<const unsigned long long*>(src);
             unsigned long long* d8 = reinterpret_cast<unsigned long long*>(dst);
-            for (long long i = threadIdx.x; i < n; i += blockDim.x) d8[i] = s8[i];
+            for (long long i = threadIdx.x; i < n; i += blockDim.x) d8[i] = __ldg(s8 + i);
             done = n << 3;
         } else if ((align & 3ULL) == 0) {
             const long long n = len >> 2;
             const unsigned int* s4 = reinterpret_cast<const unsigned int*>(src);
             unsigned int* d4 = reinterpret_cast<unsigned int*>(dst);
-            for (long long i = threadIdx.x; i < n; i += blockDim.x) d4[i] = s4[i];
+            for (long long i = threadIdx.x; i < n; i += blockDim.x) d4[i] = __ldg(s4 + i);
             done = n << 2;
         }
-        for (long long i = done + threadIdx.x; i < len; i += blockDim.x) dst[i] = src[i];
+        for (long long i = done + threadIdx.x; i < len; i += blockDim.x) dst[i] = __ldg(src + i);
     }
 }
