@@ -1,12 +1,17 @@
 """kvbridge.kernels on a CUDA device: the span kernel and the torch CUDA fallback.
 
 Every result is compared bit for bit with the CPU path (itself checked
-against a per-block reference in test_kernels.py). Skipped without CUDA.
+against a per-block reference in test_kernels.py). Marked ``gpu`` and skipped
+without CUDA, except the check that the kernel source compiles (needs nvcc only).
 """
 
 from __future__ import annotations
 
 import itertools
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +26,7 @@ from kvbridge.kernels import (
 from kvbridge.proto.layout import ORDERS, KVLayout
 from kvbridge.proto.presets import PresetShape, make_layout
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 Cache = dict[str, torch.Tensor]
 INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -62,6 +63,8 @@ def assert_same(a: Cache, b: Cache, layout: KVLayout) -> None:
         assert torch.equal(x.view(INT_OF[x.element_size()]), y.view(INT_OF[y.element_size()]))
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
 @pytest.mark.parametrize("order", list(ORDERS))
 def test_copy_blocks_on_gpu_matches_cpu(order: str, dtype: str) -> None:
@@ -75,6 +78,8 @@ def test_copy_blocks_on_gpu_matches_cpu(order: str, dtype: str) -> None:
     assert_same(dst, g_dst, layout)
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize(("a", "b"), list(itertools.product(ORDERS, ORDERS)))
 def test_convert_blocks_on_gpu_matches_cpu(a: str, b: str) -> None:
     la, lb = layout_of(a), layout_of(b, num_blocks=6)
@@ -87,6 +92,8 @@ def test_convert_blocks_on_gpu_matches_cpu(a: str, b: str) -> None:
     assert_same(dst, g_dst, lb)
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("order", list(ORDERS))
 @pytest.mark.parametrize("staging_device", ["cuda", "cpu"])
 def test_gather_and_scatter_on_gpu_match_cpu(order: str, staging_device: str) -> None:
@@ -110,6 +117,8 @@ def test_gather_and_scatter_on_gpu_match_cpu(order: str, staging_device: str) ->
     assert_same(back, g_back, layout)
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_copy_between_host_and_gpu_caches() -> None:
     layout = layout_of("block-nhd")
     host = random_cache(layout, 7)
@@ -122,6 +131,8 @@ def test_copy_between_host_and_gpu_caches() -> None:
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize(
     ("block_size", "head_size"),
     [(7, 37), (4, 65), (8, 33)],  # fp8 spans of 259, 260 and 264 bytes: 1-, 4- and 8-aligned
@@ -138,6 +149,8 @@ def test_span_kernel_handles_unaligned_spans(block_size: int, head_size: int) ->
     assert_same(dst, g_dst, layout)
 
 
+@pytest.mark.gpu
+@needs_cuda
 def test_span_table_uses_one_launch_for_per_layer_allocations(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -167,3 +180,20 @@ def test_span_table_uses_one_launch_for_per_layer_allocations(
         got, want = dst[x.name][:, [1, 3]], separate[x.name][:, [0, 2]]
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_span_kernel_source_compiles_to_16_byte_global_loads(tmp_path: Path) -> None:
+    """Runs without a GPU wherever nvcc is installed (cupy compiles the same source via NVRTC)."""
+    source = resources.files("kvbridge.kernels").joinpath("copy_spans.cu")
+    ptx = tmp_path / "copy_spans.ptx"
+    with resources.as_file(source) as cu:
+        subprocess.run(
+            ["nvcc", "--ptx", "-arch=sm_80", "-std=c++14", str(cu), "-o", str(ptx)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    text = ptx.read_text()
+    assert ".entry kvb_copy_spans" in text
+    assert "ld.global.nc.v4.u32" in text
