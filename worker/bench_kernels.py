@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
     p.add_argument("--moved", type=int, default=32, help="blocks moved per call")
     p.add_argument("--orders", nargs="+", default=["block-nhd", "layer-nhd", "layer-kv-nhd"])
-    p.add_argument("--repeats", type=int, default=9, help="best of this many interleaved runs")
+    p.add_argument("--repeats", type=int, default=15, help="best of this many interleaved runs")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", type=Path, default=Path("results/bench_kernels"))
