@@ -57,16 +57,21 @@ def _is_array(x: object) -> bool:
 
 def _to_index_tensor(x: object, what: str) -> torch.Tensor:
     """A CPU int64 tensor from a tensor, array or sequence of ints; LayoutError otherwise."""
-    if isinstance(x, torch.Tensor):
-        t = x.detach()
-    elif _is_array(x):
-        t = torch.from_numpy(x)  # type: ignore[arg-type]
-    else:
-        seq = list(x)  # type: ignore[call-overload]
-        for v in seq:
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise LayoutError(f"{what}: block id {v!r} is not an integer")
-        t = torch.tensor(seq, dtype=torch.int64) if seq else torch.zeros(0, dtype=torch.int64)
+    try:
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+        elif _is_array(x):
+            t = torch.from_numpy(x)  # type: ignore[arg-type]
+        else:
+            seq = list(x)  # type: ignore[call-overload]
+            for v in seq:
+                if not isinstance(v, int) or isinstance(v, bool):
+                    raise LayoutError(f"{what}: block id {v!r} is not an integer")
+            t = torch.tensor(seq, dtype=torch.int64) if seq else torch.zeros(0, dtype=torch.int64)
+    except LayoutError:
+        raise
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise LayoutError(f"{what}: not a list of block ids ({exc})") from None
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise LayoutError(f"{what}: block ids must be integers, got a {t.dtype} tensor")
     return t.to(device="cpu", dtype=torch.int64)

@@ -320,6 +320,9 @@ def test_empty_mapping_is_a_no_op() -> None:
         (torch.zeros(2, 3, dtype=torch.int64), "shape \\(n, 2\\)"),
         (torch.zeros(2, 2), "must be integers"),
         (BlockMapping([0, 1], [2]), "equal length"),
+        ([(2**70, 1)], "not a list of block ids"),
+        (np.array([[0, 1]], dtype=object), "not a list of block ids"),
+        (BlockMapping([0], 5), "not a list of block ids"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_mappings_are_rejected_before_any_write(mapping: object, match: str) -> None:
