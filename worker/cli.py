@@ -77,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from kvbridge.worker import bench_hash, bench_transfer
+    from kvbridge.worker import bench_hash, bench_kernels, bench_transfer
 
     bench_hash.add_parser(bench_sub)
     bench_transfer.add_parser(bench_sub)
+    bench_kernels.add_parser(bench_sub)
     return parser
 
 
