@@ -1,5 +1,9 @@
 """``kv_transfer_params``: what prefill hands decode (through the router) for one request.
 
+``block_ids`` and ``block_hashes`` map group names to lists: ``self`` (the
+prompt's blocks, one hash per *full* block) and, for encoder-decoder models,
+``cross`` (the request's cross-attention blocks, one hash per block).
+
 They travel as a plain map inside the router's request (msgpack on the wire,
 a dict inside engines, as vLLM passes them). :meth:`KVTransferParams.parse`
 validates every field and bounds every list before anything acts on it, so a
@@ -77,6 +81,12 @@ class KVTransferParams:
             )
         if len(out.block_hashes.get("self", ())) != out.num_tokens // block_size:
             raise WireError("kv_transfer_params: one hash per full block expected")
+        if len(out.block_ids.get("cross", ())) != len(out.block_hashes.get("cross", ())):
+            raise WireError(
+                "kv_transfer_params: 'cross' needs one hash per block id, got "
+                f"{len(out.block_ids.get('cross', ()))} ids and "
+                f"{len(out.block_hashes.get('cross', ()))} hashes"
+            )
         return out
 
 

@@ -11,6 +11,13 @@ hashes prefill sent are compared with the hashes of the prompt this engine
 was given: a router that pairs the wrong prompt with the wrong KV gets a
 recompute, never wrong tokens.
 
+*Cross-attention blocks* (encoder-decoder) travel with the self blocks: prefill
+leases both groups and lists both in its answer; decode loads the ``cross``
+blocks only when the engine names them in ``update_state_after_alloc`` (it
+does not when its own cache already holds that encoder input's blocks) and
+prefill's cross hashes equal the request's. The engine runs the encoder
+itself whenever a cross load is not planned or fails.
+
 *Prefill* (``do_remote_decode``): when the request finishes, its blocks are
 pinned under a lease (a :class:`LeaseIssuer` owns that) and the answer tells
 decode where they are. The engine frees its own references at once; the
@@ -116,19 +123,43 @@ class KVBridgeScheduler(SchedulerConnector):
             return
         params = pending.params
         end = -(-params.num_tokens // self.block_size)
-        local = tuple(block_ids["self"][pending.first_block : end])
-        remote = params.block_ids["self"][pending.first_block : end]
+        local = {"self": tuple(block_ids["self"][pending.first_block : end])}
+        remote = {"self": params.block_ids["self"][pending.first_block : end]}
+        hashes = {"self": params.block_hashes["self"][pending.first_block :]}
+        if self._load_cross(request, block_ids, params):
+            local["cross"] = tuple(block_ids["cross"])
+            remote["cross"] = params.block_ids["cross"]
+            hashes["cross"] = params.block_hashes["cross"]
         self._loads.append(
             BlockLoad(
                 request_id=request.request_id,
                 remote_engine=params.remote_engine_id,
                 remote_address=params.remote_address,
-                local_ids={"self": local},
-                remote_ids={"self": remote},
+                local_ids=local,
+                remote_ids=remote,
                 lease_id=params.lease_id,
-                remote_hashes={"self": params.block_hashes["self"][pending.first_block :]},
+                remote_hashes=hashes,
             )
         )
+
+    @staticmethod
+    def _load_cross(
+        request: RequestView, block_ids: Mapping[str, Sequence[BlockId]], params: KVTransferParams
+    ) -> bool:
+        """Whether to load prefill's cross blocks: the engine needs them and they are the
+        blocks of this request's encoder input."""
+        wanted = tuple(block_ids.get("cross", ()))
+        if not wanted:
+            return False
+        theirs = params.block_hashes.get("cross", ())
+        if theirs != tuple(request.block_hashes.get("cross", ())) or len(theirs) != len(wanted):
+            log.info(
+                "request %s: prefill's cross blocks are not this encoder input's; "
+                "computing them here",
+                request.request_id,
+            )
+            return False
+        return True
 
     def build_connector_meta(self) -> StepMetadata:
         loads, self._loads = tuple(self._loads), []
@@ -151,6 +182,11 @@ class KVBridgeScheduler(SchedulerConnector):
         hashes = {
             "self": list(request.block_hashes.get("self", ()))[: num_tokens // self.block_size]
         }
+        cross_hashes = list(request.block_hashes.get("cross", ()))
+        if ids.get("cross") and len(ids["cross"]) == len(cross_hashes):
+            hashes["cross"] = cross_hashes
+        else:
+            ids.pop("cross", None)
         try:
             lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, hashes)
         except KVBridgeError as exc:

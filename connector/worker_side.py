@@ -17,9 +17,13 @@ Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
    :func:`kvbridge.kernels.convert_blocks`;
 4. release the lease.
 
-Blocks that were not read whole are reported by
+Each group of a load (``self``; ``cross`` for encoder-decoder models) is one
+READ. ``self`` blocks that were not read whole are reported by
 ``get_block_ids_with_load_errors`` and the engine recomputes from the first
-of them. Nothing here raises into the engine's step.
+of them. Cross blocks are all or nothing: if any is missing or its read
+fails, every ``self`` block of the load is reported too, so the engine treats
+the load as failed and recomputes (cross KV included). Nothing here raises
+into the engine's step.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ class LoadResult:
     bad_block_ids: tuple[BlockId, ...]
     transfer_ms: float
     error: str = ""
+    moved_by_group: Mapping[str, int] = field(default_factory=dict)
+    """Blocks read per group (``self``, ``cross``)."""
+    bytes_moved: int = 0
+    """Bytes the transport read: only layers that own KV ever move."""
 
 
 STAGING_BLOCKS = 256
@@ -76,21 +84,23 @@ class _Staging:
 
     memory: LocalMemory
     caches: Mapping[str, torch.Tensor]
-    free: list[BlockId]
+    free: dict[str, list[BlockId]]
+    """Free staging blocks per group."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, n: int) -> list[BlockId]:
+    def take(self, group: str, n: int) -> list[BlockId]:
         with self.lock:
-            if n > len(self.free):
+            free = self.free[group]
+            if n > len(free):
                 raise OutOfBlocksError(
-                    f"REARRANGE staging has {len(self.free)} free blocks, a load needs {n}"
+                    f"REARRANGE staging has {len(free)} free {group!r} blocks, a load needs {n}"
                 )
-            taken, self.free[:] = self.free[:n], self.free[n:]
+            taken, free[:] = free[:n], free[n:]
             return taken
 
-    def give_back(self, slots: list[BlockId]) -> None:
+    def give_back(self, group: str, slots: list[BlockId]) -> None:
         with self.lock:
-            self.free.extend(slots)
+            self.free[group].extend(slots)
 
 
 @dataclass(slots=True)
@@ -173,8 +183,10 @@ class KVBridgeWorker(WorkerConnector):
 
     # ----- one load, on a pool thread ------------------------------------------------------
     def _load(self, load: BlockLoad) -> LoadResult:
-        local = list(load.local_ids["self"])
-        remote = list(load.remote_ids["self"])
+        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+        local = {g: list(load.local_ids[g]) for g in groups}
+        remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
+        local_self = local.get("self", [])
         t0 = time.perf_counter()
         lease: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
         peer: _Peer | None = None
@@ -183,28 +195,42 @@ class KVBridgeWorker(WorkerConnector):
             alive = peer.client.heartbeat([lease], ttl_s=self.config.lease_ttl_s) if lease else []
             if not alive:
                 # the lease is gone: its blocks may be reused. Pin what is still there by hash.
-                hashes = list(load.remote_hashes.get("self", ()))
-                pinned = peer.client.pin_hashes({"self": hashes}, ttl_s=self.config.lease_ttl_s)
+                hashes = {g: list(load.remote_hashes.get(g, ())) for g in groups}
+                pinned = peer.client.pin_hashes(hashes, ttl_s=self.config.lease_ttl_s)
                 lease = pinned.lease_id
-                remote = list(pinned.blocks.get("self", ()))
+                remote = {g: list(pinned.blocks.get(g, ())) for g in groups}
                 log.info(
-                    "request %s: lease expired; %d of %d blocks still pinned",
+                    "request %s: lease expired; %s blocks still pinned",
                     load.request_id,
-                    len(remote),
-                    len(local),
+                    {g: f"{len(remote[g])}/{len(local[g])}" for g in groups},
                 )
-            n = len(remote)
+            moved: dict[str, int] = {}
+            nbytes = 0
+            n = len(remote.get("self", ()))
             if n:
-                self._read(peer, local[:n], remote)
+                nbytes += self._read(peer, "self", local_self[:n], remote["self"][:n])
+            moved["self"] = n
+            bad, error = (
+                local_self[n:],
+                "" if n == len(local_self) else "lease expired: partial prefix",
+            )
+            if "cross" in groups:
+                if len(remote["cross"]) == len(local["cross"]):
+                    nbytes += self._read(peer, "cross", local["cross"], remote["cross"])
+                    moved["cross"] = len(local["cross"])
+                else:  # all or nothing: the engine recomputes the whole request
+                    bad, error = local_self, "cross blocks no longer held by the peer"
             ms = (time.perf_counter() - t0) * 1e3
             self._release(peer, lease)
             return LoadResult(
                 load.request_id,
-                len(local),
-                n,
-                tuple(local[n:]),
+                sum(len(ids) for ids in local.values()),
+                sum(moved.values()),
+                tuple(bad),
                 ms,
-                "" if n == len(local) else "lease expired: partial prefix",
+                error,
+                moved,
+                nbytes,
             )
         except Exception as exc:
             if isinstance(exc, KVBridgeError):
@@ -218,35 +244,45 @@ class KVBridgeWorker(WorkerConnector):
                 self._forget(load.remote_engine, peer)
             ms = (time.perf_counter() - t0) * 1e3
             return LoadResult(
-                load.request_id, len(local), 0, tuple(local), ms, str(exc) or repr(exc)
+                load.request_id,
+                sum(len(ids) for ids in local.values()),
+                0,
+                tuple(local_self),
+                ms,
+                str(exc) or repr(exc),
             )
 
-    def _read(self, peer: _Peer, local: list[BlockId], remote: list[BlockId]) -> None:
-        """READ ``remote`` into ``local``, through the staging cache if the orders differ."""
+    def _read(self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]) -> int:
+        """READ ``remote`` into ``local`` (through the staging cache if the orders differ);
+        returns the bytes read."""
         staging = peer.staging
         if staging is None:
-            self._read_into(peer, local, remote)
-            return
+            return self._read_into(peer, group, local, remote)
         assert self.memory is not None
-        slots = staging.take(len(remote))  # OutOfBlocksError: the request recomputes
+        slots = staging.take(group, len(remote))  # OutOfBlocksError: the request recomputes
         try:
-            self._read_into(peer, slots, remote)
+            nbytes = self._read_into(peer, group, slots, remote)
             convert_blocks(
                 staging.caches,
                 staging.memory.layout,
                 self.kv_caches,
                 self.memory.layout,
                 BlockMapping(slots, local),
+                group=group,
             )
         finally:
-            staging.give_back(slots)
+            staging.give_back(group, slots)
+        return nbytes
 
-    def _read_into(self, peer: _Peer, local: list[BlockId], remote: list[BlockId]) -> None:
+    def _read_into(
+        self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]
+    ) -> int:
         handle = self.transport.read_blocks(
-            peer.link, "self", local, remote, timeout_s=self.config.load_timeout_s
+            peer.link, group, local, remote, timeout_s=self.config.load_timeout_s
         )
         try:
             handle.wait(self.config.load_timeout_s)
+            return handle.nbytes
         finally:
             handle.release()
 
@@ -256,13 +292,12 @@ class KVBridgeWorker(WorkerConnector):
         staging = self._staging.get(remote.order)
         if staging is None:
             local = self.memory.layout
-            count = min(local.group("self").num_blocks, STAGING_BLOCKS)
-            layout = local.with_order(remote.order).with_num_blocks(self=count)
+            counts = {g.name: min(g.num_blocks, STAGING_BLOCKS) for g in local.groups}
+            layout = local.with_order(remote.order).with_num_blocks(**counts)
             caches = layout.allocate(next(iter(self.kv_caches.values())).device.type)
             memory = self.transport.register(layout, caches)
-            staging = self._staging[remote.order] = _Staging(
-                memory, caches, [BlockId(i) for i in range(count)]
-            )
+            free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
+            staging = self._staging[remote.order] = _Staging(memory, caches, free)
         return staging
 
     def _peer(self, load: BlockLoad) -> _Peer:

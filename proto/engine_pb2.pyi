@@ -95,11 +95,13 @@ class RequestStats(_message.Message):
     TTFT_MS_FIELD_NUMBER: _builtins.int
     LOAD_ERROR_FIELD_NUMBER: _builtins.int
     BLOCKS_MOVED_BY_GROUP_FIELD_NUMBER: _builtins.int
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    CROSS_SOURCE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     blocks_local_hit: _builtins.int
     """full blocks found in this worker's own prefix cache"""
     blocks_moved: _builtins.int
-    """blocks loaded from a remote worker"""
+    """blocks loaded from a remote worker (all groups)"""
     blocks_offloaded: _builtins.int
     """blocks loaded from the CPU offload daemon"""
     blocks_recomputed: _builtins.int
@@ -109,8 +111,14 @@ class RequestStats(_message.Message):
     """arrival to first token sampled on this worker"""
     load_error: _builtins.str
     """why a load failed, if one did"""
+    bytes_moved: _builtins.int
+    """bytes read from the remote worker (owning layers only)"""
+    cross_source: _builtins.str
+    """encoder-decoder: "hit", "loaded" or "computed" """
     @_builtins.property
-    def blocks_moved_by_group(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def blocks_moved_by_group(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """"self", and "cross" for encoder-decoder"""
+
     def __init__(
         self,
         *,
@@ -123,10 +131,12 @@ class RequestStats(_message.Message):
         ttft_ms: _builtins.float = ...,
         load_error: _builtins.str = ...,
         blocks_moved_by_group: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        bytes_moved: _builtins.int = ...,
+        cross_source: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_local_hit", b"blocks_local_hit", "blocks_moved", b"blocks_moved", "blocks_moved_by_group", b"blocks_moved_by_group", "blocks_offloaded", b"blocks_offloaded", "blocks_recomputed", b"blocks_recomputed", "load_error", b"load_error", "prompt_tokens", b"prompt_tokens", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_local_hit", b"blocks_local_hit", "blocks_moved", b"blocks_moved", "blocks_moved_by_group", b"blocks_moved_by_group", "blocks_offloaded", b"blocks_offloaded", "blocks_recomputed", b"blocks_recomputed", "bytes_moved", b"bytes_moved", "cross_source", b"cross_source", "load_error", b"load_error", "prompt_tokens", b"prompt_tokens", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

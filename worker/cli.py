@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_hash.add_parser(bench_sub)
     bench_transfer.add_parser(bench_sub)
     bench_kernels.add_parser(bench_sub)
+    __import__("kvbridge.worker.bench_prefill_skip", fromlist=["add_parser"]).add_parser(bench_sub)
     return parser
 
 

@@ -6,6 +6,11 @@ that share prefixes through them, and compares every decode output with a
 single-process run of the same engine. Prints per request what moved, writes
 JSON with ``--json``, and exits non-zero if any output differs or any block
 or lease is left behind.
+
+``--share-last N`` / ``--share-every M`` / ``--prefill-skip`` run a KV-sharing
+model (sharing layers are never moved); ``--encoder-decoder`` gives every
+request an encoder input drawn from a few clips (``--clips``), so later
+requests with the same clip reuse its cross-attention blocks.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from typing import Any
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.bench_report import machine_info
-from kvbridge.worker.node_cmd import add_engine_arguments, engine_config_from_args
+from kvbridge.worker.node_cmd import (
+    add_engine_arguments,
+    engine_config_from_args,
+    engine_model_flags,
+)
 
-__all__ = ["add_parser", "run", "make_workload", "start_node"]
+__all__ = ["add_parser", "run", "make_workload", "make_encoder_inputs", "start_node"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -48,6 +57,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (default 4)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--clips",
+        type=int,
+        default=2,
+        help="--encoder-decoder: distinct encoder inputs shared by the requests (default 2)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write per-request results here")
     p.add_argument("--startup-timeout", type=float, default=90.0)
     p.set_defaults(func=run)
@@ -67,6 +82,17 @@ def make_workload(
         + [rng.randrange(vocab) for _ in range(rng.randint(3, 2 * block_size))]
         for i in range(n)
     ]
+
+
+def make_encoder_inputs(n: int, clips: int, max_len: int, seed: int = 0) -> list[bytes]:
+    """Encoder inputs for ``n`` requests, cycling through ``clips`` random byte strings
+    (20..min(100, max_len) bytes), so that requests repeat them."""
+    rng = random.Random(seed + 7)
+    pool = [
+        bytes(rng.randrange(256) for _ in range(rng.randint(20, min(100, max_len))))
+        for _ in range(max(1, clips))
+    ]
+    return [pool[i % len(pool)] for i in range(n)]
 
 
 def _pin_to_core(core: int | None) -> Any:
@@ -110,6 +136,7 @@ def start_node(
         args.on_load_error,
         "--ready-file",
         str(ready),
+        *engine_model_flags(args),
         *(extra or []),
     ]
     env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"), OMP_NUM_THREADS="1")
@@ -141,14 +168,19 @@ def start_node(
         log.close()
 
 
-def _reference(args: argparse.Namespace, prompts: list[list[int]]) -> list[list[int]]:
+def _reference(
+    args: argparse.Namespace, prompts: list[list[int]], encoder_inputs: list[bytes | None]
+) -> list[list[int]]:
     import torch
 
     from kvbridge.worker.engine import Engine
 
     torch.set_num_threads(1)
     engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
-    return [engine.generate([p], args.max_tokens)[0] for p in prompts]
+    return [
+        engine.generate([p], args.max_tokens, [e])[0]
+        for p, e in zip(prompts, encoder_inputs, strict=True)
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,14 +190,21 @@ def run(args: argparse.Namespace) -> int:
     prompts = make_workload(
         args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed
     )
+    encoder_inputs: list[bytes | None] = (
+        list(make_encoder_inputs(args.requests, args.clips, config.max_encoder_len, args.seed))
+        if config.encoder_decoder
+        else [None] * len(prompts)
+    )
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     p_core, d_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
     print(
         f"kvbridge demo: {args.requests} requests, model {args.model}, block size "
         f"{args.block_size}, prefill {args.order} -> decode {args.decode_order or args.order}"
     )
+    layout = config.layout()
+    print(layout.describe())
     print("computing single-process reference outputs ...", flush=True)
-    expected = _reference(args, prompts)
+    expected = _reference(args, prompts, encoder_inputs)
     rows: list[dict[str, Any]] = []
     leaks: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp:
@@ -181,14 +220,14 @@ def run(args: argparse.Namespace) -> int:
                 f"decode at {dinfo['inference']}\n"
             )
             header = (
-                f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'recomp':>6} "
-                f"{'xfer_ms':>8} {'ttft_ms':>8}  match"
+                f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'cross':>5} {'KiB':>7} "
+                f"{'recomp':>6} {'xfer_ms':>8} {'ttft_ms':>8}  match"
             )
             print(header)
             for i, prompt in enumerate(prompts):
                 rid = f"demo-{i}"
                 try:
-                    res = router.generate(prompt, args.max_tokens, rid)
+                    res = router.generate(prompt, args.max_tokens, rid, encoder_inputs[i] or b"")
                     tokens, d, ttft = res.tokens, res.decode, res.ttft_ms
                     error = d.load_error
                 except Exception as exc:  # the demo reports failures per request
@@ -199,6 +238,8 @@ def run(args: argparse.Namespace) -> int:
                     "blocks_local_hit": d.blocks_local_hit if d else 0,
                     "blocks_moved": d.blocks_moved if d else 0,
                     "blocks_moved_by_group": dict(d.blocks_moved_by_group) if d else {},
+                    "bytes_moved": d.bytes_moved if d else 0,
+                    "decode_cross_source": d.cross_source if d else "",
                     "blocks_recomputed": d.blocks_recomputed if d else 0,
                     "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
                     "ttft_ms": round(ttft, 3),
@@ -208,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
                 print(
                     f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
-                    f"{row['blocks_moved']:>5} {row['blocks_recomputed']:>6} "
+                    f"{row['blocks_moved']:>5} "
+                    f"{_cross_cell(row):>5} {row['bytes_moved'] / 1024:>7.0f} "
+                    f"{row['blocks_recomputed']:>6} "
                     f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
                     f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
                     flush=True,
@@ -220,13 +263,16 @@ def run(args: argparse.Namespace) -> int:
         "requests": len(rows),
         "all_match": all(r["tokens_match"] for r in rows),
         "blocks_moved": sum(r["blocks_moved"] for r in rows),
+        "blocks_moved_by_group": _sum_groups(rows),
+        "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "blocks_local_hit": sum(r["blocks_local_hit"] for r in rows),
         "blocks_recomputed": sum(r["blocks_recomputed"] for r in rows),
         "leaks": leaks,
     }
     print(
         f"\nall_match: {str(summary['all_match']).lower()}; moved {summary['blocks_moved']} "
-        f"blocks, decode hit {summary['blocks_local_hit']} locally, recomputed "
+        f"blocks {summary['blocks_moved_by_group']} ({summary['bytes_moved'] / 2**20:.2f} MiB), "
+        f"decode hit {summary['blocks_local_hit']} locally, recomputed "
         f"{summary['blocks_recomputed']}; leaks: {leaks or 'none'}"
     )
     if args.json is not None:
@@ -245,6 +291,23 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json}")
     return 0 if summary["all_match"] and not leaks else 1
+
+
+def _cross_cell(row: dict[str, Any]) -> str:
+    """Cross blocks moved, or where decode's cross KV came from when none moved."""
+    moved = row["blocks_moved_by_group"].get("cross", 0)
+    source = row["decode_cross_source"]
+    if not source:
+        return "-"
+    return str(moved) if source == "loaded" else source
+
+
+def _sum_groups(rows: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in rows:
+        for group, n in r["blocks_moved_by_group"].items():
+            total[group] = total.get(group, 0) + n
+    return total
 
 
 def _check_no_leaks(clients: dict[str, Any], timeout_s: float = 10.0) -> list[str]:

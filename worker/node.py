@@ -44,6 +44,7 @@ __all__ = ["NodeConfig", "Node", "GenerateResult"]
 log = logging.getLogger(__name__)
 
 MAX_PROMPT_TOKENS = 1 << 16
+MAX_ENCODER_INPUT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,8 @@ class GenerateResult:
     transfer_ms: float = 0.0
     blocks_moved: int = 0
     load_error: str = ""
+    blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
+    bytes_moved: int = 0
 
 
 @dataclass(slots=True)
@@ -78,6 +81,7 @@ class _Submission:
     prompt: list[int]
     max_tokens: int
     params: dict[str, Any] | None
+    encoder_input: bytes | None = None
     future: futures.Future[GenerateResult] = field(default_factory=futures.Future)
 
 
@@ -147,9 +151,14 @@ class Node:
 
     # ----- requests ------------------------------------------------------------------------
     def submit(
-        self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, request_id: str
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        request_id: str,
+        encoder_input: bytes | None = None,
     ) -> futures.Future[GenerateResult]:
-        sub = _Submission(request_id, prompt, max_tokens, params)
+        sub = _Submission(request_id, prompt, max_tokens, params, encoder_input)
         self._inbox.put(sub)
         self._wakeup.set()
         return sub.future
@@ -183,7 +192,7 @@ class Node:
                 return
             try:
                 rid = self.engine.add_request(
-                    sub.prompt, sub.max_tokens, sub.request_id, sub.params
+                    sub.prompt, sub.max_tokens, sub.request_id, sub.params, sub.encoder_input
                 )
             except KVBridgeError as exc:
                 sub.future.set_exception(exc)
@@ -199,6 +208,8 @@ class Node:
         if load is not None:
             result.transfer_ms = load.transfer_ms
             result.blocks_moved = load.blocks_moved
+            result.blocks_moved_by_group = dict(load.moved_by_group)
+            result.bytes_moved = load.bytes_moved
             result.load_error = load.error
             if load.error and self.config.connector.on_load_error == "fail":
                 sub.future.set_exception(
@@ -266,13 +277,20 @@ class _InferenceServicer(epb_grpc.InferenceServicer):
                 )
             if request.max_tokens < 1:
                 raise WireError("max_tokens must be >= 1")
+            if len(request.encoder_input) > MAX_ENCODER_INPUT_BYTES:
+                raise WireError(
+                    f"encoder_input has {len(request.encoder_input)} bytes, the limit is "
+                    f"{MAX_ENCODER_INPUT_BYTES}"
+                )
             params = (
                 codec.unpack(request.kv_transfer_params, "KVTransferParams")
                 if request.kv_transfer_params
                 else None
             )
             rid = request.request_id or f"req-{time.monotonic_ns()}"
-            future = self.node.submit(prompt, request.max_tokens, params, rid)
+            future = self.node.submit(
+                prompt, request.max_tokens, params, rid, request.encoder_input or None
+            )
             result = future.result(timeout=self.node.config.request_timeout_s)
         except WireError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -289,7 +307,9 @@ class _InferenceServicer(epb_grpc.InferenceServicer):
             transfer_ms=result.transfer_ms,
             ttft_ms=(out.ttft_s or 0.0) * 1e3,
             load_error=result.load_error,
-            blocks_moved_by_group={"self": result.blocks_moved},
+            blocks_moved_by_group=result.blocks_moved_by_group,
+            bytes_moved=result.bytes_moved,
+            cross_source=out.cross_source,
         )
         params_bytes = (
             codec.pack("KVTransferParams", out.kv_transfer_params)

@@ -13,14 +13,25 @@ from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
 
-__all__ = ["add_parser", "run", "add_engine_arguments", "engine_config_from_args"]
+__all__ = [
+    "add_parser",
+    "run",
+    "add_engine_arguments",
+    "engine_config_from_args",
+    "engine_model_flags",
+]
 
 log = logging.getLogger(__name__)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and KV layout flags, shared by ``serve`` and ``demo``."""
-    p.add_argument("--model", default="tiny", help="reference engine preset: tiny or small")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="reference engine preset: tiny, small, share-tiny (8 layers, last 4 share KV) "
+        "or encdec-tiny",
+    )
     p.add_argument(
         "--order",
         default="block-nhd",
@@ -30,18 +41,66 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (default 512)")
     p.add_argument("--seed", type=int, default=0, help="weight seed; must match on every node")
+    p.add_argument(
+        "--share-last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV sharing: the last N layers reuse the KV of the layers N before them",
+    )
+    p.add_argument(
+        "--share-every",
+        type=int,
+        default=None,
+        metavar="M",
+        help="KV sharing: every M-th layer reuses the previous layer's KV",
+    )
+    p.add_argument(
+        "--prefill-skip",
+        action="store_true",
+        help="trailing KV-sharing layers compute only each prompt's last token in prefill",
+    )
+    p.add_argument(
+        "--encoder-decoder",
+        action="store_true",
+        help="add an encoder and cross-attention KV (requests then carry encoder input)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, order: str | None = None) -> object:
     from kvbridge.worker.engine import EngineConfig
 
+    overrides: dict[str, object] = {}
+    share_last = getattr(args, "share_last", None)
+    share_every = getattr(args, "share_every", None)
+    if share_last is not None or share_every is not None:  # a pattern given replaces the preset's
+        overrides.update(share_last=share_last or 0, share_every=share_every or 0)
+    if getattr(args, "prefill_skip", False):
+        overrides["prefill_skip"] = True
+    if getattr(args, "encoder_decoder", False):
+        overrides["encoder_decoder"] = True
     return EngineConfig.preset(
         args.model,
         order=order or args.order,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         seed=args.seed,
+        **overrides,
     )
+
+
+def engine_model_flags(args: argparse.Namespace) -> list[str]:
+    """The KV-sharing, prefill-skip and encoder-decoder flags of ``args`` as a command line,
+    so a parent (``demo``) starts ``serve`` children with the same model."""
+    flags: list[str] = []
+    for name in ("share_last", "share_every"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    for name in ("prefill_skip", "encoder_decoder"):
+        if getattr(args, name, False):
+            flags.append(f"--{name.replace('_', '-')}")
+    return flags
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -4,7 +4,9 @@ For each request: send the prompt to a prefill worker with
 ``{"do_remote_decode": true}`` and ``max_tokens=1``; it answers with the first
 token and ``kv_transfer_params``. Send prompt + first token and those params
 to a decode worker with ``max_tokens - 1``; it pulls the blocks it lacks and
-generates the rest. Both hops have deadlines.
+generates the rest. Both hops have deadlines. An encoder-decoder request's
+``encoder_input`` goes to both: prefill runs the encoder, decode uses it to
+name (and, if a load fails, recompute) the cross-attention blocks.
 """
 
 from __future__ import annotations
@@ -38,12 +40,14 @@ class EngineClient:
         max_tokens: int,
         request_id: str,
         params: dict[str, Any] | None = None,
+        encoder_input: bytes = b"",
     ) -> epb.GenerateResponse:
         req = epb.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
             kv_transfer_params=codec.pack("KVTransferParams", params) if params else b"",
+            encoder_input=encoder_input,
         )
         try:
             resp: epb.GenerateResponse = self._stub.Generate(req, timeout=self.timeout_s)
@@ -91,9 +95,14 @@ class Router:
         self.prefill = prefill
         self.decode = decode
 
-    def generate(self, prompt: list[int], max_tokens: int, request_id: str) -> RoutedResult:
+    def generate(
+        self, prompt: list[int], max_tokens: int, request_id: str, encoder_input: bytes = b""
+    ) -> RoutedResult:
+        """Route one request; ``encoder_input`` (encoder-decoder models) goes to both hops."""
         t0 = time.perf_counter()
-        first = self.prefill.generate(prompt, 1, request_id, {"do_remote_decode": True})
+        first = self.prefill.generate(
+            prompt, 1, request_id, {"do_remote_decode": True}, encoder_input
+        )
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if not first.token_ids:
             raise KVBridgeError(f"prefill returned no token for {request_id}")
@@ -105,7 +114,9 @@ class Router:
                 if first.kv_transfer_params
                 else None
             )
-            rest = self.decode.generate(prompt + tokens, max_tokens - 1, request_id, params)
+            rest = self.decode.generate(
+                prompt + tokens, max_tokens - 1, request_id, params, encoder_input
+            )
             tokens += list(rest.token_ids)
             decode_stats = rest.stats
         return RoutedResult(

@@ -48,12 +48,20 @@ def read_kv(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    scale: float,
+    *,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Causal grouped-query attention of ``q`` (``T, Hq, C``) at positions ``start..`` over
     the context ``k``/``v`` (``S, Hkv, C``, ``S = start + T``); returns ``T, Hq, C``.
 
-    Scores and softmax run in float32 whatever the KV dtype.
+    With ``causal=False`` every query sees the whole context (``start`` is ignored): the
+    encoder's self-attention and the decoder's cross-attention. Scores and softmax run in
+    float32 whatever the KV dtype.
     """
     num_tokens, num_heads, _ = q.shape
     context = k.shape[0]
@@ -62,6 +70,8 @@ def attend(
     kh = k.float().repeat_interleave(group, dim=1).permute(1, 2, 0)  # Hq C S
     vh = v.float().repeat_interleave(group, dim=1).transpose(0, 1)  # Hq S C
     scores = torch.matmul(qh, kh) * scale  # Hq T S
+    if not causal:
+        return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(0, 1).to(q.dtype)
     query_pos = torch.arange(start, start + num_tokens, device=q.device).unsqueeze(1)
     future = torch.arange(context, device=q.device).unsqueeze(0) > query_pos  # T S
     scores = scores.masked_fill(future, float("-inf"))

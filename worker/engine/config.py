@@ -36,6 +36,8 @@ _MODEL_FIELDS = (
     "rope_theta",
     "share_last",
     "share_every",
+    "encoder_decoder",
+    "encoder_layers",
 )
 
 
@@ -61,6 +63,18 @@ class EngineConfig:
     """The last ``share_last`` layers reuse the KV of the layer ``share_last`` before them."""
     share_every: int = 0
     """Every ``share_every``-th layer reuses the previous layer's KV (0: off)."""
+    prefill_skip: bool = False
+    """During prefill, the trailing run of KV-sharing layers (after the last layer that owns
+    KV) computes only each request's last prompt token; outputs are unchanged."""
+    encoder_decoder: bool = False
+    """Add an encoder over the request's ``encoder_input`` bytes and per-layer cross-attention
+    whose K/V live in the layout's ``cross`` group."""
+    encoder_layers: int = 2
+    """Bidirectional transformer layers of the encoder (encoder-decoder only)."""
+    num_cross_blocks: int = 64
+    """Blocks of the ``cross`` group (encoder-decoder only)."""
+    max_encoder_len: int = 512
+    """Longest encoder input in bytes (one encoder position per byte)."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -73,6 +87,9 @@ class EngineConfig:
             "intermediate_size",
             "block_size",
             "num_blocks",
+            "encoder_layers",
+            "num_cross_blocks",
+            "max_encoder_len",
         )
         for knob in positive:
             value = getattr(self, knob)
@@ -93,6 +110,18 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.rope_theta must be > 0, got {self.rope_theta}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"EngineConfig.seed must be an int >= 0, got {self.seed!r}")
+        for flag in ("prefill_skip", "encoder_decoder"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(
+                    f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}"
+                )
+        if self.encoder_decoder and self.cross_blocks_needed(self.max_encoder_len) > (
+            self.num_cross_blocks
+        ):
+            raise ConfigError(
+                f"EngineConfig.num_cross_blocks={self.num_cross_blocks} cannot hold one encoder "
+                f"input of max_encoder_len={self.max_encoder_len}; raise it"
+            )
         try:
             self.layout()  # validates share_last / share_every against num_layers
         except ConfigError as exc:
@@ -128,6 +157,7 @@ class EngineConfig:
             dtype=self.dtype,
             share_last=self.share_last,
             share_every=self.share_every,
+            encoder_decoder=self.encoder_decoder,
         )
 
     def layout(self) -> KVLayout:
@@ -136,14 +166,27 @@ class EngineConfig:
             self.shape(),
             block_size=self.block_size,
             num_blocks=self.num_blocks,
+            num_cross_blocks=self.num_cross_blocks,
             order=self.order,
         )
 
     def kv_sources(self) -> list[int | None]:
         """Per layer: the index of the layer whose KV it reuses, or None if it owns KV."""
-        layers = self.layout().layers
+        layers = [x for x in self.layout().layers if x.group == "self"]
         index = {x.name: i for i, x in enumerate(layers)}
         return [None if x.kv_source is None else index[x.kv_source] for x in layers]
+
+    @property
+    def tail_start(self) -> int:
+        """Index of the first layer of the trailing run of KV-sharing layers (the layers after
+        the last one that owns KV); ``num_layers`` when the last layer owns KV."""
+        sources = self.kv_sources()
+        owners = [i for i, s in enumerate(sources) if s is None]
+        return owners[-1] + 1
+
+    def cross_blocks_needed(self, encoder_len: int) -> int:
+        """Cross blocks of one request whose encoder input has ``encoder_len`` positions."""
+        return -(-encoder_len // self.block_size)
 
 
 def _from_preset(shape: PresetShape, **model: Any) -> EngineConfig:
@@ -153,6 +196,9 @@ def _from_preset(shape: PresetShape, **model: Any) -> EngineConfig:
         num_kv_heads=shape.num_kv_heads,
         head_size=shape.head_size,
         dtype=shape.dtype,
+        encoder_decoder=shape.encoder_decoder,
+        share_last=shape.share_last,
+        share_every=shape.share_every,
         **model,
     )
 
@@ -166,6 +212,22 @@ ENGINE_PRESETS: Mapping[str, EngineConfig] = MappingProxyType(
         # 8 layers x 4 KV heads x 64, bfloat16: for benchmarks and the demo
         "small": _from_preset(
             PRESETS["small"], vocab_size=2048, hidden_size=512, num_heads=8, intermediate_size=1024
+        ),
+        # "tiny" with an encoder over byte inputs and cross-attention KV in a "cross" group
+        "encdec-tiny": _from_preset(
+            PresetShape("encdec-tiny", 4, 2, 32, "float32", encoder_decoder=True),
+            vocab_size=512,
+            hidden_size=128,
+            num_heads=4,
+            intermediate_size=256,
+        ),
+        # 8 layers, the last 4 reading the KV of layers 0-3: for KV sharing and prefill skip
+        "share-tiny": _from_preset(
+            PresetShape("share-tiny", 8, 2, 32, "float32", share_last=4),
+            vocab_size=512,
+            hidden_size=128,
+            num_heads=4,
+            intermediate_size=256,
         ),
     }
 )

@@ -30,7 +30,7 @@ from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import RequestId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.config import EngineConfig
-from kvbridge.worker.engine.model import DecoderModel
+from kvbridge.worker.engine.model import CrossKV, DecoderModel
 from kvbridge.worker.engine.request import RequestOutput
 from kvbridge.worker.engine.scheduler import Scheduler
 
@@ -59,6 +59,7 @@ class Engine:
             connector_worker.register_kv_caches(self.kv_caches, self.layout)
         self.num_forwards = 0
         self.num_tokens_computed = 0
+        self.num_encoder_runs = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -68,6 +69,7 @@ class Engine:
         max_tokens: int,
         request_id: str | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        encoder_input: bytes | None = None,
     ) -> RequestId:
         """Queue a request; returns its id.
 
@@ -75,13 +77,22 @@ class Engine:
         that prefill sampled as ``prompt_token_ids``, prefill's answer as
         ``kv_transfer_params`` and ``max_tokens`` minus one: the connector then
         loads the prompt's KV and this engine computes from the first token on.
+
+        An encoder-decoder engine (``config.encoder_decoder``) needs ``encoder_input``
+        (one encoder position per byte, at most ``config.max_encoder_len``); a second
+        request with the same bytes reuses the cross-attention blocks of the first.
         """
+        if encoder_input is not None and len(encoder_input) > self.config.max_encoder_len:
+            raise ConfigError(
+                f"encoder_input has {len(encoder_input)} bytes, more than max_encoder_len="
+                f"{self.config.max_encoder_len}"
+            )
         vocab = self.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary 0..{vocab - 1}")
         request = self.scheduler.add_request(
-            prompt_token_ids, max_tokens, request_id, kv_transfer_params
+            prompt_token_ids, max_tokens, request_id, kv_transfer_params, encoder_input
         )
         return request.request_id
 
@@ -108,17 +119,30 @@ class Engine:
         sampled: dict[RequestId, int] = {}
         for chunk in plan.chunks:
             request = chunk.request
-            table = torch.tensor(request.block_ids, dtype=torch.long, device=self.model.device)
+            device = self.model.device
+            table = torch.tensor(request.block_ids, dtype=torch.long, device=device)
+            cross = None
+            if request.encoder_input:
+                cross_table = torch.tensor(request.cross_block_ids, dtype=torch.long, device=device)
+                cross = CrossKV(cross_table, len(request.encoder_input))
+                if chunk.compute_cross:
+                    encoded = self.model.encode(request.encoder_input)
+                    self.model.write_cross_kv(encoded, cross, self.kv_caches)
+                    self.num_encoder_runs += 1
             logits = self.model.forward(
                 request.all_token_ids[chunk.start : chunk.end],
                 chunk.start,
                 table,
                 self.kv_caches,
                 worker,
+                cross=cross,
+                skip_tail=self.config.prefill_skip,
+                sample=chunk.sample,
             )
             self.num_forwards += 1
             self.num_tokens_computed += chunk.end - chunk.start
             if chunk.sample:
+                assert logits is not None
                 sampled[request.request_id] = int(torch.argmax(logits).item())
         if worker is None:
             return self.scheduler.update(plan, sampled)
@@ -127,9 +151,18 @@ class Engine:
         bad = worker.get_block_ids_with_load_errors()
         return self.scheduler.update(plan, sampled, sending, receiving, bad)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int,
+        encoder_inputs: Sequence[bytes | None] | None = None,
+    ) -> list[list[int]]:
         """Greedy completions of ``prompts``, in order (a convenience for tests and demos)."""
-        ids = [self.add_request(p, max_tokens) for p in prompts]
+        encs = list(encoder_inputs) if encoder_inputs is not None else [None] * len(prompts)
+        ids = [
+            self.add_request(p, max_tokens, encoder_input=e)
+            for p, e in zip(prompts, encs, strict=True)
+        ]
         results: dict[RequestId, list[int]] = {}
         while self.has_unfinished():
             for out in self.step():

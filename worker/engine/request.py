@@ -53,6 +53,11 @@ class RequestOutput:
     """Tokens this engine ran through the model for the request."""
     ttft_s: float | None
     """Seconds from ``add_request`` to the first token this engine sampled."""
+    cross_blocks: int = 0
+    """Cross-attention blocks of the request (encoder-decoder), 0 for a decoder-only model."""
+    cross_source: str = ""
+    """Where its cross KV came from: ``hit`` (this engine's cache), ``loaded`` (the connector)
+    or ``computed`` (the encoder ran here); empty for a decoder-only model."""
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +69,16 @@ class Request:
     max_tokens: int
     block_hashes: list[BlockHash]
     kv_transfer_params: Mapping[str, Any] | None = None
+    encoder_input: bytes | None = None
+    encoder_hash: bytes | None = None
+    cross_hashes: list[BlockHash] = field(default_factory=list)
+    """Names of the request's cross blocks (from the encoder input hash)."""
+    cross_block_ids: list[BlockId] = field(default_factory=list)
+    cross_ready: bool = False
+    """The cross blocks hold this request's cross K/V (a hit, a finished load, or computed)."""
+    cross_loading: bool = False
+    """The connector is loading the cross blocks (set from the step's metadata)."""
+    cross_source: str = ""
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[BlockId] = field(default_factory=list)
@@ -100,11 +115,15 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def view(self) -> RequestView:
+        hashes = {"self": tuple(self.block_hashes)}
+        if self.cross_hashes:
+            hashes["cross"] = tuple(self.cross_hashes)
         return RequestView(
             request_id=self.request_id,
             prompt_token_ids=tuple(self.prompt_token_ids),
-            block_hashes={"self": tuple(self.block_hashes)},
+            block_hashes=hashes,
             kv_transfer_params=self.kv_transfer_params,
+            encoder_hash=self.encoder_hash,
         )
 
     def output(self, new_token_ids: tuple[int, ...]) -> RequestOutput:
@@ -122,4 +141,6 @@ class Request:
             blocks_recomputed=self.blocks_recomputed,
             num_computed_tokens=self.num_model_tokens,
             ttft_s=ttft,
+            cross_blocks=len(self.cross_hashes),
+            cross_source=self.cross_source,
         )

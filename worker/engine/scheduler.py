@@ -29,6 +29,19 @@ Blocks of a finished request stay referenced while the connector may still read
 them (``delay_free`` until ``done_sending``) or write them (an aborted load,
 until ``done_receiving``).
 
+**Cross-attention blocks** (encoder-decoder). A request with an encoder
+input gets one cross block table (``ceil(encoder_len / block_size)`` blocks of
+the ``cross`` group), named by
+:meth:`~kvbridge.proto.hashing.BlockHasher.cross_block_hashes`. Admission takes
+them from the prefix cache when *all* are cached (a partial set is never
+used); otherwise it allocates fresh ones, which the connector may load (it
+names them in ``update_state_after_alloc``'s ``block_ids["cross"]``, which is
+present only when the request still needs its cross KV) or which the first
+chunk fills by running the encoder. Any load error of such a request makes it
+recompute its cross KV as well (fail closed). They are cached once written and
+freed with the request. The decoder's self-attention KV depends on the encoder
+input, so the encoder input hash is an extra key of the self blocks' names.
+
 Every pool operation holds :attr:`Scheduler.lock`, because the control server
 pins and unpins blocks from other threads. Connector hooks run without it.
 """
@@ -46,7 +59,7 @@ from typing import Any
 
 from kvbridge.connector.base import SchedulerConnector, StepMetadata
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.hashing import BlockHasher, HashConfig
+from kvbridge.proto.hashing import BlockHasher, ExtraKeys, HashConfig
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockId, RequestId
 from kvbridge.worker.block_pool import BlockPool
@@ -57,6 +70,7 @@ __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
 logger = logging.getLogger(__name__)
 
 GROUP = "self"
+CROSS = "cross"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +81,8 @@ class ScheduledChunk:
     start: int
     end: int
     sample: bool
+    compute_cross: bool = False
+    """Run the encoder and write the request's cross K/V before this chunk."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +123,16 @@ class Scheduler:
         max_tokens: int,
         request_id: str | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        encoder_input: bytes | None = None,
     ) -> Request:
         prompt = [int(t) for t in prompt_token_ids]
+        has_cross = CROSS in self.pools
+        if has_cross != bool(encoder_input):
+            raise ConfigError(
+                "an encoder-decoder engine needs a non-empty encoder_input per request"
+                if has_cross
+                else "encoder_input given, but this engine has no encoder (encoder_decoder off)"
+            )
         if not prompt:
             raise ConfigError("prompt_token_ids must not be empty")
         if max_tokens < 1:
@@ -122,12 +146,26 @@ class Scheduler:
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._held or any(r.request_id == rid for r in (*self._waiting, *self._running)):
             raise ConfigError(f"request id {rid!r} is already in use")
+        encoder_hash = None
+        cross_hashes: list[Any] = []
+        if encoder_input:
+            n_cross = -(-len(encoder_input) // self.block_size)
+            if n_cross > self.pools[CROSS].num_blocks:
+                raise ConfigError(
+                    f"an encoder input of {len(encoder_input)} positions needs {n_cross} cross "
+                    f"blocks; raise num_cross_blocks (now {self.pools[CROSS].num_blocks})"
+                )
+            encoder_hash = self.hasher.encoder_input_hash(encoder_input)
+            cross_hashes = self.hasher.cross_block_hashes(encoder_hash, n_cross)
         request = Request(
             request_id=rid,
             prompt_token_ids=prompt,
             max_tokens=max_tokens,
-            block_hashes=self.hasher.hash_blocks(prompt),
+            block_hashes=self.hasher.hash_blocks(prompt, ExtraKeys(encoder_hash=encoder_hash)),
             kv_transfer_params=kv_transfer_params,
+            encoder_input=encoder_input,
+            encoder_hash=encoder_hash,
+            cross_hashes=cross_hashes,
         )
         self._waiting.append(request)
         return request
@@ -165,6 +203,10 @@ class Scheduler:
             self._next_chunk(r) for r in self._running if r.status is RequestStatus.RUNNING
         )
         metadata = self.connector.build_connector_meta() if self.connector else StepMetadata()
+        loading_cross = {x.request_id for x in metadata.loads if x.local_ids.get(CROSS)}
+        for r in self._running:
+            if r.request_id in loading_cross:
+                r.cross_loading = True
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(chunks, metadata, finished)
@@ -183,6 +225,8 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens = chunk.end
             request.num_model_tokens += chunk.end - chunk.start
+            if chunk.compute_cross:
+                self._cross_done(request, "computed")
             self._cache_computed(request, chunk)
             if chunk.sample:
                 token = sampled[request.request_id]
@@ -225,7 +269,7 @@ class Scheduler:
         pool = self.pools[GROUP]
         with self.lock:
             hits = pool.lookup_prefix(candidates)
-            if not self._fits(pool, hits, need):
+            if not self._fits(pool, hits, need) or not self._cross_fits(request):
                 return False
         num_local = len(hits) * n
         num_external, is_async = 0, False
@@ -243,20 +287,24 @@ class Scheduler:
                 num_external = max(0, min(num_external, num_prompt - 1 - num_local))
         with self.lock:
             # another thread may have pinned free blocks meanwhile: check again
-            if pool.lookup_prefix(candidates[: len(hits)]) != hits or not self._fits(
-                pool, hits, need
+            if (
+                pool.lookup_prefix(candidates[: len(hits)]) != hits
+                or not self._fits(pool, hits, need)
+                or not self._cross_fits(request)
             ):
                 return False
             pool.touch(hits)
             request.block_ids = hits + pool.allocate(need - len(hits))
+            self._allocate_cross(request)
         request.blocks_local_hit = request.num_cached_blocks = len(hits)
         request.num_computed_tokens = num_local + num_external
         request.load_start_block = len(hits)
         request.load_end_block = -(-request.num_computed_tokens // n) if num_external else len(hits)
         if self.connector is not None:
-            self.connector.update_state_after_alloc(
-                request.view(), {GROUP: list(request.block_ids)}, num_external
-            )
+            tables = {GROUP: list(request.block_ids)}
+            if request.cross_hashes and not request.cross_ready:
+                tables[CROSS] = list(request.cross_block_ids)
+            self.connector.update_state_after_alloc(request.view(), tables, num_external)
         if num_external:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             request.pending_recv = is_async
@@ -278,10 +326,51 @@ class Scheduler:
         free_hits = sum(1 for b in hits if pool.ref_count(b) == 0)
         return pool.num_free_blocks - free_hits >= need - len(hits)
 
+    def _cross_hits(self, request: Request) -> list[BlockId]:
+        """The request's cross blocks if *all* of them are cached, else []. Holds the lock."""
+        if not request.cross_hashes:
+            return []
+        hits = self.pools[CROSS].lookup_prefix(request.cross_hashes)
+        return hits if len(hits) == len(request.cross_hashes) else []
+
+    def _cross_fits(self, request: Request) -> bool:
+        """Whether the request's cross blocks can be had now. Holds the lock."""
+        if not request.cross_hashes:
+            return True
+        return self._fits(self.pools[CROSS], self._cross_hits(request), len(request.cross_hashes))
+
+    def _allocate_cross(self, request: Request) -> None:
+        """Take the cached cross blocks (all of them) or allocate fresh ones. Holds the lock."""
+        if not request.cross_hashes:
+            return
+        cpool = self.pools[CROSS]
+        hits = self._cross_hits(request)
+        if hits:
+            cpool.touch(hits)
+            request.cross_block_ids = hits
+            request.cross_ready = True
+            request.cross_source = "hit"
+        else:
+            request.cross_block_ids = cpool.allocate(len(request.cross_hashes))
+
+    def _cross_done(self, request: Request, source: str) -> None:
+        """The request's cross blocks now hold its cross K/V: cache them under their names."""
+        with self.lock:
+            for block_id, block_hash in zip(
+                request.cross_block_ids, request.cross_hashes, strict=True
+            ):
+                self.pools[CROSS].cache_block(block_id, block_hash)
+        request.cross_ready = True
+        request.cross_loading = False
+        request.cross_source = source
+
     def _next_chunk(self, request: Request) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = min((start // self.block_size + 1) * self.block_size, request.num_tokens)
-        return ScheduledChunk(request, start, end, sample=end == request.num_tokens)
+        compute_cross = bool(request.cross_hashes) and not request.cross_ready
+        return ScheduledChunk(
+            request, start, end, sample=end == request.num_tokens, compute_cross=compute_cross
+        )
 
     def _cache_computed(self, request: Request, chunk: ScheduledChunk) -> None:
         k, n = chunk.start // self.block_size, self.block_size
@@ -295,6 +384,8 @@ class Scheduler:
         """The request's loads are done (minus reported errors): cache whole loaded blocks."""
         request.status = RequestStatus.RUNNING
         request.pending_recv = request.sync_load = False
+        if request.cross_loading:
+            self._cross_done(request, "loaded")
         whole = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         with self.lock:
             for k in range(request.num_cached_blocks, whole):
@@ -311,6 +402,8 @@ class Scheduler:
                 continue
             first = bad[0]
             if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.cross_loading:  # fail closed: the encoder runs here instead
+                    request.cross_loading = False
                 logger.warning(
                     "request %s: load of block %d failed; recomputing %d block(s) from there",
                     request.request_id,
@@ -339,9 +432,10 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         delay_free, params = False, None
         if self.connector is not None:
-            delay_free, params = self.connector.request_finished(
-                request.view(), {GROUP: list(request.block_ids)}
-            )
+            tables = {GROUP: list(request.block_ids)}
+            if request.cross_ready:
+                tables[CROSS] = list(request.cross_block_ids)
+            delay_free, params = self.connector.request_finished(request.view(), tables)
         request.finished_params = params
         request.pending_send = delay_free
         self._held[request.request_id] = request
@@ -352,4 +446,6 @@ class Scheduler:
             return
         with self.lock:
             self.pools[GROUP].free(request.block_ids)
+            if request.cross_block_ids:
+                self.pools[CROSS].free(request.cross_block_ids)
         del self._held[request.request_id]
