@@ -190,12 +190,12 @@ class LeaseTable:
 
     def release(self, lease_id: LeaseId) -> bool:
         """Unpin a lease's blocks; False (and nothing happens) if it is unknown or gone."""
+        self.expire()
         with self._lock:
             lease = self._pop(lease_id)
         if lease is None:
             return False
         self._unpin(lease, "released")
-        self.expire()
         return True
 
     def expire(self, now: float | None = None) -> int:
@@ -280,4 +280,5 @@ class PoolBlockOwner(BlockOwner):
     def unpin(self, blocks: GroupBlocks) -> None:
         with self.lock:
             for group, ids in blocks.items():
-                self._pools[group].free(ids)
+                if ids:  # pin_hashes answers [] for a group it does not have
+                    self._pools[group].free(ids)
