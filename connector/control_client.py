@@ -236,13 +236,15 @@ class ControlClient:
             ids = tuple(BlockId(b) for b in item.block_ids)
             if asked is not None and len(ids) > len(asked.get(item.group, ())):
                 raise WireError(f"{where}: more blocks than hashes for group {item.group!r}")
-            if self.peer is not None:
-                self.peer.layout.check_block_ids(item.group, ids)  # LayoutError if out of range
+            if self.peer is not None and ids:
+                n = self.peer.layout.group(item.group).num_blocks  # LayoutError if unknown
+                if max(ids) >= n:
+                    raise WireError(f"{where}: block id {max(ids)} is outside 0..{n - 1}")
             blocks[item.group] = ids
         hashes = {item.group: tuple(BlockHash(h) for h in item.hashes) for item in msg.hashes}
         if asked is not None:
             for group, ids in blocks.items():
-                if list(hashes.get(group, ())) != list(asked[group][: len(ids)]):
+                if hashes.get(group, ()) != tuple(asked[group][: len(ids)]):
                     raise WireError(f"{where}: hashes of group {group!r} are not our prefix")
         rid = msg.request_id
         return PinnedBlocks(

@@ -25,7 +25,7 @@ from kvbridge.connector.control_errors import ERROR_KIND_KEY, TOKEN_KEY, lease_n
 from kvbridge.connector.control_types import (
     ControlLimits,
     PeerInfo,
-    check_hash,
+    check_hashes,
     check_lease_id,
     check_request_id,
     mode_to_pb,
@@ -206,7 +206,7 @@ class ControlHandlers:
                     f"{len(item.hashes)} hashes for group {item.group!r} exceed the "
                     f"{cap} blocks this peer can hold"
                 )
-            wanted[item.group] = [check_hash(h, limits) for h in item.hashes]
+            wanted[item.group] = check_hashes(item.hashes, limits)
         if not any(wanted.values()):
             return pb.Lease()
         if not self.leases.has_room():
