@@ -70,19 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_layout)
 
-    from kvbridge.worker import demo, node_cmd
+    from kvbridge.worker import demo, node_cmd, serve_cmd
 
     node_cmd.add_parser(sub)
     demo.add_parser(sub)
+    serve_cmd.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from kvbridge.worker import bench_hash, bench_kernels, bench_transfer
+    from kvbridge.worker import (
+        bench_control,
+        bench_hash,
+        bench_kernels,
+        bench_prefill_skip,
+        bench_transfer,
+    )
 
     bench_hash.add_parser(bench_sub)
     bench_transfer.add_parser(bench_sub)
     bench_kernels.add_parser(bench_sub)
-    __import__("kvbridge.worker.bench_prefill_skip", fromlist=["add_parser"]).add_parser(bench_sub)
+    bench_control.add_parser(bench_sub)
+    bench_prefill_skip.add_parser(bench_sub)
     return parser
 
 
