@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
     p.add_argument("--head-size", type=int, default=32, help="head size (default 32)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk (default 1024)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode; best is kept")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     p.add_argument("--out", type=Path, default=Path("results/bench_prefill_skip"))

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                     error = d.load_error
                 except Exception as exc:  # the demo reports failures per request
                     tokens, d, ttft, error = [], None, 0.0, str(exc)
-                row = {
+                row: dict[str, Any] = {
                     "request_id": rid,
                     "prompt_tokens": len(prompt),
                     "blocks_local_hit": d.blocks_local_hit if d else 0,
