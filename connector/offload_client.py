@@ -150,16 +150,7 @@ class OffloadClient:
         self._transport = transport
         self._local = local
         self._tp_rank = local.layout.tp_rank
-        limits = config.limits
-        self._channel = grpc.insecure_channel(
-            config.address,
-            options=[
-                ("grpc.max_receive_message_length", limits.max_message_bytes),
-                ("grpc.max_send_message_length", limits.max_message_bytes),
-                ("grpc.enable_retries", 0),
-            ],
-        )
-        self._stub = pb_grpc.OffloadStoreStub(self._channel)
+        self._channel, self._stub = self._open_channel()
         self._lock = threading.Lock()
         self._session: _Session | None = None
         self._retry_at = 0.0
@@ -314,6 +305,21 @@ class OffloadClient:
 
     # -------------------------------------------------------------- helpers
 
+    def _open_channel(self) -> tuple[grpc.Channel, pb_grpc.OffloadStoreStub]:
+        limits = self.config.limits
+        channel = grpc.insecure_channel(
+            self.config.address,
+            options=[
+                ("grpc.max_receive_message_length", limits.max_message_bytes),
+                ("grpc.max_send_message_length", limits.max_message_bytes),
+                ("grpc.enable_retries", 0),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+            ],
+        )
+        return channel, pb_grpc.OffloadStoreStub(channel)
+
     def _connect(self) -> _Session:
         with self._lock:
             if self._closed:
@@ -322,6 +328,11 @@ class OffloadClient:
                 return self._session
             if time.monotonic() < self._retry_at:
                 raise ControlPlaneError("offload daemon unreachable; retrying later", "UNAVAILABLE")
+            if self._retry_at:
+                # a fresh channel: the old one may sit in gRPC's reconnect backoff
+                self._channel.close()
+                self._channel, self._stub = self._open_channel()
+                self._retry_at = 0.0
             local = PeerInfo(
                 engine_id=EngineId(self.config.engine_id),
                 role=self.config.role,

@@ -1,0 +1,119 @@
+"""An engine worker with an :class:`OffloadClient`, in its own process, driven by a test.
+
+Run as ``python tests/offload_worker.py NAME``; speaks the framed msgpack
+protocol of ``transport_peer.py`` (``op`` in, ``{"ok": ...}`` out). Its KV
+memory is filled with seeded random data so tests can compare blocks bit for
+bit across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+from transport_peer import block_bytes, fill, read_frame, write_frame
+
+from kvbridge.connector.offload_client import OffloadClient, OffloadClientConfig
+from kvbridge.proto import offload_pb2 as pb
+from kvbridge.proto.presets import preset_layout
+from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
+
+
+class Worker:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.transport = NixlTransport(NixlConfig(name))
+        self.client: OffloadClient | None = None
+
+    def op_setup(
+        self, address: str, preset: str, num_blocks: int, order: str, seed: int
+    ) -> dict[str, Any]:
+        self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        self.kv = self.layout.allocate()
+        fill(self.layout, self.kv, seed)
+        self.memory = self.transport.register(self.layout, self.kv)
+        config = OffloadClientConfig(
+            address=address,
+            engine_id=self.name,
+            rpc_timeout_s=5.0,
+            transfer_timeout_s=5.0,
+            ttl_s=10.0,
+            reconnect_backoff_s=0.2,
+        )
+        self.client = OffloadClient(config, self.transport, self.memory)
+        return {}
+
+    def _c(self) -> OffloadClient:
+        assert self.client is not None
+        return self.client
+
+    def op_lookup(self, hashes: list[bytes]) -> dict[str, Any]:
+        return {"hits": self._c().lookup([BlockHash(h) for h in hashes])}
+
+    def op_store(self, ids: list[int], hashes: list[bytes]) -> dict[str, Any]:
+        r = self._c().store([BlockId(i) for i in ids], [BlockHash(h) for h in hashes])
+        return {"stored": r.stored, "skipped": r.skipped, "evicted": list(r.evicted),
+                "error": r.error}  # fmt: skip
+
+    def op_load(self, ids: list[int], hashes: list[bytes]) -> dict[str, Any]:
+        r = self._c().load([BlockId(i) for i in ids], [BlockHash(h) for h in hashes])
+        return {"loaded": r.loaded, "error": r.error}
+
+    def op_begin_store(self, ids: list[int], hashes: list[bytes], ttl_s: float) -> dict[str, Any]:
+        """PrepareStore and WRITE, but never commit (the test then kills this process)."""
+        client = self._c()
+        session = client._connect()
+        resp = client._call(
+            "PrepareStore",
+            pb.PrepareStoreRequest(
+                instance=session.instance, hashes=hashes, ttl_ms=round(ttl_s * 1000)
+            ),
+        )
+        local = [ids[i] for i in resp.indices]
+        client._transfer("write", session, local, list(resp.slots))
+        return {"slots": list(resp.slots)}
+
+    def op_blocks(self, ids: list[int]) -> dict[str, Any]:
+        return {"blocks": [block_bytes(self.layout, self.kv, "self", b) for b in ids]}
+
+    def op_scramble(self, ids: list[int]) -> dict[str, Any]:
+        for layer in self.layout.owning_layers("self"):
+            self.kv[layer.name][:, ids] = 0
+        return {}
+
+    def op_stats(self) -> dict[str, Any]:
+        return {"stats": self._c().stats()}
+
+    def op_close(self) -> dict[str, Any]:
+        if self.client is not None:
+            self.client.close()
+        self.transport.close()
+        return {}
+
+
+def main() -> None:
+    # keep the frame channel private: libraries that print to fd 1 go to stderr instead
+    stdout = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    torch.set_num_threads(1)
+    worker = Worker(sys.argv[1])
+    stdin = sys.stdin.buffer
+    write_frame(stdout, {"ok": True, "pid": os.getpid()})
+    while (req := read_frame(stdin)) is not None:
+        op = req.pop("op")
+        try:
+            reply = {"ok": True, **getattr(worker, f"op_{op}")(**req)}
+        except Exception as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        write_frame(stdout, reply)
+        if op == "close":
+            break
+
+
+if __name__ == "__main__":
+    main()

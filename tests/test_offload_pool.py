@@ -1,0 +1,199 @@
+"""The offload daemon's host pool bookkeeping, in process (no NIXL, no gRPC).
+
+LRU eviction over committed, unpinned blocks; uncommitted stores are invisible
+and unevictable; aborts, dead writers (expiry) and finished loads give slots
+back; the pool never holds more than its capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbridge.proto.errors import LeaseError
+from kvbridge.proto.types import BlockHash
+from kvbridge.worker.offload_pool import HostPool, pool_key
+
+TTL = 10.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def keys(tag: str, n: int, tp_rank: int = 0) -> list[BlockHash]:
+    return [pool_key(tp_rank, hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
+
+
+def stored(pool: HostPool, ks: list[BlockHash]) -> list[bytes]:
+    """Store and commit ``ks``; returns the evicted hashes."""
+    prep = pool.prepare_store(ks, TTL)
+    pool.commit_store(prep.store_id)
+    return list(prep.evicted)
+
+
+def test_committed_blocks_are_found_by_prefix_and_others_are_misses() -> None:
+    pool = HostPool(8, 100)
+    ks = keys("a", 4)
+    stored(pool, ks[:3])
+    assert pool.lookup(ks) == 3
+    assert pool.lookup([*keys("z", 1), *ks]) == 0
+    s = pool.stats()
+    assert (s.hits, s.misses, s.stored_blocks, s.stored_bytes) == (3, 6, 3, 300)
+    pool.check()
+
+
+def test_uncommitted_store_is_invisible_and_abort_frees_its_slots() -> None:
+    pool = HostPool(4, 1)
+    ks = keys("a", 4)
+    prep = pool.prepare_store(ks, TTL)
+    assert len(prep.slots) == 4 and prep.indices == (0, 1, 2, 3)
+    assert pool.lookup(ks) == 0
+    assert pool.prepare_load(ks, TTL).load_id == ""
+    # a second writer of the same hashes gets nothing to write, and no room either
+    assert pool.prepare_store(ks, TTL).store_id == ""
+    assert pool.prepare_store(keys("b", 1), TTL).store_id == ""
+    assert pool.abort_store(prep.store_id)
+    assert not pool.abort_store(prep.store_id)
+    assert pool.lookup(ks) == 0
+    assert len(pool.prepare_store(keys("b", 4), TTL).slots) == 4
+    pool.check()
+
+
+def test_dead_writer_store_expires_and_its_slots_are_reused() -> None:
+    clock = FakeClock()
+    pool = HostPool(2, 1, clock=clock)
+    prep = pool.prepare_store(keys("a", 2), ttl_s=1.0)
+    clock.t += 1.5
+    assert pool.expire() == 1
+    with pytest.raises(LeaseError, match="unknown, expired or already finished"):
+        pool.commit_store(prep.store_id)
+    assert pool.lookup(keys("a", 2)) == 0
+    assert len(pool.prepare_store(keys("b", 2), TTL).slots) == 2
+    assert pool.stats().expired == 1
+    pool.check()
+
+
+def test_eviction_takes_least_recently_used_blocks_tail_of_a_prefix_first() -> None:
+    pool = HostPool(6, 1)
+    a, b = keys("a", 3), keys("b", 3)
+    stored(pool, a)
+    stored(pool, b)
+    # a load refreshes a: b becomes the least recently used
+    load = pool.prepare_load(a, TTL)
+    assert pool.complete_load(load.load_id)
+    evicted = stored(pool, keys("c", 2))
+    assert evicted == [b[2][2:], b[1][2:]]  # the tail of b's prefix goes first
+    assert pool.lookup(a) == 3 and pool.lookup(b) == 1
+    pool.check()
+
+
+def test_pinned_blocks_are_never_evicted_and_unpin_makes_them_evictable() -> None:
+    pool = HostPool(4, 1)
+    a = keys("a", 4)
+    stored(pool, a)
+    load = pool.prepare_load(a[:2], TTL)
+    assert len(load.slots) == 2
+    prep = pool.prepare_store(keys("b", 4), TTL)
+    assert len(prep.slots) == 2 and set(prep.slots).isdisjoint(load.slots)
+    pool.commit_store(prep.store_id)
+    assert pool.lookup(a) == 2
+    # the only evictable blocks are b's: the pinned prefix of a stays
+    for i in range(4):
+        prep = pool.prepare_store(keys(f"c{i}", 1), TTL)
+        assert not set(prep.slots) & set(load.slots)
+        if prep.store_id:
+            pool.commit_store(prep.store_id)
+    assert pool.lookup(a) == 2
+    pool.complete_load(load.load_id)
+    assert pool.stats().pinned_blocks == 0
+    assert set(pool.prepare_store(keys("d", 4), TTL).slots) >= set(load.slots)
+    pool.check()
+
+
+def test_expired_load_unpins() -> None:
+    clock = FakeClock()
+    pool = HostPool(2, 1, clock=clock)
+    a = keys("a", 2)
+    stored(pool, a)
+    load = pool.prepare_load(a, ttl_s=1.0)
+    clock.t += 2
+    assert not pool.complete_load(load.load_id)
+    assert pool.stats().pinned_blocks == 0
+
+
+def test_tensor_parallel_ranks_have_separate_entries() -> None:
+    pool = HostPool(8, 1)
+    stored(pool, keys("a", 2, tp_rank=0))
+    assert pool.lookup(keys("a", 2, tp_rank=1)) == 0
+    assert pool.lookup(keys("a", 2, tp_rank=0)) == 2
+
+
+def test_duplicate_hashes_in_one_store_take_one_slot() -> None:
+    pool = HostPool(4, 1)
+    k = keys("a", 1)
+    prep = pool.prepare_store([k[0], k[0]], TTL)
+    assert prep.indices == (0,)
+    pool.commit_store(prep.store_id)
+    assert pool.stats().cached_blocks == 1
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "commit", "abort", "load", "complete", "tick"]),
+        st.integers(0, 20),
+        st.integers(1, 6),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> None:  # type: ignore[type-arg]
+    clock = FakeClock()
+    capacity = 5
+    pool = HostPool(capacity, 1, clock=clock)
+    stores: list[str] = []
+    loads: list[str] = []
+    for op, start, n in script:
+        ks = keys("k", 24)[start : start + n]
+        if op == "store":
+            prep = pool.prepare_store(ks, ttl_s=3.0)
+            assert len(set(prep.slots)) == len(prep.slots)
+            if prep.store_id:
+                stores.append(prep.store_id)
+        elif op == "commit" and stores:
+            with contextlib.suppress(LeaseError):
+                pool.commit_store(stores.pop(start % len(stores)))
+        elif op == "abort" and stores:
+            pool.abort_store(stores.pop(start % len(stores)))
+        elif op == "load":
+            load = pool.prepare_load(ks, ttl_s=3.0)
+            if load.load_id:
+                loads.append(load.load_id)
+        elif op == "complete" and loads:
+            pool.complete_load(loads.pop(start % len(loads)))
+        elif op == "tick":
+            clock.t += n
+            pool.expire()
+        pool.check()
+        s = pool.stats()
+        assert s.cached_blocks + s.writing_blocks <= capacity
+    for store_id in stores:
+        pool.abort_store(store_id)
+    for load_id in loads:
+        pool.complete_load(load_id)
+    s = pool.stats()
+    assert (s.writing_blocks, s.pinned_blocks) == (0, 0)
+    # every slot is usable again
+    fresh = pool.prepare_store(keys("fresh", capacity), TTL)
+    assert len(fresh.slots) == capacity
