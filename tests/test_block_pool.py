@@ -379,7 +379,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         # Reference model.
         self.ref: list[int] = []
         self.hash: list[BlockHash | None] = []
-        self.queue: list[int] = []  # free queue, head first
+        self.queue: list[BlockId] = []  # free queue, head first
         self.model_evictions: list[tuple[BlockHash, BlockId]] = []
         # References the "callers" hold, one entry per reference.
         self.held: list[BlockId] = []
@@ -390,7 +390,51 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_blocks, on_evict=self.evictions)
         self.ref = [0] * num_blocks
         self.hash = [None] * num_blocks
-        self.queue = list(range(num_blocks))
+        self.queue = ids(*range(num_blocks))
+
+    # Each helper performs one operation on the pool and the same one on the model.
+
+    def do_allocate(self, n: int) -> list[BlockId]:
+        got = self.pool.allocate(n)
+        expected, self.queue = self.queue[:n], self.queue[n:]
+        assert got == expected
+        for b in got:
+            old = self.hash[b]
+            if old is not None:
+                self.model_evictions.append((old, b))
+                self.hash[b] = None
+            self.ref[b] = 1
+        self.held.extend(got)
+        return got
+
+    def do_free(self, blocks: list[BlockId]) -> None:
+        self.pool.free(blocks)
+        for b in reversed(blocks):
+            self.held.remove(b)
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.queue.append(b)
+
+    def do_touch(self, blocks: list[BlockId]) -> None:
+        self.pool.touch(blocks)
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.queue.remove(b)
+            self.ref[b] += 1
+            self.held.append(b)
+
+    def do_cache(self, block: BlockId, bh: BlockHash) -> None:
+        current = self.hash[block]
+        if current is not None and current != bh:
+            with pytest.raises(BlockPoolError, match="already cached"):
+                self.pool.cache_block(block, bh)
+        elif current == bh:
+            assert self.pool.cache_block(block, bh) is True
+        elif bh in self.hash:
+            assert self.pool.cache_block(block, bh) is False
+        else:
+            assert self.pool.cache_block(block, bh) is True
+            self.hash[block] = bh
 
     def model_lookup(self, hashes: list[BlockHash]) -> list[BlockId]:
         owner = {bh: BlockId(b) for b, bh in enumerate(self.hash) if bh is not None}
@@ -401,19 +445,24 @@ class BlockPoolMachine(RuleBasedStateMachine):
             hits.append(owner[bh])
         return hits
 
+    @rule(indices=st.lists(hash_indices, min_size=1, max_size=4))
+    def serve_request(self, indices: list[int]) -> None:
+        """What the engine does: take prefix hits, allocate the rest, cache what it wrote."""
+        hashes = [h(i) for i in indices]
+        hits = self.pool.lookup_prefix(hashes)
+        assert hits == self.model_lookup(hashes)
+        self.do_touch(hits)
+        missing = len(hashes) - len(hits)
+        if missing > len(self.queue):
+            self.do_free(hits)  # would not fit: give the hits back
+            return
+        new_blocks = self.do_allocate(missing)
+        for block, bh in zip(new_blocks, hashes[len(hits) :], strict=True):
+            self.do_cache(block, bh)
+
     @rule(data=st.data())
     def allocate(self, data: st.DataObject) -> None:
-        n = data.draw(st.integers(min_value=0, max_value=len(self.queue)))
-        got = self.pool.allocate(n)
-        expected, self.queue = self.queue[:n], self.queue[n:]
-        assert got == expected
-        for b in expected:
-            old = self.hash[b]
-            if old is not None:
-                self.model_evictions.append((old, BlockId(b)))
-                self.hash[b] = None
-            self.ref[b] = 1
-        self.held.extend(got)
+        self.do_allocate(data.draw(st.integers(min_value=0, max_value=len(self.queue))))
 
     @rule(extra=st.integers(min_value=1, max_value=3))
     def allocate_too_many_is_rejected(self, extra: int) -> None:
@@ -427,14 +476,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free_some(self, data: st.DataObject) -> None:
         chosen = data.draw(st.lists(st.sampled_from(range(len(self.held))), unique=True))
-        to_free = [self.held[i] for i in chosen]
-        self.pool.free(to_free)
-        for i in sorted(chosen, reverse=True):
-            del self.held[i]
-        for b in reversed(to_free):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.queue.append(b)
+        self.do_free([self.held[i] for i in chosen])
 
     @rule(data=st.data())
     def free_too_much_is_rejected(self, data: st.DataObject) -> None:
@@ -448,40 +490,29 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:
         blocks = data.draw(st.lists(st.integers(min_value=0, max_value=self.n - 1), max_size=2))
-        self.pool.touch([BlockId(b) for b in blocks])
-        for b in blocks:
-            if self.ref[b] == 0:
-                self.queue.remove(b)
-            self.ref[b] += 1
-            self.held.append(BlockId(b))
+        self.do_touch(ids(*blocks))
 
     @rule(data=st.data())
     def touch_out_of_range_is_rejected(self, data: st.DataObject) -> None:
         bad = data.draw(st.sampled_from([-1, self.n]))
         before = snapshot(self.pool)
         with pytest.raises(BlockPoolError, match=r"out of range"):
-            self.pool.touch([BlockId(0), BlockId(bad)])
+            self.pool.touch(ids(0, bad))
         assert snapshot(self.pool) == before
 
+    @precondition(lambda self: self.held)
     @rule(data=st.data(), hash_index=hash_indices)
     def cache(self, data: st.DataObject, hash_index: int) -> None:
-        any_block = st.integers(min_value=0, max_value=self.n - 1)
-        block = data.draw(st.sampled_from(self.held) | any_block if self.held else any_block)
-        bh = h(hash_index)
-        current = self.hash[block]
-        if self.ref[block] == 0:
-            with pytest.raises(BlockPoolError, match="not referenced"):
-                self.pool.cache_block(BlockId(block), bh)
-        elif current is not None and current != bh:
-            with pytest.raises(BlockPoolError, match="already cached"):
-                self.pool.cache_block(BlockId(block), bh)
-        elif current == bh:
-            assert self.pool.cache_block(BlockId(block), bh) is True
-        elif bh in self.hash:
-            assert self.pool.cache_block(BlockId(block), bh) is False
-        else:
-            assert self.pool.cache_block(BlockId(block), bh) is True
-            self.hash[block] = bh
+        self.do_cache(data.draw(st.sampled_from(self.held)), h(hash_index))
+
+    @precondition(lambda self: self.queue)
+    @rule(data=st.data(), hash_index=hash_indices)
+    def cache_free_block_is_rejected(self, data: st.DataObject, hash_index: int) -> None:
+        block = data.draw(st.sampled_from(self.queue))
+        before = snapshot(self.pool)
+        with pytest.raises(BlockPoolError, match="not referenced"):
+            self.pool.cache_block(block, h(hash_index))
+        assert snapshot(self.pool) == before
 
     @rule(indices=st.lists(hash_indices, max_size=NUM_HASHES))
     def lookup(self, indices: list[int]) -> None:
@@ -506,13 +537,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert self.pool.reset_prefix_cache() == expected
 
     @rule()
-    def free_everything(self) -> None:
-        self.pool.free(self.held)
-        for b in reversed(self.held):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                self.queue.append(b)
-        self.held = []
+    def free_everything_returns_pool_to_full(self) -> None:
+        self.do_free(list(self.held))
+        assert self.held == []
         assert self.pool.num_free_blocks == self.n
         assert self.pool.usage == 0.0
 
@@ -549,10 +576,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         for i in range(NUM_HASHES):
             owner = self.pool.get_block(h(i))
             assert owner is None or self.pool.block_hash(owner) == h(i)
-
-    def teardown(self) -> None:
-        if self.n:
-            self.free_everything()
 
 
 BlockPoolMachine.TestCase.settings = settings(
