@@ -27,7 +27,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.proto.errors import ConfigError, LeaseError
@@ -135,11 +135,22 @@ class HostPool:
 
     # ------------------------------------------------------------------ queries
 
-    def lookup(self, keys: Sequence[BlockHash]) -> int:
-        """Length of the committed prefix of ``keys``; counts hits and misses, pins nothing."""
+    def lookup(self, keys: Iterable[BlockHash], asked: int | None = None) -> int:
+        """Length of the committed prefix of ``keys``; counts hits and misses, pins nothing.
+
+        ``keys`` may be a lazy iterable (read up to the first miss); then pass
+        ``asked``, its length, for the miss count.
+        """
+        if asked is None:
+            keys = list(keys)
+            asked = len(keys)
         with self._lock:
-            hits = len(self._pool.lookup_prefix(keys))
-            self._count_lookup(hits, len(keys))
+            hits = 0
+            for key in keys:
+                if self._pool.get_block(key) is None:
+                    break
+                hits += 1
+            self._count_lookup(hits, asked)
             return hits
 
     def stats(self) -> OffloadStats:

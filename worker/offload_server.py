@@ -180,8 +180,13 @@ class OffloadHandlers:
 
     def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         state = self._ready()
-        keys = self._keys(state, request.tp_rank, request.hashes)
-        return pb.LookupResponse(num_hits=state.pool.lookup(keys))
+        hashes = request.hashes
+        self._keys(state, request.tp_rank, ())  # checks the rank
+        self._check_hashes(hashes)
+        prefix = pool_key(request.tp_rank, b"")
+        # keys are built lazily: only the cached prefix and one miss are ever looked at
+        keys = (BlockHash(prefix + h) for h in hashes)
+        return pb.LookupResponse(num_hits=state.pool.lookup(keys, len(hashes)))
 
     def prepare_store(self, request: pb.PrepareStoreRequest) -> pb.PrepareStoreResponse:
         state = self._ready()
@@ -294,14 +299,27 @@ class OffloadHandlers:
             )
 
     def _keys(self, state: _Pool, tp_rank: int, hashes: Sequence[bytes]) -> list[BlockHash]:
-        limits = self.config.limits
         tp_size = state.info.layout.tp_size
         if not 0 <= tp_rank < tp_size:
             raise WireError(f"tp_rank {tp_rank} is outside the pool's tp_size {tp_size}")
+        self._check_hashes(hashes)
+        prefix = pool_key(tp_rank, b"")
+        return [BlockHash(prefix + h) for h in hashes]
+
+    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
+        limits = self.config.limits
         cap = limits.max_hashes_per_group
         if len(hashes) > cap:
             raise WireError(f"{len(hashes)} hashes exceed the {cap} accepted in one call")
-        return [pool_key(tp_rank, check_hash(h, limits)) for h in hashes]
+        if hashes:
+            lengths = set(map(len, hashes))
+            if min(lengths) < limits.min_hash_bytes or max(lengths) > limits.max_hash_bytes:
+                bad = next(
+                    h
+                    for h in hashes
+                    if len(h) not in range(limits.min_hash_bytes, limits.max_hash_bytes + 1)
+                )
+                check_hash(bad, limits)  # raises WireError naming the size
 
     def _ttl(self, ttl_ms: int) -> float:
         if ttl_ms == 0:
