@@ -1,0 +1,140 @@
+"""``VllmConnectorConfig``: kvbridge's settings inside vLLM, from ``--kv-transfer-config``.
+
+Built once per process from ``kv_role``, ``engine_id`` and
+``kv_connector_extra_config`` (a JSON object); every knob is validated here
+and a bad one raises :class:`ConfigError` naming it. No vLLM import: the
+adapter passes plain values.
+
+``kv_connector_extra_config`` keys (all optional unless said):
+
+================== ===================================================================
+``control_port``   port of the control server (required for ``kv_producer``/``kv_both``:
+                   the scheduler advertises it in ``kv_transfer_params``)
+``control_host``   address the control server binds (default ``127.0.0.1``)
+``advertise_host`` host decode peers reach it at (default ``control_host``)
+``engine_id``      kvbridge engine id (default vLLM's ``engine_id``)
+``model_id``       model identity for layouts and block hashes; must be equal on every
+                   node (default: ``--served-model-name``, i.e. the model path)
+``hash_seed``      block-hash seed, equal on every node (default ``""``)
+``hash_algorithm`` ``sha256`` (default) or ``xxh3_128``
+``token``          shared control-plane token
+``lease_ttl_s``    how long prefill holds blocks for decode (default 30)
+``load_timeout_s`` deadline of one READ (default 10)
+``offload_address``not supported yet (the offload daemon): a ConfigError says so
+================== ===================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.proto import codec
+from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+
+__all__ = ["VllmConnectorConfig", "VLLM_ROLES"]
+
+VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+_KNOWN = frozenset(
+    {
+        "control_port",
+        "control_host",
+        "advertise_host",
+        "engine_id",
+        "model_id",
+        "hash_seed",
+        "hash_algorithm",
+        "token",
+        "lease_ttl_s",
+        "load_timeout_s",
+        "offload_address",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConnectorConfig:
+    """Everything the two halves need; see the module docstring for the knobs."""
+
+    connector: ConnectorConfig
+    model_id: str
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    hash: HashConfig = field(default_factory=HashConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.control_port <= 65535:
+            raise ConfigError(f"control_port {self.control_port} is outside 0..65535")
+        if self.connector.produces and self.control_port == 0:
+            raise ConfigError(
+                "kv_connector_extra_config.control_port is required for kv_producer/kv_both: "
+                "the scheduler puts host:port into kv_transfer_params before the worker starts"
+            )
+        if not self.model_id:
+            raise ConfigError("model_id must be non-empty (same on every node)")
+
+    @classmethod
+    def from_vllm(
+        cls, kv_role: str | None, engine_id: str | None, extra: Mapping[str, Any] | None, model: str
+    ) -> VllmConnectorConfig:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - _KNOWN)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config has unknown keys {unknown}; known: {sorted(_KNOWN)}"
+            )
+        if extra.get("offload_address"):
+            raise ConfigError(
+                "kv_connector_extra_config.offload_address: the offload daemon is not wired "
+                "into the vLLM connector yet (see docs/VLLM.md, 'Not yet')"
+            )
+        if kv_role not in VLLM_ROLES:
+            raise ConfigError(f"kv_role {kv_role!r} is not one of {', '.join(VLLM_ROLES)}")
+        port = _int(extra, "control_port", 0)
+        host = str(extra.get("control_host", "127.0.0.1"))
+        advertise = str(extra.get("advertise_host", host))
+        algorithm = str(extra.get("hash_algorithm", "sha256"))
+        if algorithm not in HASH_ALGORITHMS:
+            raise ConfigError(f"hash_algorithm {algorithm!r} is not one of {HASH_ALGORITHMS}")
+        lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
+        connector = ConnectorConfig(
+            engine_id=str(extra.get("engine_id") or engine_id or ""),
+            role=VLLM_ROLES[kv_role],
+            control_address=f"{advertise}:{port}" if port else "",
+            token=extra.get("token"),
+            lease_ttl_s=lease_ttl_s,
+            load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
+        )
+        return cls(
+            connector=connector,
+            model_id=str(extra.get("model_id") or model),
+            control_host=host,
+            control_port=port,
+            hash=HashConfig(algorithm=algorithm, seed=str(extra.get("hash_seed", ""))),
+        )
+
+    def hasher(
+        self, *, dtype: str, num_layers: int, num_kv_heads: int, head_size: int, block_size: int
+    ) -> BlockHasher:
+        """The block hasher, rooted in what both sides know before any KV tensor exists."""
+        identity = {
+            "model": self.model_id,
+            "dtype": dtype,
+            "layers": num_layers,
+            "kv_heads": num_kv_heads,
+            "head_size": head_size,
+            "block_size": block_size,
+        }
+        fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
+        return BlockHasher(fingerprint, block_size, self.hash)
+
+
+def _int(extra: Mapping[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}")
+    return value

@@ -1,0 +1,187 @@
+"""One offline vLLM engine driven over stdin/stdout (JSON lines), for tests and benchmarks.
+
+Runs inside the vLLM virtual environment (``.venv-vllm``), in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the engine's scheduler and
+kvbridge's connector halves can be inspected. Between commands it keeps
+stepping the engine while it has work (a prefill holding blocks for decode
+must keep reporting ``done_sending``), like a server would.
+
+Commands, one JSON object per line; each gets one answer line, ``KVB-JSON {...}``::
+
+    {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "params": [obj|null, ...]}
+    {"cmd": "stats"}     # blocks in use, leases held, per-request load results
+    {"cmd": "drain", "timeout_s": 10}   # step until nothing is held or running
+    {"cmd": "quit"}
+
+Start: ``python examples/vllm_instance.py --model DIR [--kv-transfer-config JSON]``;
+the first line it prints is ``{"ready": true, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("UCX_MODULES", "^ib")
+
+
+PREFIX = "KVB-JSON "
+"""Answer lines start with this (vLLM logs to stdout too)."""
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+class Instance:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from vllm import LLM
+
+        kw: dict[str, Any] = {}
+        if args.kv_transfer_config:
+            from vllm.config import KVTransferConfig
+
+            kw["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv_transfer_config))
+        t0 = time.perf_counter()
+        self.llm = LLM(
+            model=args.model,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=16,
+            enable_prefix_caching=True,
+            enforce_eager=True,
+            seed=0,
+            **kw,
+        )
+        self.startup_s = time.perf_counter() - t0
+        self.core = self.llm.llm_engine.engine_core.engine_core
+        self.scheduler = self.core.scheduler
+
+    # ----- helpers -------------------------------------------------------------------------
+    def _worker_connector(self) -> Any:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+    def pump(self) -> None:
+        """One engine step if there is work (delayed frees, running requests)."""
+        if self.scheduler.has_requests():
+            self.core.step()
+
+    # ----- commands ------------------------------------------------------------------------
+    def generate(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = cmd["prompts"]
+        params = cmd.get("params") or [None] * len(prompts)
+        sps = []
+        for p in params:
+            extra = {"kv_transfer_params": p} if p else None
+            sps.append(
+                SamplingParams(
+                    max_tokens=cmd.get("max_tokens", 8),
+                    temperature=0.0,
+                    detokenize=False,
+                    ignore_eos=True,
+                    extra_args=extra,
+                )
+            )
+        t0 = time.perf_counter()
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=x) for x in prompts], sps, use_tqdm=False
+        )
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        return {
+            "wall_ms": wall_ms,
+            "outputs": [
+                {
+                    "request_id": o.request_id,
+                    "tokens": list(o.outputs[0].token_ids),
+                    "kv_transfer_params": o.kv_transfer_params,
+                }
+                for o in outs
+            ],
+        }
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+        out: dict[str, Any] = {
+            "startup_s": self.startup_s,
+            "blocks_in_use": total - pool.get_num_free_blocks(),
+            "total_blocks": total,
+            "requests": len(self.scheduler.requests),
+        }
+        conn = self._worker_connector()
+        worker = getattr(conn, "_worker", None)
+        if worker is not None:
+            out["held_requests"] = len(worker.held)
+            out["leases"] = 0 if worker.leases is None else len(worker.leases)
+            out["loads"] = {
+                rid: {
+                    "requested": r.blocks_requested,
+                    "moved": r.blocks_moved,
+                    "transfer_ms": r.transfer_ms,
+                    "bytes": r.bytes_moved,
+                    "error": r.error,
+                }
+                for rid, r in worker.results.items()
+            }
+        elif conn is not None and hasattr(conn, "get_kv_connector_stats"):
+            s = conn.get_kv_connector_stats()  # NixlConnector: durations since last call
+            out["nixl_stats"] = None if s is None else s.data
+        return out
+
+    def drain(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        deadline = time.monotonic() + float(cmd.get("timeout_s", 10))
+        while self.scheduler.has_requests() and time.monotonic() < deadline:
+            self.core.step()
+            time.sleep(0.005)
+        return self.stats()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kv-transfer-config", default="")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    args = parser.parse_args()
+    inst = Instance(args)
+    _reply({"ready": True, "startup_s": inst.startup_s})
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.002)
+        if not ready:
+            inst.pump()
+            continue
+        line = sys.stdin.readline()
+        if not line:
+            return
+        cmd = json.loads(line)
+        try:
+            if cmd["cmd"] == "quit":
+                _reply({"ok": True})
+                return
+            handler = {"generate": inst.generate, "stats": lambda c: inst.stats()}.get(cmd["cmd"])
+            if cmd["cmd"] == "drain":
+                _reply(inst.drain(cmd))
+            elif handler is None:
+                _reply({"error": f"unknown command {cmd['cmd']!r}"})
+            else:
+                _reply(handler(cmd))
+        except Exception as exc:  # report, keep serving: the driver decides
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+if __name__ == "__main__":
+    main()
