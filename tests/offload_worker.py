@@ -39,9 +39,9 @@ class Worker:
         config = OffloadClientConfig(
             address=address,
             engine_id=self.name,
-            rpc_timeout_s=5.0,
-            transfer_timeout_s=5.0,
-            ttl_s=10.0,
+            rpc_timeout_s=15.0,
+            transfer_timeout_s=15.0,
+            ttl_s=30.0,
             reconnect_backoff_s=0.2,
         )
         self.client = OffloadClient(config, self.transport, self.memory)
