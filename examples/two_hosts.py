@@ -23,6 +23,7 @@ from pathlib import Path
 
 from kvbridge.worker.demo import _check_no_leaks, _reference, make_workload
 from kvbridge.worker.engine import EngineConfig
+from kvbridge.worker.node_cmd import add_engine_arguments
 from kvbridge.worker.router import EngineClient, Router
 
 
@@ -34,17 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode", required=True, help="decode node's Inference address host:port")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=6)
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=512)
-    p.add_argument("--order", default="block-nhd")
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_arguments(p)  # must match the flags the two nodes were started with
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
     vocab = EngineConfig.preset(args.model).vocab_size
     prompts = make_workload(args.requests, 3, vocab, args.block_size, args.seed)
-    expected = _reference(args, prompts)
+    expected = _reference(args, prompts, [None] * len(prompts))
     prefill, decode = EngineClient(args.prefill), EngineClient(args.decode)
     prefill.wait_ready(30)
     decode.wait_ready(30)
