@@ -70,10 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_layout)
 
-    from kvbridge.worker import demo, node_cmd, serve_cmd
+    from kvbridge.worker import demo, node_cmd, offload_cmd, serve_cmd
 
     node_cmd.add_parser(sub)
     demo.add_parser(sub)
+    offload_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_control,
         bench_hash,
         bench_kernels,
+        bench_offload,
         bench_prefill_skip,
         bench_transfer,
     )
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_transfer.add_parser(bench_sub)
     bench_kernels.add_parser(bench_sub)
     bench_control.add_parser(bench_sub)
+    bench_offload.add_parser(bench_sub)
     bench_prefill_skip.add_parser(bench_sub)
     return parser
 
