@@ -20,6 +20,7 @@ adapter passes plain values.
 ``token``          shared control-plane token
 ``lease_ttl_s``    how long prefill holds blocks for decode (default 30)
 ``load_timeout_s`` deadline of one READ (default 10)
+``max_concurrent_loads`` parallel READs (default 1: see docs/VLLM.md, "Known issues")
 ``offload_address``not supported yet (the offload daemon): a ConfigError says so
 ================== ===================================================================
 """
@@ -52,6 +53,7 @@ _KNOWN = frozenset(
         "lease_ttl_s",
         "load_timeout_s",
         "offload_address",
+        "max_concurrent_loads",
     }
 )
 
@@ -108,6 +110,7 @@ class VllmConnectorConfig:
             token=extra.get("token"),
             lease_ttl_s=lease_ttl_s,
             load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
+            max_concurrent_loads=_int(extra, "max_concurrent_loads", 1),
         )
         return cls(
             connector=connector,

