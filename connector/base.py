@@ -49,6 +49,7 @@ __all__ = [
     "WorkerConnector",
     "StepMetadata",
     "BlockLoad",
+    "BlockStore",
 ]
 
 
@@ -77,6 +78,18 @@ class BlockLoad:
     lease_id: str = ""
     remote_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
     """Hashes of the remote blocks' full blocks, to re-pin by hash if the lease expired."""
+    offload_hashes: Sequence[BlockHash] = ()
+    """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon
+    first; what it lacks comes from the remote engine (or, with no remote, is recomputed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStore:
+    """Store a finished request's full ``self`` blocks in the CPU offload daemon."""
+
+    request_id: RequestId
+    block_ids: Sequence[BlockId]
+    hashes: Sequence[BlockHash]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +97,7 @@ class StepMetadata:
     """The scheduler half's plan for one step, consumed by the worker half."""
 
     loads: tuple[BlockLoad, ...] = ()
+    stores: tuple[BlockStore, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -26,6 +26,8 @@ class ConnectorConfig:
     control_timeout_s: float = 5.0
     on_load_error: str = "recompute"
     max_concurrent_loads: int = 4
+    offload_address: str = ""
+    """host:port of the node's CPU offload daemon; empty: no offloading."""
 
     def __post_init__(self) -> None:
         if not self.engine_id or len(self.engine_id) > 128:

@@ -28,11 +28,17 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.connector.base import BlockLoad, RequestView, SchedulerConnector, StepMetadata
+from kvbridge.connector.base import (
+    BlockLoad,
+    BlockStore,
+    RequestView,
+    SchedulerConnector,
+    StepMetadata,
+)
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import KVBridgeError, WireError
@@ -51,6 +57,12 @@ class LeaseIssuer(ABC):
     """
 
     @abstractmethod
+    def verified_prefix(
+        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+    ) -> int:
+        """How many leading ``block_ids`` hold exactly the KV named by ``hashes``."""
+
+    @abstractmethod
     def lease_request(
         self,
         request_id: RequestId,
@@ -62,8 +74,9 @@ class LeaseIssuer(ABC):
 
 @dataclass(slots=True)
 class _Pending:
-    params: KVTransferParams
+    params: KVTransferParams | None
     first_block: int
+    offload_blocks: int = 0
 
 
 class KVBridgeScheduler(SchedulerConnector):
@@ -73,20 +86,29 @@ class KVBridgeScheduler(SchedulerConnector):
         self.config = config
         self.block_size = block_size
         self.issuer: LeaseIssuer | None = None
+        self.offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None
+        self._stores: list[BlockStore] = []
         self._pending: dict[RequestId, _Pending] = {}
         self._loads: list[BlockLoad] = []
 
-    def attach(self, issuer: LeaseIssuer) -> None:
-        """Give the prefill side its lease issuer (wired after the engine exists)."""
+    def attach(
+        self,
+        issuer: LeaseIssuer,
+        offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
+    ) -> None:
+        """Wire what exists only once the engine does: the lease issuer (prefill side) and,
+        with an offload daemon, the lookup of how many leading blocks it holds."""
         self.issuer = issuer
+        self.offload_lookup = offload_lookup
 
     # ----- decode --------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int, bool]:
         raw = request.kv_transfer_params
+        first = num_computed_tokens // self.block_size
         if not self.config.consumes or not KVTransferParams.is_remote_prefill(raw):
-            return 0, False
+            return self._offload_hits(request, first)
         assert raw is not None
         try:
             params = KVTransferParams.parse(raw, self.block_size)
@@ -99,8 +121,25 @@ class KVBridgeScheduler(SchedulerConnector):
         external = params.num_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
-        self._pending[request.request_id] = _Pending(params, num_computed_tokens // self.block_size)
+        # blocks the node's offload daemon holds come from there; the rest from prefill
+        full = len(params.block_hashes["self"])
+        offload = self._lookup(request.block_hashes.get("self", ())[first:full])
+        self._pending[request.request_id] = _Pending(params, first, offload)
         return external, True
+
+    def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
+        """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
+        last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
+        n = self._lookup(request.block_hashes.get("self", ())[first:last])
+        if n <= 0:
+            return 0, False
+        self._pending[request.request_id] = _Pending(None, first, n)
+        return n * self.block_size, True
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> int:
+        if self.offload_lookup is None or not hashes:
+            return 0
+        return max(0, min(len(hashes), self.offload_lookup(hashes)))
 
     def _check_matches_prompt(self, request: RequestView, params: KVTransferParams) -> None:
         if len(request.prompt_token_ids) != params.num_tokens + 1:
@@ -121,7 +160,21 @@ class KVBridgeScheduler(SchedulerConnector):
         pending = self._pending.pop(request.request_id, None)
         if pending is None or num_external_tokens <= 0:
             return
+        first, k = pending.first_block, pending.offload_blocks
+        offload_hashes = tuple(request.block_hashes.get("self", ())[first : first + k])
         params = pending.params
+        if params is None:  # blocks from the offload daemon only
+            self._loads.append(
+                BlockLoad(
+                    request_id=request.request_id,
+                    remote_engine="",
+                    remote_address="",
+                    local_ids={"self": tuple(block_ids["self"][first : first + k])},
+                    remote_ids={},
+                    offload_hashes=offload_hashes,
+                )
+            )
+            return
         end = -(-params.num_tokens // self.block_size)
         local = {"self": tuple(block_ids["self"][pending.first_block : end])}
         remote = {"self": params.block_ids["self"][pending.first_block : end]}
@@ -139,6 +192,7 @@ class KVBridgeScheduler(SchedulerConnector):
                 remote_ids=remote,
                 lease_id=params.lease_id,
                 remote_hashes=hashes,
+                offload_hashes=offload_hashes,
             )
         )
 
@@ -163,19 +217,21 @@ class KVBridgeScheduler(SchedulerConnector):
 
     def build_connector_meta(self) -> StepMetadata:
         loads, self._loads = tuple(self._loads), []
-        return StepMetadata(loads=loads)
+        stores, self._stores = tuple(self._stores), []
+        return StepMetadata(loads=loads, stores=stores)
 
     # ----- prefill -------------------------------------------------------------------------
     def request_finished(
         self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
+        delay_free = self._store(request, block_ids)
         raw = request.kv_transfer_params
         if not self.config.produces or not raw or not raw.get("do_remote_decode"):
-            return False, None
+            return delay_free, None
         ids = {g: list(b) for g, b in block_ids.items() if b}
         if not ids.get("self") or self.issuer is None:
-            return False, None
+            return delay_free, None
         num_tokens = len(request.prompt_token_ids)
         needed = -(-num_tokens // self.block_size)
         ids["self"] = ids["self"][:needed]
@@ -195,7 +251,7 @@ class KVBridgeScheduler(SchedulerConnector):
                 request.request_id,
                 exc,
             )
-            return False, None
+            return delay_free, None
         params = KVTransferParams(
             remote_engine_id=self.config.engine_id,  # type: ignore[arg-type]
             remote_address=self.config.control_address,
@@ -206,4 +262,19 @@ class KVBridgeScheduler(SchedulerConnector):
             lease_id=lease_id,
             lease_ttl_s=ttl_s,
         )
-        return False, params.to_dict()
+        return delay_free, params.to_dict()
+
+    def _store(self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]) -> bool:
+        """Queue the request's verified full blocks for the offload daemon; True if queued
+        (the engine then keeps the blocks until the worker reports the store done)."""
+        if self.offload_lookup is None or self.issuer is None:
+            return False
+        ids = list(block_ids.get("self", ()))
+        hashes = list(request.block_hashes.get("self", ()))[: len(ids)]
+        # only blocks the engine itself holds under exactly these names: never store
+        # a block of an aborted request whose KV was not written whole
+        n = self.issuer.verified_prefix("self", ids[: len(hashes)], hashes)
+        if n <= 0:
+            return False
+        self._stores.append(BlockStore(request.request_id, tuple(ids[:n]), tuple(hashes[:n])))
+        return True

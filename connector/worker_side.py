@@ -31,23 +31,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.base import BlockLoad, StepMetadata, WorkerConnector
+from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.kernels import BlockMapping, convert_blocks
 from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError
 from kvbridge.proto.negotiate import TransferMode
-from kvbridge.proto.types import BlockId, EngineId, LeaseId, RequestId
+from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control_client import ControlClient
     from kvbridge.connector.control_types import PeerInfo
+    from kvbridge.connector.offload_client import OffloadClient
     from kvbridge.proto.layout import KVLayout
     from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
 
@@ -72,6 +73,8 @@ class LoadResult:
     """Blocks read per group (``self``, ``cross``)."""
     bytes_moved: int = 0
     """Bytes the transport read: only layers that own KV ever move."""
+    blocks_offloaded: int = 0
+    """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
 
 
 STAGING_BLOCKS = 256
@@ -113,6 +116,7 @@ class _Peer:
 @dataclass(slots=True)
 class _State:
     jobs: dict[RequestId, Future[LoadResult]] = field(default_factory=dict)
+    stores: dict[RequestId, Future[None]] = field(default_factory=dict)
     bad: set[BlockId] = field(default_factory=set)
     results: dict[RequestId, LoadResult] = field(default_factory=dict)
 
@@ -132,6 +136,7 @@ class KVBridgeWorker(WorkerConnector):
         self._client_factory = client_factory
         self._local_info = local_info
         self.memory: LocalMemory | None = None
+        self.offload: OffloadClient | None = None
         self.kv_caches: Mapping[str, torch.Tensor] = {}
         self._staging: dict[tuple[str, ...], _Staging] = {}
         self._peers: dict[EngineId, _Peer] = {}
@@ -143,10 +148,30 @@ class KVBridgeWorker(WorkerConnector):
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
         self.memory = self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches
+        if self.config.offload_address:
+            from kvbridge.connector.offload_client import OffloadClient, OffloadClientConfig
+
+            timeout = self.config.load_timeout_s
+            self.offload = OffloadClient(
+                OffloadClientConfig(
+                    address=self.config.offload_address,
+                    engine_id=self.config.engine_id,
+                    transfer_timeout_s=timeout,
+                    ttl_s=max(2 * timeout, self.config.lease_ttl_s),
+                ),
+                self.transport,
+                self.memory,
+            )
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
         for load in metadata.loads:
             self._state.jobs[load.request_id] = self._pool.submit(self._load, load)
+        for store in metadata.stores:
+            self._state.stores[store.request_id] = self._pool.submit(self._store, store)
+
+    def offload_lookup(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``hashes`` the offload daemon holds (0 without one, or on error)."""
+        return 0 if self.offload is None else self.offload.lookup(hashes)
 
     def get_finished(
         self, finished_request_ids: set[RequestId]
@@ -160,7 +185,10 @@ class KVBridgeWorker(WorkerConnector):
             self._state.results[rid] = result
             self._state.bad.update(result.bad_block_ids)
             done.add(rid)
-        return set(), done
+        sent = {rid for rid, job in self._state.stores.items() if job.done()}
+        for rid in sent:
+            del self._state.stores[rid]
+        return sent, done
 
     def get_block_ids_with_load_errors(self) -> set[BlockId]:
         bad, self._state.bad = self._state.bad, set()
@@ -173,6 +201,8 @@ class KVBridgeWorker(WorkerConnector):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self.offload is not None:
+            self.offload.close()
         with self._peers_lock:
             peers, self._peers = self._peers, {}
         for peer in peers.values():
@@ -181,8 +211,51 @@ class KVBridgeWorker(WorkerConnector):
             self.transport.unregister(staging.memory)
         self._staging.clear()
 
-    # ----- one load, on a pool thread ------------------------------------------------------
+    # ----- one store / load, on a pool thread ----------------------------------------------
+    def _store(self, store: BlockStore) -> None:
+        """WRITE a finished request's blocks to the offload daemon (best effort, never raises)."""
+        assert self.offload is not None
+        result = self.offload.store(list(store.block_ids), list(store.hashes))
+        if result.error:
+            log.info("request %s: offload store failed: %s", store.request_id, result.error)
+        else:
+            log.debug(
+                "request %s: stored %d blocks, %d already held",
+                store.request_id,
+                result.stored,
+                result.skipped,
+            )
+
     def _load(self, load: BlockLoad) -> LoadResult:
+        """Blocks from the offload daemon first, the rest from the remote engine."""
+        if not load.offload_hashes or self.offload is None:
+            return self._load_remote(load)
+        k = len(load.offload_hashes)
+        local_self = list(load.local_ids["self"])
+        got = self.offload.load(local_self[:k], list(load.offload_hashes))  # never raises
+        m = got.loaded
+        if not load.remote_engine:  # nothing to fall back on: recompute what is missing
+            return LoadResult(
+                load.request_id,
+                k,
+                0,
+                tuple(local_self[m:k]),
+                got.elapsed_s * 1e3,
+                got.error if m < k else "",
+                {},
+                0,
+                m,
+            )
+        # always go to the peer, if only to release the lease on what it pinned for us
+        result = self._load_remote(_skip_self(load, m))
+        return replace(
+            result,
+            blocks_requested=result.blocks_requested + m,
+            transfer_ms=result.transfer_ms + got.elapsed_s * 1e3,
+            blocks_offloaded=m,
+        )
+
+    def _load_remote(self, load: BlockLoad) -> LoadResult:
         groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
         local = {g: list(load.local_ids[g]) for g in groups}
         remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
@@ -347,3 +420,18 @@ class KVBridgeWorker(WorkerConnector):
         except KVBridgeError as exc:
             log.debug("disconnect: %s", exc)
         peer.client.close()
+
+
+def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
+    """``load`` without its first ``n`` ``self`` blocks (they came from the offload daemon)."""
+    if n == 0:
+        return load
+    local = dict(load.local_ids)
+    remote = dict(load.remote_ids)
+    hashes = dict(load.remote_hashes)
+    local["self"] = tuple(load.local_ids["self"])[n:]
+    remote["self"] = tuple(load.remote_ids.get("self", ()))[n:]
+    hashes["self"] = tuple(load.remote_hashes.get("self", ()))[n:]
+    return replace(
+        load, local_ids=local, remote_ids=remote, remote_hashes=hashes, offload_hashes=()
+    )

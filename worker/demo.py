@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="--encoder-decoder: distinct encoder inputs shared by the requests (default 2)",
     )
     p.add_argument("--json", type=Path, default=None, help="write per-request results here")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="add a CPU offload daemon; a second pass meets a fresh decode node, which loads "
+        "the repeated prompts from the daemon",
+    )
     p.add_argument("--startup-timeout", type=float, default=90.0)
     p.set_defaults(func=run)
 
@@ -103,16 +109,20 @@ def _pin_to_core(core: int | None) -> Any:
 
 @contextmanager
 def start_node(
-    role: str,
+    name: str,
     args: argparse.Namespace,
     order: str,
     workdir: Path,
     core: int | None,
     extra: list[str] | None = None,
+    *,
+    role: str | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
-    """Start ``kvbridge serve --role ROLE`` and yield (process, its ready info); always stops it."""
-    ready = workdir / f"{role}.ready"
-    log = open(workdir / f"{role}.log", "wb")  # noqa: SIM115 - closed in finally
+    """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``) and yield (process,
+    its ready info); always stops it."""
+    role = role or name
+    ready = workdir / f"{name}.ready"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
     cmd = [
         sys.executable,
         "-m",
@@ -121,7 +131,7 @@ def start_node(
         "--role",
         role,
         "--engine-id",
-        f"{role}-{os.getpid()}",
+        f"{name}-{os.getpid()}",
         "--model",
         args.model,
         "--order",
@@ -207,58 +217,44 @@ def run(args: argparse.Namespace) -> int:
     expected = _reference(args, prompts, encoder_inputs)
     rows: list[dict[str, Any]] = []
     leaks: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp, ExitStack() as stack:
         work = Path(tmp)
-        with (
-            start_node("prefill", args, args.order, work, p_core) as (_, pinfo),
-            start_node("decode", args, args.decode_order or args.order, work, d_core) as (_, dinfo),
-        ):
-            prefill, decode = EngineClient(pinfo["inference"]), EngineClient(dinfo["inference"])
-            router = Router(prefill, decode)
-            print(
-                f"prefill at {pinfo['inference']} (control {pinfo['control']}), "
-                f"decode at {dinfo['inference']}\n"
-            )
-            header = (
-                f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'cross':>5} {'KiB':>7} "
-                f"{'recomp':>6} {'xfer_ms':>8} {'ttft_ms':>8}  match"
-            )
-            print(header)
-            for i, prompt in enumerate(prompts):
-                rid = f"demo-{i}"
-                try:
-                    res = router.generate(prompt, args.max_tokens, rid, encoder_inputs[i] or b"")
-                    tokens, d, ttft = res.tokens, res.decode, res.ttft_ms
-                    error = d.load_error
-                except Exception as exc:  # the demo reports failures per request
-                    tokens, d, ttft, error = [], None, 0.0, str(exc)
-                row: dict[str, Any] = {
-                    "request_id": rid,
-                    "prompt_tokens": len(prompt),
-                    "blocks_local_hit": d.blocks_local_hit if d else 0,
-                    "blocks_moved": d.blocks_moved if d else 0,
-                    "blocks_moved_by_group": dict(d.blocks_moved_by_group) if d else {},
-                    "bytes_moved": d.bytes_moved if d else 0,
-                    "decode_cross_source": d.cross_source if d else "",
-                    "blocks_recomputed": d.blocks_recomputed if d else 0,
-                    "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
-                    "ttft_ms": round(ttft, 3),
-                    "tokens_match": tokens == expected[i],
-                    "load_error": error,
-                }
-                rows.append(row)
+        extra: list[str] = []
+        if args.offload:
+            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout))
+            extra = ["--offload", daemon]
+            print(f"offload daemon at {daemon}")
+        _, pinfo = stack.enter_context(start_node("prefill", args, args.order, work, p_core, extra))
+        prefill = EngineClient(pinfo["inference"])
+        stack.callback(prefill.close)
+        passes = 2 if args.offload else 1
+        for n in range(passes):
+            # with --offload the second pass meets a fresh decode node: its prompts come back
+            # from the offload daemon instead of prefill's memory
+            with start_node(
+                f"decode{n}",
+                args,
+                args.decode_order or args.order,
+                work,
+                d_core,
+                extra,
+                role="decode",
+            ) as (_, dinfo):
+                decode = EngineClient(dinfo["inference"])
                 print(
-                    f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
-                    f"{row['blocks_moved']:>5} "
-                    f"{_cross_cell(row):>5} {row['bytes_moved'] / 1024:>7.0f} "
-                    f"{row['blocks_recomputed']:>6} "
-                    f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
-                    f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
-                    flush=True,
+                    f"\npass {n + 1}: prefill at {pinfo['inference']} (control "
+                    f"{pinfo['control']}), decode at {dinfo['inference']}\n"
                 )
-            leaks = _check_no_leaks({"prefill": prefill, "decode": decode})
-            prefill.close()
-            decode.close()
+                rows += _run_pass(
+                    Router(prefill, decode),
+                    prompts,
+                    encoder_inputs,
+                    expected,
+                    args.max_tokens,
+                    n + 1,
+                )
+                leaks += _check_no_leaks({"prefill": prefill, f"decode (pass {n + 1})": decode})
+                decode.close()
     summary = {
         "requests": len(rows),
         "all_match": all(r["tokens_match"] for r in rows),
@@ -266,13 +262,15 @@ def run(args: argparse.Namespace) -> int:
         "blocks_moved_by_group": _sum_groups(rows),
         "bytes_moved": sum(r["bytes_moved"] for r in rows),
         "blocks_local_hit": sum(r["blocks_local_hit"] for r in rows),
+        "blocks_offloaded": sum(r["blocks_offloaded"] for r in rows),
         "blocks_recomputed": sum(r["blocks_recomputed"] for r in rows),
         "leaks": leaks,
     }
     print(
         f"\nall_match: {str(summary['all_match']).lower()}; moved {summary['blocks_moved']} "
         f"blocks {summary['blocks_moved_by_group']} ({summary['bytes_moved'] / 2**20:.2f} MiB), "
-        f"decode hit {summary['blocks_local_hit']} locally, recomputed "
+        f"decode hit {summary['blocks_local_hit']} locally, loaded "
+        f"{summary['blocks_offloaded']} from the offload daemon, recomputed "
         f"{summary['blocks_recomputed']}; leaks: {leaks or 'none'}"
     )
     if args.json is not None:
@@ -291,6 +289,94 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.json}")
     return 0 if summary["all_match"] and not leaks else 1
+
+
+def _run_pass(
+    router: Any,
+    prompts: list[list[int]],
+    encoder_inputs: list[bytes | None],
+    expected: list[list[int]],
+    max_tokens: int,
+    pass_no: int,
+) -> list[dict[str, Any]]:
+    """Route every prompt, print a line per request, return the rows."""
+    print(
+        f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'cross':>5} {'offl':>4} {'KiB':>7} "
+        f"{'recomp':>6} {'xfer_ms':>8} {'ttft_ms':>8}  match"
+    )
+    rows = []
+    for i, prompt in enumerate(prompts):
+        rid = f"demo-{pass_no}-{i}"
+        try:
+            res = router.generate(prompt, max_tokens, rid, encoder_inputs[i] or b"")
+            tokens, d, ttft = res.tokens, res.decode, res.ttft_ms
+            error = d.load_error
+        except Exception as exc:  # the demo reports failures per request
+            tokens, d, ttft, error = [], None, 0.0, str(exc)
+        row: dict[str, Any] = {
+            "request_id": rid,
+            "pass": pass_no,
+            "prompt_tokens": len(prompt),
+            "blocks_local_hit": d.blocks_local_hit if d else 0,
+            "blocks_moved": d.blocks_moved if d else 0,
+            "blocks_moved_by_group": dict(d.blocks_moved_by_group) if d else {},
+            "blocks_offloaded": d.blocks_offloaded if d else 0,
+            "bytes_moved": d.bytes_moved if d else 0,
+            "decode_cross_source": d.cross_source if d else "",
+            "blocks_recomputed": d.blocks_recomputed if d else 0,
+            "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
+            "ttft_ms": round(ttft, 3),
+            "tokens_match": tokens == expected[i],
+            "load_error": error,
+        }
+        rows.append(row)
+        print(
+            f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
+            f"{row['blocks_moved']:>5} {_cross_cell(row):>5} {row['blocks_offloaded']:>4} "
+            f"{row['bytes_moved'] / 1024:>7.0f} {row['blocks_recomputed']:>6} "
+            f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
+            f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
+            flush=True,
+        )
+    return rows
+
+
+@contextmanager
+def start_offload_daemon(workdir: Path, timeout_s: float) -> Iterator[str]:
+    """Start ``kvbridge offload serve`` on loopback; yield its address; always stop it."""
+    log_path = workdir / "offload.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.worker.cli",
+                "offload",
+                "serve",
+                "--capacity",
+                "256MiB",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib")),
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                text = log_path.read_text(errors="replace")
+                if " listening on " in text:
+                    yield text.split(" listening on ", 1)[1].split(",", 1)[0].strip()
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"offload daemon did not start; its log:\n{text[-2000:]}")
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _cross_cell(row: dict[str, Any]) -> str:

@@ -52,6 +52,20 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
             for group, ids in blocks.items():
                 self._engine.pools[group].free(ids)
 
+    def verified_prefix(
+        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+    ) -> int:
+        pool = self._engine.pools.get(group)
+        if pool is None:
+            return 0
+        n = 0
+        with self._engine.lock:
+            for block_id, block_hash in zip(block_ids, hashes, strict=False):
+                if pool.block_hash(block_id) != block_hash:
+                    break
+                n += 1
+        return n
+
     def lease_request(
         self,
         request_id: RequestId,

@@ -73,6 +73,7 @@ class GenerateResult:
     load_error: str = ""
     blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
     bytes_moved: int = 0
+    blocks_offloaded: int = 0
 
 
 @dataclass(slots=True)
@@ -100,7 +101,10 @@ class Node:
             connector_worker=self.worker_connector,
         )
         self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s)
-        self.scheduler_connector.attach(self.owner)
+        self.scheduler_connector.attach(
+            self.owner,
+            self.worker_connector.offload_lookup if cc.offload_address else None,
+        )
         assert self.worker_connector.memory is not None
         self.layout = self.worker_connector.memory.layout
         self.control: ControlServer = serve(
@@ -210,6 +214,7 @@ class Node:
             result.blocks_moved = load.blocks_moved
             result.blocks_moved_by_group = dict(load.moved_by_group)
             result.bytes_moved = load.bytes_moved
+            result.blocks_offloaded = load.blocks_offloaded
             result.load_error = load.error
             if load.error and self.config.connector.on_load_error == "fail":
                 sub.future.set_exception(
@@ -303,6 +308,7 @@ class _InferenceServicer(epb_grpc.InferenceServicer):
             prompt_tokens=out.num_prompt_tokens,
             blocks_local_hit=out.blocks_local_hit,
             blocks_moved=result.blocks_moved,
+            blocks_offloaded=result.blocks_offloaded,
             blocks_recomputed=out.blocks_recomputed,
             transfer_ms=result.transfer_ms,
             ttft_ms=(out.ttft_s or 0.0) * 1e3,

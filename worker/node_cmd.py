@@ -131,6 +131,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--load-timeout", type=float, default=10.0, help="deadline of one KV load (s)")
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--offload",
+        default="",
+        metavar="HOST:PORT",
+        help="this node's CPU offload daemon (kvbridge offload serve); default: none",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
         "--ready-file",
@@ -159,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             lease_ttl_s=args.lease_ttl,
             load_timeout_s=args.load_timeout,
             on_load_error=args.on_load_error,
+            offload_address=args.offload,
         ),
         host=args.host,
         port=args.port,
