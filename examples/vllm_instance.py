@@ -65,6 +65,22 @@ class Instance:
         self.startup_s = time.perf_counter() - t0
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
+        self.nixl_transfer_s: list[float] = []
+        conn = self._worker_connector()
+        if conn is not None and not hasattr(conn, "_worker"):
+            self._tap_stats(conn)
+
+    def _tap_stats(self, conn: Any) -> None:
+        """Keep a copy of NixlConnector's transfer durations (the engine drains its stats)."""
+        original = conn.get_kv_connector_stats
+
+        def tapped() -> Any:
+            stats = original()
+            if stats is not None:
+                self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
+            return stats
+
+        conn.get_kv_connector_stats = tapped
 
     # ----- helpers -------------------------------------------------------------------------
     def _worker_connector(self) -> Any:
@@ -137,9 +153,8 @@ class Instance:
                 }
                 for rid, r in worker.results.items()
             }
-        elif conn is not None and hasattr(conn, "get_kv_connector_stats"):
-            s = conn.get_kv_connector_stats()  # NixlConnector: durations since last call
-            out["nixl_stats"] = None if s is None else s.data
+        elif conn is not None:
+            out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
         return out
 
     def drain(self, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""Prefill/decode with two ``vllm serve`` instances, kvbridge between them, and a tiny proxy.
+
+One machine (everything on loopback; checks P/D output against the prefill
+instance serving the same request alone)::
+
+    python examples/vllm_pd.py local [--model DIR]
+
+Two hosts (A runs prefill, B runs decode and the proxy)::
+
+    A$ python examples/vllm_pd.py prefill --model DIR --host 10.0.0.1
+    B$ python examples/vllm_pd.py decode  --model DIR --host 10.0.0.2
+    B$ python examples/vllm_pd.py proxy --prefill http://10.0.0.1:8100 \\
+                                       --decode http://10.0.0.2:8200
+
+The proxy sends each ``/v1/completions`` request to prefill with
+``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, then
+the original request plus prefill's ``kv_transfer_params`` to decode, and
+returns decode's answer. Without ``--model`` a tiny random Llama is written
+(prompts are then token ids; vLLM runs with ``--skip-tokenizer-init``).
+Run it with the main environment's Python; ``vllm`` comes from ``.venv-vllm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_harness as harness
+
+VLLM = harness.VENV / "bin" / "vllm"
+CONTROL_PORT = 7600
+
+
+def kv_transfer_config(role: str, host: str) -> str:
+    extra: dict[str, Any] = {}
+    if role == "kv_producer":
+        extra = {"control_port": CONTROL_PORT, "control_host": host, "advertise_host": host}
+    return json.dumps(harness.kv_config("kvbridge", role, **extra))
+
+
+def serve(model: Path, role: str, host: str, port: int, core: int | None, log: Path) -> Any:
+    """Start ``vllm serve`` with kvbridge; returns the process (the caller stops it)."""
+    cmd = [
+        str(VLLM), "serve", str(model),
+        "--host", host, "--port", str(port),
+        "--served-model-name", "tiny",
+        "--skip-tokenizer-init", "--enforce-eager",
+        "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
+        "--kv-transfer-config", kv_transfer_config(role, host),
+    ]  # fmt: skip
+    if core is not None:
+        cmd = ["taskset", "-c", str(core), *cmd]
+    env = {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "UCX_MODULES": "^ib",
+    }
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+
+def post(url: str, body: dict[str, Any], timeout_s: float = 120) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+        return answer
+
+
+def wait_healthy(base: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(f"{base} did not become healthy in {timeout_s}s")
+
+
+def make_proxy(prefill: str, decode: str, host: str, port: int) -> ThreadingHTTPServer:
+    class Proxy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            first = dict(body, max_tokens=1, stream=False)
+            first["kv_transfer_params"] = {"do_remote_decode": True}
+            params = post(prefill + self.path, first).get("kv_transfer_params")
+            answer = post(decode + self.path, dict(body, kv_transfer_params=params))
+            data = json.dumps(answer).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return ThreadingHTTPServer((host, port), Proxy)
+
+
+def local(args: argparse.Namespace) -> int:
+    work = Path(tempfile.mkdtemp(prefix="kvb-vllm-pd-"))
+    model = args.model or harness.write_model(work / "model")
+    procs = [
+        serve(model, "kv_producer", "127.0.0.1", 8100, 0, work / "prefill.log"),
+        serve(model, "kv_consumer", "127.0.0.1", 8200, 1, work / "decode.log"),
+    ]
+    proxy = make_proxy("http://127.0.0.1:8100", "http://127.0.0.1:8200", "127.0.0.1", 8000)
+    import threading
+
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        wait_healthy("http://127.0.0.1:8100")
+        wait_healthy("http://127.0.0.1:8200")
+        prefix = [5, *range(10, 80)]
+        ok = True
+        for i in range(3):
+            prompt = prefix + [100 + i] * (i + 3)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+            via_pd = post("http://127.0.0.1:8000/v1/completions", body)["choices"][0]
+            alone = post("http://127.0.0.1:8100/v1/completions", body)["choices"][0]
+            same = via_pd.get("token_ids", via_pd["text"]) == alone.get("token_ids", alone["text"])
+            print(f"prompt {i}: P/D {via_pd['text']!r} one instance {alone['text']!r} {same}")
+            ok &= same
+        print("P/D output equals one instance:", ok, f"(logs in {work})")
+        return 0 if ok else 1
+    finally:
+        proxy.shutdown()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    for mode in ("local", "prefill", "decode"):
+        p = sub.add_parser(mode)
+        p.add_argument("--model", type=Path)
+        p.add_argument("--host", default="127.0.0.1")
+        p.add_argument("--port", type=int, default=8100 if mode != "decode" else 8200)
+    p = sub.add_parser("proxy")
+    p.add_argument("--prefill", required=True, help="http://host:port of the prefill instance")
+    p.add_argument("--decode", required=True, help="http://host:port of the decode instance")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args()
+    harness.ensure_venv()
+    if args.mode == "local":
+        sys.exit(local(args))
+    if args.mode == "proxy":
+        print(f"proxy on {args.host}:{args.port} -> {args.prefill} then {args.decode}")
+        make_proxy(args.prefill, args.decode, args.host, args.port).serve_forever()
+        return
+    model = args.model or harness.write_model(Path(tempfile.mkdtemp()) / "model")
+    role = "kv_producer" if args.mode == "prefill" else "kv_consumer"
+    log = Path(tempfile.gettempdir()) / f"kvb-vllm-{args.mode}.log"
+    proc = serve(model, role, args.host, args.port, None, log)
+    print(f"{args.mode} instance starting; log {log}")
+    sys.exit(proc.wait())
+
+
+if __name__ == "__main__":
+    main()
