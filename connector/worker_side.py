@@ -115,7 +115,7 @@ class _Peer:
 
 @dataclass(slots=True)
 class _State:
-    jobs: dict[RequestId, Future[LoadResult]] = field(default_factory=dict)
+    jobs: dict[RequestId, tuple[BlockLoad, Future[LoadResult]]] = field(default_factory=dict)
     stores: dict[RequestId, Future[None]] = field(default_factory=dict)
     bad: set[BlockId] = field(default_factory=set)
     results: dict[RequestId, LoadResult] = field(default_factory=dict)
@@ -165,7 +165,7 @@ class KVBridgeWorker(WorkerConnector):
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
         for load in metadata.loads:
-            self._state.jobs[load.request_id] = self._pool.submit(self._load, load)
+            self._state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:
             self._state.stores[store.request_id] = self._pool.submit(self._store, store)
 
@@ -177,11 +177,18 @@ class KVBridgeWorker(WorkerConnector):
         self, finished_request_ids: set[RequestId]
     ) -> tuple[set[RequestId], set[RequestId]]:
         done: set[RequestId] = set()
-        for rid, job in list(self._state.jobs.items()):
+        for rid, (load, job) in list(self._state.jobs.items()):
             if not job.done():
                 continue
             del self._state.jobs[rid]
-            result = job.result()  # _load never raises
+            try:
+                result = job.result()
+            except Exception as exc:  # _load catches everything; this is the last line of defence
+                log.exception("request %s: load job failed", rid)
+                every = tuple(b for ids in load.local_ids.values() for b in ids)
+                result = LoadResult(
+                    rid, len(every), 0, tuple(load.local_ids.get("self", ())), 0.0, repr(exc)
+                )
             self._state.results[rid] = result
             self._state.bad.update(result.bad_block_ids)
             done.add(rid)
@@ -405,7 +412,7 @@ class KVBridgeWorker(WorkerConnector):
             return
         try:
             peer.client.release(lease)
-        except KVBridgeError as exc:  # the lease expires on its own
+        except Exception as exc:  # e.g. a channel another load's failure closed: it expires
             log.info("release of lease %s failed (%s); it will expire", lease, exc)
 
     def _forget(self, engine: str, peer: _Peer) -> None:
