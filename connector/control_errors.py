@@ -24,6 +24,10 @@ transport (deadline, unreachable, ...)  as gRPC reports it      ``ControlPlaneEr
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import grpc
 
 from kvbridge.proto.errors import (
@@ -37,7 +41,18 @@ from kvbridge.proto.errors import (
     WireError,
 )
 
-__all__ = ["ERROR_KIND_KEY", "TOKEN_KEY", "status_for", "error_from_rpc", "lease_not_found"]
+__all__ = [
+    "ERROR_KIND_KEY",
+    "TOKEN_KEY",
+    "status_for",
+    "error_from_rpc",
+    "lease_not_found",
+    "call_handler",
+]
+
+_log = logging.getLogger(__name__)
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 
 ERROR_KIND_KEY = "kvbridge-error"
 """Trailing-metadata key carrying the error kind."""
@@ -100,3 +115,23 @@ def error_from_rpc(method: str, err: grpc.RpcError) -> KVBridgeError:
 def _code(name: str, default: grpc.StatusCode) -> grpc.StatusCode:
     code: grpc.StatusCode = getattr(grpc.StatusCode, name, default)
     return code
+
+
+def call_handler(handler: Callable[[Req], Resp], request: Req, context: Any) -> Resp:
+    """Run a servicer's handler; map what it raises to a status code and an error kind.
+
+    The one place where server-side exceptions become gRPC statuses (every kvbridge
+    servicer calls it); unexpected exceptions are logged and answered INTERNAL.
+    """
+    try:
+        return handler(request)
+    except Exception as exc:
+        code, kind, message = status_for(exc)
+        name = getattr(handler, "__qualname__", repr(handler))
+        if code is grpc.StatusCode.INTERNAL:
+            _log.exception("handler %s failed", name)
+        else:
+            _log.debug("%s rejected (%s): %s", name, code.name, message)
+        context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+        context.abort(code, message)
+        raise AssertionError("context.abort returned") from exc

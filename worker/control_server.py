@@ -17,11 +17,17 @@ from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
-from kvbridge.connector.control_errors import ERROR_KIND_KEY, TOKEN_KEY, lease_not_found, status_for
+from kvbridge.connector.control_errors import (
+    ERROR_KIND_KEY,
+    TOKEN_KEY,
+    call_handler,
+    lease_not_found,
+    status_for,
+)
 from kvbridge.connector.control_types import (
     ControlLimits,
     PeerInfo,
@@ -54,9 +60,6 @@ log = logging.getLogger(__name__)
 HandshakeHook = Callable[[PeerInfo, Negotiation], None]
 """Called after a compatible handshake with the caller's info, e.g. to add it as a NIXL peer.
 It runs on a server thread; raising a kvbridge error fails the handshake with that error."""
-
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,33 +260,19 @@ class _Servicer(pb_grpc.PeerControlServicer):
         self._h = handlers
 
     def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
-        return _call(self._h.handshake, request, context)
+        return call_handler(self._h.handshake, request, context)
 
     def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        return _call(self._h.pin, request, context)
+        return call_handler(self._h.pin, request, context)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        return _call(self._h.heartbeat, request, context)
+        return call_handler(self._h.heartbeat, request, context)
 
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
-        return _call(self._h.release, request, context)
+        return call_handler(self._h.release, request, context)
 
     def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
-        return _call(self._h.health, request, context)
-
-
-def _call(handler: Callable[[Req], Resp], request: Req, context: Any) -> Resp:
-    try:
-        return handler(request)
-    except Exception as exc:
-        code, kind, message = status_for(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            log.exception("control handler %s failed", getattr(handler, "__name__", handler))
-        else:
-            log.debug("control call rejected (%s): %s", code.name, message)
-        context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
-        context.abort(code, message)
-        raise AssertionError("context.abort returned") from exc
+        return call_handler(self._h.health, request, context)
 
 
 class _TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]

@@ -24,15 +24,15 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvbridge.connector.control_errors import ERROR_KIND_KEY, status_for
+from kvbridge.connector.control_errors import call_handler
 from kvbridge.connector.control_types import (
     ControlLimits,
     PeerInfo,
@@ -65,8 +65,6 @@ __all__ = ["OffloadConfig", "OffloadHandlers", "OffloadServer", "serve", "stats_
 
 log = logging.getLogger(__name__)
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
 GROUP = "self"
 
 
@@ -340,42 +338,28 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
         self._h = h
 
     def Handshake(self, request: Any, context: Any) -> pb.OffloadHandshakeResponse:
-        return _call(self._h.handshake, request, context)
+        return call_handler(self._h.handshake, request, context)
 
     def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
-        return _call(self._h.lookup, request, context)
+        return call_handler(self._h.lookup, request, context)
 
     def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
-        return _call(self._h.prepare_store, request, context)
+        return call_handler(self._h.prepare_store, request, context)
 
     def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
-        return _call(self._h.commit_store, request, context)
+        return call_handler(self._h.commit_store, request, context)
 
     def AbortStore(self, request: Any, context: Any) -> pb.AbortStoreResponse:
-        return _call(self._h.abort_store, request, context)
+        return call_handler(self._h.abort_store, request, context)
 
     def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
-        return _call(self._h.prepare_load, request, context)
+        return call_handler(self._h.prepare_load, request, context)
 
     def CompleteLoad(self, request: Any, context: Any) -> pb.CompleteLoadResponse:
-        return _call(self._h.complete_load, request, context)
+        return call_handler(self._h.complete_load, request, context)
 
     def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
-        return _call(self._h.stats, request, context)
-
-
-def _call(handler: Callable[[Req], Resp], request: Req, context: Any) -> Resp:
-    try:
-        return handler(request)
-    except Exception as exc:
-        code, kind, message = status_for(exc)
-        if code is grpc.StatusCode.INTERNAL:
-            log.exception("offload handler %s failed", getattr(handler, "__name__", handler))
-        else:
-            log.debug("offload call rejected (%s): %s", code.name, message)
-        context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
-        context.abort(code, message)
-        raise AssertionError("context.abort returned") from exc
+        return call_handler(self._h.stats, request, context)
 
 
 class OffloadServer:
