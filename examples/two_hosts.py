@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvbridge.worker.demo import _check_no_leaks, _reference, make_workload
+from kvbridge.worker.demo import check_no_leaks, make_workload, reference_outputs
 from kvbridge.worker.engine import EngineConfig
 from kvbridge.worker.node_cmd import add_engine_arguments
 from kvbridge.worker.router import EngineClient, Router
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = EngineConfig.preset(args.model).vocab_size
     prompts = make_workload(args.requests, 3, vocab, args.block_size, args.seed)
-    expected = _reference(args, prompts, [None] * len(prompts))
+    expected = reference_outputs(args, prompts, [None] * len(prompts))
     prefill, decode = EngineClient(args.prefill), EngineClient(args.decode)
     prefill.wait_ready(30)
     decode.wait_ready(30)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             f"xfer {res.decode.transfer_ms:7.2f} ms match {rows[-1]['tokens_match']}",
             flush=True,
         )
-    leaks = _check_no_leaks({"prefill": prefill, "decode": decode})
+    leaks = check_no_leaks({"prefill": prefill, "decode": decode})
     summary = {
         "all_match": all(r["tokens_match"] for r in rows),
         "blocks_moved": sum(int(r["blocks_moved"]) for r in rows),

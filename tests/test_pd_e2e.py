@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbridge.proto import codec
-from kvbridge.worker.demo import _check_no_leaks, make_workload, start_node
+from kvbridge.worker.demo import check_no_leaks, make_workload, start_node
 from kvbridge.worker.engine import Engine, EngineConfig
 from kvbridge.worker.router import EngineClient, Router
 
@@ -108,7 +108,7 @@ def test_decode_continues_exactly_where_prefill_left_off(
         # the second request with each prefix finds the prefix in decode's own cache
         assert moved[0][0] == 0 and moved[2][0] > 0
         assert moved[2][1] < moved[0][1] + moved[2][0]
-        assert _check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
+        assert check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
     finally:
         pair.close()
 
@@ -133,7 +133,7 @@ def test_killed_prefill_makes_pending_requests_recompute_and_others_succeed(tmp:
             assert list(first.token_ids) + list(rest.token_ids) == EXPECTED[i]
             assert rest.stats.load_error, "a failed load must be reported"
             assert rest.stats.blocks_moved == 0 and rest.stats.blocks_recomputed > 0
-        assert _check_no_leaks({"decode": pair.decode}) == []
+        assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
 
@@ -149,7 +149,7 @@ def test_on_load_error_fail_returns_a_clear_error(tmp: Path) -> None:
 
         with pytest.raises(KVBridgeError, match=r"KV load failed .* --on-load-error is 'fail'"):
             pair.decode.generate(PROMPTS[0] + list(first.token_ids), MAX_TOKENS - 1, "x", params)
-        assert _check_no_leaks({"decode": pair.decode}) == []
+        assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
 
@@ -170,7 +170,7 @@ def test_expired_lease_is_re_pinned_by_hash_and_only_the_partial_block_recompute
         full = len(prompt) // 16
         assert rest.stats.blocks_moved == full
         assert rest.stats.blocks_recomputed == (1 if len(prompt) % 16 else 0)
-        assert _check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
+        assert check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
     finally:
         pair.close()
 
@@ -187,7 +187,7 @@ def test_kv_for_another_prompt_is_never_used(tmp: Path) -> None:
         expected = reference([wrong + list(first.token_ids)], MAX_TOKENS - 1)[0]
         assert list(rest.token_ids) == expected
         # prefill's lease is left to expire (decode never read it); decode leaks nothing
-        assert _check_no_leaks({"decode": pair.decode}) == []
+        assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvbridge.proto import codec
-from kvbridge.worker.demo import _check_no_leaks, make_encoder_inputs, make_workload, start_node
+from kvbridge.worker.demo import check_no_leaks, make_encoder_inputs, make_workload, start_node
 from kvbridge.worker.engine import Engine
 from kvbridge.worker.node_cmd import engine_config_from_args
 from kvbridge.worker.router import EngineClient, Router
@@ -126,7 +126,7 @@ def test_decode_matches_a_single_process_run_and_moves_owning_layers_only(
             else:
                 assert set(moved) == {"self"}
                 assert len(layout.owning_layers("self")) < layout.model.num_layers
-        assert _check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
+        assert check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
     finally:
         pair.close()
 
@@ -150,7 +150,7 @@ def test_encdec_decode_recomputes_cross_and_self_kv_when_prefill_dies(tmp_path: 
         assert list(first.token_ids) + list(rest.token_ids) == expected[0]
         assert rest.stats.load_error and rest.stats.blocks_moved == 0
         assert rest.stats.cross_source == "computed"
-        assert _check_no_leaks({"decode": pair.decode}) == []
+        assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
 

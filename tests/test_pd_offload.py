@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_pd_e2e import MAX_TOKENS, node_args, reference
 
-from kvbridge.worker.demo import _check_no_leaks, make_workload, start_node, start_offload_daemon
+from kvbridge.worker.demo import check_no_leaks, make_workload, start_node, start_offload_daemon
 from kvbridge.worker.router import EngineClient, Router
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def _route(
         assert not res.decode.load_error
         d = res.decode
         counts.append((d.blocks_offloaded, d.blocks_moved, d.blocks_local_hit))
-    assert _check_no_leaks({"prefill": prefill, "decode": decode}) == []
+    assert check_no_leaks({"prefill": prefill, "decode": decode}) == []
     decode.close()
     return counts
 

@@ -36,7 +36,16 @@ from kvbridge.worker.node_cmd import (
     engine_model_flags,
 )
 
-__all__ = ["add_parser", "run", "make_workload", "make_encoder_inputs", "start_node"]
+__all__ = [
+    "add_parser",
+    "run",
+    "make_workload",
+    "make_encoder_inputs",
+    "start_node",
+    "start_offload_daemon",
+    "reference_outputs",
+    "check_no_leaks",
+]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -178,9 +187,10 @@ def start_node(
         log.close()
 
 
-def _reference(
+def reference_outputs(
     args: argparse.Namespace, prompts: list[list[int]], encoder_inputs: list[bytes | None]
 ) -> list[list[int]]:
+    """Greedy outputs of a single-process engine with the same flags: the ground truth."""
     import torch
 
     from kvbridge.worker.engine import Engine
@@ -214,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     layout = config.layout()
     print(layout.describe())
     print("computing single-process reference outputs ...", flush=True)
-    expected = _reference(args, prompts, encoder_inputs)
+    expected = reference_outputs(args, prompts, encoder_inputs)
     rows: list[dict[str, Any]] = []
     leaks: list[str] = []
     with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp, ExitStack() as stack:
@@ -253,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
                     args.max_tokens,
                     n + 1,
                 )
-                leaks += _check_no_leaks({"prefill": prefill, f"decode (pass {n + 1})": decode})
+                leaks += check_no_leaks({"prefill": prefill, f"decode (pass {n + 1})": decode})
                 decode.close()
     summary = {
         "requests": len(rows),
@@ -396,7 +406,7 @@ def _sum_groups(rows: list[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
-def _check_no_leaks(clients: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
+def check_no_leaks(clients: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
     """Every pool back to full and no lease left, within ``timeout_s`` (releases are async)."""
     deadline = time.monotonic() + timeout_s
     while True:
