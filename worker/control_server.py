@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-import threading
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -51,6 +49,7 @@ from kvbridge.proto.errors import (
 from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.proto.version import PROTOCOL_VERSION
+from kvbridge.worker.grpc_server import ReapingServer
 from kvbridge.worker.leases import BlockOwner, Lease, LeaseTable
 
 __all__ = ["ControlServerConfig", "HandshakeHook", "ControlHandlers", "ControlServer", "serve"]
@@ -307,46 +306,36 @@ class ControlServer:
     def __init__(self, handlers: ControlHandlers, config: ControlServerConfig) -> None:
         self.handlers = handlers
         self.config = config
-        limits = config.limits
-        options = [
-            ("grpc.max_receive_message_length", limits.max_message_bytes),
-            ("grpc.max_send_message_length", limits.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        interceptors = [] if config.token is None else [_TokenInterceptor(config.token)]
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="kvbridge-control"),
-            interceptors=interceptors,
-            options=options,
-            maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        )
-        pb_grpc.add_PeerControlServicer_to_server(_Servicer(handlers), self._server)
-        bind = f"{config.host}:{config.port}"
+        credentials = None
         if config.tls_cert is not None and config.tls_key is not None:
-            creds = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
-            self.port = self._server.add_secure_port(bind, creds)
-        else:
-            self.port = self._server.add_insecure_port(bind)
-        if self.port == 0:
-            raise ConfigError(f"cannot listen on {bind}: address in use or not local")
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(
-            target=self._reap, name="kvbridge-lease-reaper", daemon=True
+            credentials = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
+        self._grpc = ReapingServer(
+            name="control",
+            host=config.host,
+            port=config.port,
+            max_workers=config.max_workers,
+            max_message_bytes=config.limits.max_message_bytes,
+            register=lambda server: pb_grpc.add_PeerControlServicer_to_server(
+                _Servicer(handlers), server
+            ),
+            reap=self.leases.expire,
+            reap_interval_s=config.reap_interval_s,
+            interceptors=[] if config.token is None else [_TokenInterceptor(config.token)],
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            credentials=credentials,
         )
-        self._closed = False
+        self.port = self._grpc.port
 
     @property
     def address(self) -> str:
-        host = self.config.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return self._grpc.address
 
     @property
     def leases(self) -> LeaseTable:
         return self.handlers.leases
 
     def start(self) -> ControlServer:
-        self._server.start()
-        self._reaper.start()
+        self._grpc.start()
         log.info(
             "control server for %s listening on %s", self.handlers.local.engine_id, self.address
         )
@@ -354,17 +343,11 @@ class ControlServer:
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the server stops (or ``timeout_s`` passes); True if it stopped."""
-        timed_out: bool = self._server.wait_for_termination(timeout_s)
-        return not timed_out
+        return self._grpc.wait(timeout_s)
 
     def close(self, grace_s: float = 1.0) -> None:
-        if self._closed:
+        if not self._grpc.close(grace_s):
             return
-        self._closed = True
-        self._server.stop(grace_s).wait()
-        self._stop.set()
-        if self._reaper.is_alive():
-            self._reaper.join()
         released = self.leases.release_all()
         if released:
             log.info("control server closed; released %d lease(s)", released)
@@ -379,13 +362,6 @@ class ControlServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def _reap(self) -> None:
-        while not self._stop.wait(self.config.reap_interval_s):
-            try:
-                self.leases.expire()
-            except Exception:
-                log.exception("lease reaper failed")
 
 
 def serve(

@@ -25,12 +25,9 @@ import logging
 import secrets
 import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from kvbridge.connector.control_errors import call_handler
 from kvbridge.connector.control_types import (
@@ -54,6 +51,7 @@ from kvbridge.proto.errors import (
 from kvbridge.proto.layout import KVLayout, parse_order
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, EngineId
+from kvbridge.worker.grpc_server import ReapingServer
 from kvbridge.worker.offload_pool import HostPool, OffloadStats, pool_key
 
 if TYPE_CHECKING:
@@ -368,51 +366,36 @@ class OffloadServer:
     def __init__(self, handlers: OffloadHandlers) -> None:
         self.handlers = handlers
         config = handlers.config
-        limits = config.limits
-        options = [
-            ("grpc.max_receive_message_length", limits.max_message_bytes),
-            ("grpc.max_send_message_length", limits.max_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="kvbridge-offload"),
-            options=options,
+        self._grpc = ReapingServer(
+            name="offload",
+            host=config.host,
+            port=config.port,
+            max_workers=config.max_workers,
+            max_message_bytes=config.limits.max_message_bytes,
+            register=lambda server: pb_grpc.add_OffloadStoreServicer_to_server(
+                _Servicer(handlers), server
+            ),
+            reap=handlers.expire,
+            reap_interval_s=config.reap_interval_s,
         )
-        pb_grpc.add_OffloadStoreServicer_to_server(_Servicer(handlers), self._server)
-        bind = f"{config.host}:{config.port}"
-        self.port = self._server.add_insecure_port(bind)
-        if self.port == 0:
-            raise ConfigError(f"cannot listen on {bind}: address in use or not local")
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="kvbridge-offload-reaper")
-        self._reaper.daemon = True
-        self._closed = False
+        self.port = self._grpc.port
 
     @property
     def address(self) -> str:
-        host = self.handlers.config.host
-        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+        return self._grpc.address
 
     def start(self) -> OffloadServer:
-        self._server.start()
-        self._reaper.start()
+        self._grpc.start()
         log.info("offload daemon %s listening on %s", self.handlers.instance, self.address)
         return self
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        timed_out: bool = self._server.wait_for_termination(timeout_s)
-        return not timed_out
+        return self._grpc.wait(timeout_s)
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop serving, stop the reaper, drop pending work and unregister the pool."""
-        if self._closed:
-            return
-        self._closed = True
-        self._server.stop(grace_s).wait()
-        self._stop.set()
-        if self._reaper.is_alive():
-            self._reaper.join()
-        self.handlers.close()
+        if self._grpc.close(grace_s):
+            self.handlers.close()
 
     def __enter__(self) -> OffloadServer:
         return self
@@ -424,13 +407,6 @@ class OffloadServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def _reap(self) -> None:
-        while not self._stop.wait(self.handlers.config.reap_interval_s):
-            try:
-                self.handlers.expire()
-            except Exception:
-                log.exception("offload reaper failed")
 
 
 def new_instance() -> str:
