@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
+from kvbridge.connector.offload_lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm_config import VllmConnectorConfig
 from kvbridge.connector.vllm_scheduler import HoldOrder, VllmScheduler
 from kvbridge.connector.vllm_worker import VllmWorker, WorkerSettings
@@ -130,6 +131,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._head_size = model.get_head_size()
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
+        self._lookup: OffloadLookup | None = None
         if role == KVConnectorRole.SCHEDULER:
             hasher = self._cfg.hasher(
                 dtype=str(model.dtype).removeprefix("torch."),
@@ -138,7 +140,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 head_size=self._head_size,
                 block_size=self._block_size,
             )
-            self._scheduler = VllmScheduler(self._cfg.connector, self._block_size, hasher)
+            self._lookup = self._offload_lookup()
+            self._scheduler = VllmScheduler(
+                self._cfg.connector, self._block_size, hasher, self._lookup
+            )
         else:
             if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
                 raise LayoutError("kvbridge's vLLM connector supports TP=1, PP=1 for now")
@@ -151,6 +156,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     control_port=self._cfg.control_port,
                 ),
             )
+
+    def _offload_lookup(self) -> OffloadLookup | None:
+        address = self._cfg.connector.offload_address
+        return OffloadLookup(OffloadLookupConfig(address)) if address else None
 
     # ----- worker side ---------------------------------------------------------------------
     @property
@@ -200,6 +209,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._lookup is not None:
+            self._lookup.close()
 
     # ----- scheduler side ------------------------------------------------------------------
     @property

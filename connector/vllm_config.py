@@ -7,22 +7,24 @@ adapter passes plain values.
 
 ``kv_connector_extra_config`` keys (all optional unless said):
 
-================== ===================================================================
-``control_port``   port of the control server (required for ``kv_producer``/``kv_both``:
-                   the scheduler advertises it in ``kv_transfer_params``)
-``control_host``   address the control server binds (default ``127.0.0.1``)
-``advertise_host`` host decode peers reach it at (default ``control_host``)
-``engine_id``      kvbridge engine id (default vLLM's ``engine_id``)
-``model_id``       model identity for layouts and block hashes; must be equal on every
-                   node (default: ``--served-model-name``, i.e. the model path)
-``hash_seed``      block-hash seed, equal on every node (default ``""``)
-``hash_algorithm`` ``sha256`` (default) or ``xxh3_128``
-``token``          shared control-plane token
-``lease_ttl_s``    how long prefill holds blocks for decode (default 30)
-``load_timeout_s`` deadline of one READ (default 10)
+======================== ==================================================================
+``control_port``         port of the control server (required for ``kv_producer``/``kv_both``:
+                         the scheduler advertises it in ``kv_transfer_params``)
+``control_host``         address the control server binds (default ``127.0.0.1``)
+``advertise_host``       host decode peers reach it at (default ``control_host``)
+``engine_id``            kvbridge engine id (default vLLM's ``engine_id``)
+``model_id``             model identity for layouts and block hashes; must be equal on every
+                         node (default: ``--served-model-name``, i.e. the model path)
+``hash_seed``            block-hash seed, equal on every node (default ``""``)
+``hash_algorithm``       ``sha256`` (default) or ``xxh3_128``
+``token``                shared control-plane token
+``lease_ttl_s``          how long prefill holds blocks for decode (default 30)
+``load_timeout_s``       deadline of one READ (default 10)
 ``max_concurrent_loads`` parallel READs (default 1: see docs/VLLM.md, "Known issues")
-``offload_address``not supported yet (the offload daemon): a ConfigError says so
-================== ===================================================================
+``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
+                         requests load the blocks it holds after their local prefix-cache hit,
+                         and finished requests store their full prompt blocks in it
+======================== ==================================================================
 """
 
 from __future__ import annotations
@@ -89,11 +91,6 @@ class VllmConnectorConfig:
             raise ConfigError(
                 f"kv_connector_extra_config has unknown keys {unknown}; known: {sorted(_KNOWN)}"
             )
-        if extra.get("offload_address"):
-            raise ConfigError(
-                "kv_connector_extra_config.offload_address: the offload daemon is not wired "
-                "into the vLLM connector yet (see docs/VLLM.md, 'Not yet')"
-            )
         if kv_role not in VLLM_ROLES:
             raise ConfigError(f"kv_role {kv_role!r} is not one of {', '.join(VLLM_ROLES)}")
         port = _int(extra, "control_port", 0)
@@ -111,6 +108,7 @@ class VllmConnectorConfig:
             lease_ttl_s=lease_ttl_s,
             load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
             max_concurrent_loads=_int(extra, "max_concurrent_loads", 1),
+            offload_address=_address(extra, "offload_address"),
         )
         return cls(
             connector=connector,
@@ -134,6 +132,16 @@ class VllmConnectorConfig:
         }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
+
+
+def _address(extra: Mapping[str, Any], key: str) -> str:
+    value = extra.get(key) or ""
+    if not isinstance(value, str) or (value and not value.rpartition(":")[2].isdigit()):
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} must be host:port (e.g. 127.0.0.1:50060), "
+            f"got {value!r}"
+        )
+    return value
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int) -> int:

@@ -18,6 +18,15 @@ vLLM's conventions, which differ from kvbridge's own router and
 - ``kv_transfer_params`` travel through vLLM's JSON API, so block hashes are
   hex strings on that side (:func:`to_json_params` / :func:`from_json_params`).
 
+With an offload daemon (``offload_lookup``), every request (remote prefill or
+not) first takes vLLM's own prefix-cache hit, then the daemon's leading hits
+after it; a decode loads those from the daemon and only the rest from
+prefill. A request that finished normally stores its full prompt blocks in
+the daemon: ``request_finished`` answers ``delay_free`` and the worker
+reports the request in ``done_sending`` once the store (and any hold for a
+decode peer) is over, so vLLM never reuses a block the daemon is still
+copying.
+
 Block names are kvbridge's own (:class:`~kvbridge.proto.hashing.BlockHasher`),
 not vLLM's ``request.block_hashes``: see ``docs/VLLM.md`` ("Hashing").
 """
@@ -26,11 +35,11 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.connector.base import BlockLoad, StepMetadata
+from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import WireError
@@ -84,19 +93,31 @@ def from_json_params(raw: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class _Pending:
-    params: KVTransferParams
+    params: KVTransferParams | None
+    """Prefill's answer; None for a load from the offload daemon alone."""
     first_block: int
+    offload_hashes: tuple[BlockHash, ...] = ()
+    """Names of the blocks after ``first_block`` that the offload daemon holds."""
 
 
 class VllmScheduler:
     """Decode-side load planning and prefill-side hand-over for one vLLM engine."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, hasher: BlockHasher) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        hasher: BlockHasher,
+        offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.hasher = hasher
+        self.offload_lookup = offload_lookup
+        """With an offload daemon: how many leading blocks of a prefix it holds."""
         self._pending: dict[RequestId, _Pending] = {}
         self._loads: list[BlockLoad] = []
+        self._stores: list[BlockStore] = []
         self._holds: list[HoldOrder] = []
         self._loaded: set[RequestId] = set()
         """Requests whose load was planned: after a failed load vLLM asks again, and the
@@ -111,38 +132,62 @@ class VllmScheduler:
         num_computed_tokens: int,
     ) -> tuple[int, bool]:
         """Tokens to load beyond the local prefix hit; side-effect free apart from the plan."""
-        if (
-            not self.config.consumes
-            or request_id in self._loaded
-            or not KVTransferParams.is_remote_prefill(raw_params)
-        ):
+        if request_id in self._loaded:
             return 0, False
+        first = num_computed_tokens // self.block_size
+        if not (self.config.consumes and KVTransferParams.is_remote_prefill(raw_params)):
+            return self._offload_only(request_id, prompt, first)
         assert raw_params is not None
         try:
             params = KVTransferParams.parse(from_json_params(raw_params), self.block_size)
-            self._check_prompt(prompt, params)
+            mine = self._check_prompt(prompt, params)
         except WireError as exc:
             log.warning("request %s: not loading remote KV (%s); recomputing", request_id, exc)
             return 0, False
         external = params.num_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
-        self._pending[request_id] = _Pending(params, num_computed_tokens // self.block_size)
+        hits = self._lookup(mine[first:])
+        self._pending[request_id] = _Pending(params, first, mine[first : first + hits])
         return external, True
 
-    def _check_prompt(self, prompt: Sequence[int], params: KVTransferParams) -> None:
+    def _offload_only(
+        self, request_id: RequestId, prompt: Sequence[int], first: int
+    ) -> tuple[int, bool]:
+        """Blocks after the local prefix that the offload daemon holds (no remote prefill);
+        the last prompt token is always left for vLLM to compute."""
+        last = (len(prompt) - 1) // self.block_size
+        if self.offload_lookup is None or last <= first:
+            return 0, False
+        names = self.hasher.hash_blocks(list(prompt[: last * self.block_size]))
+        hits = self._lookup(names[first:])
+        if hits <= 0:
+            return 0, False
+        self._pending[request_id] = _Pending(None, first, tuple(names[first : first + hits]))
+        return hits * self.block_size, True
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> int:
+        if self.offload_lookup is None or not hashes:
+            return 0
+        return max(0, min(len(hashes), self.offload_lookup(hashes)))
+
+    def _check_prompt(
+        self, prompt: Sequence[int], params: KVTransferParams
+    ) -> tuple[BlockHash, ...]:
+        """This prompt's names of prefill's full blocks; WireError if they differ."""
         if len(prompt) not in (params.num_tokens, params.num_tokens + 1):
             raise WireError(
                 f"prefill computed {params.num_tokens} tokens, decode got a prompt of "
                 f"{len(prompt)} (expected the same prompt, or prompt + first token)"
             )
         theirs = params.block_hashes["self"]
-        mine = self.hasher.hash_blocks(list(prompt[: len(theirs) * self.block_size]))
-        if tuple(mine) != theirs:
+        mine = tuple(self.hasher.hash_blocks(list(prompt[: len(theirs) * self.block_size])))
+        if mine != theirs:
             raise WireError(
                 "prefill's block hashes do not match this prompt (other tokens, or another "
                 "hash seed/model on the prefill side?)"
             )
+        return mine
 
     def after_alloc(
         self, request_id: RequestId, block_ids: Sequence[BlockId], num_external_tokens: int
@@ -152,8 +197,21 @@ class VllmScheduler:
         if pending is None or num_external_tokens <= 0:
             return
         self._loaded.add(request_id)
-        params = pending.params
-        first, end = pending.first_block, -(-params.num_tokens // self.block_size)
+        params, first = pending.params, pending.first_block
+        if params is None:  # blocks from the offload daemon only
+            k = len(pending.offload_hashes)
+            self._loads.append(
+                BlockLoad(
+                    request_id=request_id,
+                    remote_engine="",
+                    remote_address="",
+                    local_ids={"self": tuple(block_ids[first : first + k])},
+                    remote_ids={},
+                    offload_hashes=pending.offload_hashes,
+                )
+            )
+            return
+        end = -(-params.num_tokens // self.block_size)
         self._loads.append(
             BlockLoad(
                 request_id=request_id,
@@ -163,14 +221,16 @@ class VllmScheduler:
                 remote_ids={"self": params.block_ids["self"][first:end]},
                 lease_id=params.lease_id,
                 remote_hashes={"self": params.block_hashes["self"][first:]},
+                offload_hashes=pending.offload_hashes,
             )
         )
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
-        """This step's loads and hold orders; resets both."""
+        """This step's loads, offload stores and hold orders; resets them."""
         loads, self._loads = tuple(self._loads), []
+        stores, self._stores = tuple(self._stores), []
         holds, self._holds = tuple(self._holds), []
-        return StepMetadata(loads=loads), holds
+        return StepMetadata(loads=loads, stores=stores), holds
 
     # ----- prefill -------------------------------------------------------------------------
     def request_finished(
@@ -181,28 +241,54 @@ class VllmScheduler:
         block_ids: Sequence[BlockId],
         prompt_done: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``(delay_free, kv_transfer_params)`` for a finished or aborted request."""
+        """``(delay_free, kv_transfer_params)`` for a finished or aborted request.
+
+        ``prompt_done``: the request finished normally with its whole prompt
+        computed, so its full prompt blocks hold the prompt's KV.
+        """
         self._pending.pop(request_id, None)
         self._loaded.discard(request_id)
-        if not self.config.produces or not raw_params or not raw_params.get("do_remote_decode"):
+        if not prompt_done:
+            if raw_params and raw_params.get("do_remote_decode"):
+                log.info(
+                    "request %s ended before its prompt was computed; no hand-over", request_id
+                )
             return False, None
+        names = tuple(self.hasher.hash_blocks(list(prompt)))
+        stored = self._store(request_id, block_ids, names)
+        if not self.config.produces or not raw_params or not raw_params.get("do_remote_decode"):
+            return stored, None
         num_tokens = len(prompt)
         needed = -(-num_tokens // self.block_size)
-        if not prompt_done or len(block_ids) < needed:
-            log.info("request %s finished before its prompt was computed; no hand-over", request_id)
-            return False, None
+        if len(block_ids) < needed:
+            log.warning(
+                "request %s has %d blocks for %d tokens", request_id, len(block_ids), needed
+            )
+            return stored, None
         ids = tuple(BlockId(b) for b in block_ids[:needed])
-        hashes = tuple(self.hasher.hash_blocks(list(prompt)))
         lease_id = LeaseId(secrets.token_hex(16))
-        self._holds.append(HoldOrder(request_id, lease_id, ids, hashes, self.config.lease_ttl_s))
+        self._holds.append(HoldOrder(request_id, lease_id, ids, names, self.config.lease_ttl_s))
         params = KVTransferParams(
             remote_engine_id=self.config.engine_id,  # type: ignore[arg-type]
             remote_address=self.config.control_address,
             request_id=request_id,
             num_tokens=num_tokens,
             block_ids={"self": ids},
-            block_hashes={"self": hashes},
+            block_hashes={"self": names},
             lease_id=lease_id,
             lease_ttl_s=self.config.lease_ttl_s,
         )
         return True, to_json_params(params)
+
+    def _store(
+        self, request_id: RequestId, block_ids: Sequence[BlockId], names: Sequence[BlockHash]
+    ) -> bool:
+        """Order the worker to store the full prompt blocks in the offload daemon; True if
+        ordered (vLLM must then keep the blocks until the worker reports the store done)."""
+        n = min(len(names), len(block_ids))
+        if self.offload_lookup is None or n == 0:
+            return False
+        self._stores.append(
+            BlockStore(request_id, tuple(BlockId(b) for b in block_ids[:n]), tuple(names[:n]))
+        )
+        return True

@@ -14,7 +14,11 @@ registered):
 - prefill: a control server with a lease table over :class:`HeldRequests`.
   vLLM holds a finished request's blocks (``delay_free``); a lease says a
   decode peer may read them; when the lease is released or expires the
-  request is reported in ``done_sending`` and vLLM frees the blocks.
+  request is reported in ``done_sending`` and vLLM frees the blocks;
+- with an offload daemon: ``KVBridgeWorker`` also loads blocks from it and
+  stores finished requests' blocks into it. A request held for a decode peer
+  *and* being stored is reported in ``done_sending`` once, when both are over
+  (:class:`_Sends`).
 
 The scheduler picks each lease's id (it must put it into
 ``kv_transfer_params`` before the worker hears of the request), so the lease
@@ -76,6 +80,7 @@ class VllmWorker:
         self.leases: NamedLeases | None = None
         self.control: ControlServer | None = None
         self.results: dict[RequestId, LoadResult] = {}
+        self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
@@ -132,15 +137,18 @@ class VllmWorker:
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:
-        """Put finished prefill requests under leases, then start this step's loads."""
+        """Put finished prefill requests under leases, then start this step's loads and
+        offload stores."""
+        self._sends.expect([o.request_id for o in holds] + [s.request_id for s in step.stores])
         for order in holds:
             self._hold(order)
-        if step.loads and self.loader is not None:
+        if (step.loads or step.stores) and self.loader is not None:
             self.loader.start_load_kv(step)
 
     def _hold(self, order: HoldOrder) -> None:
         if self.leases is None:  # not a producer: the scheduler never orders holds
             log.warning("request %s: hold order on a non-producer; ignored", order.request_id)
+            self.held.release(order.request_id)  # vLLM may free the blocks at once
             return
         self.held.hold(order.request_id, order.block_ids)
         try:
@@ -151,17 +159,23 @@ class VllmWorker:
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
-        sending = self.held.take_done()
+        released = self.held.take_done()
         if self.leases is not None:
-            self.leases.forget(sending)
+            self.leases.forget(released)
+        stored: set[RequestId] = set()
         receiving: set[RequestId] = set()
         if self.loader is not None:
-            _, receiving = self.loader.get_finished(set())
+            stored, receiving = self.loader.get_finished(set())
             for rid in receiving:
                 result = self.loader.pop_result(rid)
                 if result is not None:
                     self.results[rid] = result
-        return sending, receiving
+        return self._sends.done([*released, *stored]), receiving
+
+    @property
+    def pending_sends(self) -> int:
+        """Finished requests whose blocks are still held for a decode peer or a store."""
+        return len(self._sends)
 
     def load_errors(self) -> set[BlockId]:
         return set() if self.loader is None else self.loader.get_block_ids_with_load_errors()
@@ -174,6 +188,35 @@ class VllmWorker:
         if self.transport is not None:
             self.transport.close()
         self.control = self.loader = self.transport = None
+
+
+class _Sends:
+    """Requests whose blocks vLLM keeps (``delay_free``) until every use of them is over:
+    a lease for a decode peer, a store into the offload daemon, or both."""
+
+    def __init__(self) -> None:
+        self._open: dict[RequestId, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def expect(self, request_ids: Iterable[RequestId]) -> None:
+        for rid in request_ids:
+            self._open[rid] = self._open.get(rid, 0) + 1
+
+    def done(self, request_ids: Iterable[RequestId]) -> set[RequestId]:
+        """Count ``request_ids``' uses as over; the requests with none left."""
+        finished: set[RequestId] = set()
+        for rid in request_ids:
+            left = self._open.get(rid, 0) - 1
+            if left > 0:
+                self._open[rid] = left
+                continue
+            if left < 0:
+                log.warning("request %s: a use of its blocks ended that was never begun", rid)
+            self._open.pop(rid, None)
+            finished.add(rid)
+        return finished
 
 
 class HeldRequests(BlockOwner):

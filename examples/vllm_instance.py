@@ -143,10 +143,12 @@ class Instance:
         if worker is not None:
             out["held_requests"] = len(worker.held)
             out["leases"] = 0 if worker.leases is None else len(worker.leases)
+            out["pending_sends"] = worker.pending_sends
             out["loads"] = {
                 rid: {
                     "requested": r.blocks_requested,
                     "moved": r.blocks_moved,
+                    "offloaded": r.blocks_offloaded,
                     "transfer_ms": r.transfer_ms,
                     "bytes": r.bytes_moved,
                     "error": r.error,

@@ -37,7 +37,7 @@ def _route(
 def test_a_fresh_decode_node_loads_repeated_prompts_from_the_daemon(tmp_path: Path) -> None:
     args = node_args()
     with start_offload_daemon(tmp_path, 60) as daemon:
-        extra = ["--offload", daemon]
+        extra = ["--offload", daemon.address]
         with start_node("prefill", args, "block-nhd", tmp_path, None, extra) as (_, pinfo):
             prefill = EngineClient(pinfo["inference"], timeout_s=60)
             with start_node("d1", args, "block-nhd", tmp_path, None, extra, role="decode") as (

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "make_encoder_inputs",
     "start_node",
     "start_offload_daemon",
+    "OffloadDaemonProcess",
     "reference_outputs",
     "check_no_leaks",
 ]
@@ -231,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         extra: list[str] = []
         if args.offload:
-            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout))
+            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
             extra = ["--offload", daemon]
             print(f"offload daemon at {daemon}")
         _, pinfo = stack.enter_context(start_node("prefill", args, args.order, work, p_core, extra))
@@ -351,9 +353,24 @@ def _run_pass(
     return rows
 
 
+@dataclass(frozen=True, slots=True)
+class OffloadDaemonProcess:
+    """A ``kvbridge offload serve`` child process started by :func:`start_offload_daemon`."""
+
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """End it abruptly (tests: a daemon that dies under its clients)."""
+        self.proc.kill()
+        self.proc.wait()
+
+
 @contextmanager
-def start_offload_daemon(workdir: Path, timeout_s: float) -> Iterator[str]:
-    """Start ``kvbridge offload serve`` on loopback; yield its address; always stop it."""
+def start_offload_daemon(
+    workdir: Path, timeout_s: float, capacity: str = "256MiB"
+) -> Iterator[OffloadDaemonProcess]:
+    """Start ``kvbridge offload serve`` on loopback; yield it once it listens; always stop it."""
     log_path = workdir / "offload.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -364,7 +381,7 @@ def start_offload_daemon(workdir: Path, timeout_s: float) -> Iterator[str]:
                 "offload",
                 "serve",
                 "--capacity",
-                "256MiB",
+                capacity,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -375,7 +392,8 @@ def start_offload_daemon(workdir: Path, timeout_s: float) -> Iterator[str]:
             while True:
                 text = log_path.read_text(errors="replace")
                 if " listening on " in text:
-                    yield text.split(" listening on ", 1)[1].split(",", 1)[0].strip()
+                    address = text.split(" listening on ", 1)[1].split(",", 1)[0].strip()
+                    yield OffloadDaemonProcess(address, proc)
                     break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"offload daemon did not start; its log:\n{text[-2000:]}")

@@ -1,0 +1,180 @@
+"""The CPU offload daemon behind kvbridge's vLLM connector: real daemon, two real vLLM engines.
+
+A ``kvbridge offload serve`` daemon (main environment) and two vLLM engines
+(``.venv-vllm``) with ``offload_address`` set, each pinned to a core and both
+``kv_both``: the *writer* computes prompts first (the daemon is empty, so it
+loads nothing: its outputs are the reference) and stores their full blocks;
+the *reader* is a fresh instance that must load those blocks from the daemon
+and produce the same tokens. Then a P/D hand-over where decode takes the
+daemon's blocks and only the rest from prefill, and finally a daemon that
+dies under both engines (a miss, never an error or a leak).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import vllm_harness as harness
+
+from kvbridge.worker.demo import OffloadDaemonProcess, start_offload_daemon
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+BLOCK = 32
+PREFIX = [5, *range(10, 80)]  # 71 tokens: two full shared blocks
+PROMPTS = [PREFIX + [100 + i] * (40 + i) for i in range(4)]  # 111..114 tokens: 3 full blocks
+# 104 tokens (3 full blocks + 8 tokens), no block in common with each other or the above
+PD_PROMPTS = [[6, i, *range(400, 462), *[500 + i] * 40] for i in range(2)]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OffloadDaemonProcess]:
+    with start_offload_daemon(tmp_path_factory.mktemp("offload"), 60, "64MiB") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def engines(
+    tmp_path_factory: pytest.TempPathFactory, daemon: OffloadDaemonProcess
+) -> Iterator[dict[str, harness.Engine]]:
+    tmp = tmp_path_factory.mktemp("vllm-offload")
+    try:
+        harness.ensure_venv(log=tmp / "venv.log")
+    except harness.VenvError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+    model = harness.write_model(tmp / "model")
+    port = 19000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
+    started = {
+        name: harness.Engine(
+            model,
+            core=core,
+            kv=harness.kv_config(
+                "kvbridge",
+                "kv_both",
+                control_port=port + core,
+                offload_address=daemon.address,
+                lease_ttl_s=20,
+                load_timeout_s=5,
+            ),
+            log=tmp / f"{name}.log",
+            wait=False,
+        )
+        for core, name in enumerate(("writer", "reader"))
+    }
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+def _tokens(answer: dict[str, Any]) -> list[list[int]]:
+    return [o["tokens"] for o in answer["outputs"]]
+
+
+def _loads(engine: harness.Engine, before: set[str]) -> list[dict[str, Any]]:
+    loads: dict[str, dict[str, Any]] = engine.call(cmd="stats")["loads"]
+    return [v for k, v in loads.items() if k not in before]
+
+
+def _daemon_stats(address: str) -> dict[str, Any]:
+    import grpc
+
+    from kvbridge.proto import offload_pb2 as pb
+    from kvbridge.proto import offload_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+
+
+def _assert_nothing_held(engines: dict[str, harness.Engine]) -> None:
+    for name, engine in engines.items():
+        stats = engine.call(cmd="drain", timeout_s=20)
+        assert stats["blocks_in_use"] == 0, (name, stats)
+        assert stats["held_requests"] == stats["leases"] == stats["pending_sends"] == 0, stats
+        assert stats["requests"] == 0, (name, stats)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[tuple[int, ...], list[int]]:
+    """Outputs of the writer, which computed every token itself (filled by the first test)."""
+    return {}
+
+
+def test_writer_computes_and_stores_the_full_prompt_blocks(
+    engines: dict[str, harness.Engine],
+    daemon: OffloadDaemonProcess,
+    reference: dict[tuple[int, ...], list[int]],
+) -> None:
+    writer = engines["writer"]
+    # the early-token check of test_vllm_pd, here too: wrong KV must show in the tokens
+    changed = [9, *PROMPTS[0][1:]]
+    outputs = _tokens(writer.generate([*PROMPTS, changed], MAX_TOKENS))
+    assert outputs[0] != outputs[-1]
+    assert _loads(writer, set()) == []  # an empty daemon: nothing was loaded
+    reference.update({tuple(p): t for p, t in zip(PROMPTS, outputs, strict=False)})
+    _assert_nothing_held({"writer": writer})  # every store finished and released its blocks
+    stats = _daemon_stats(daemon.address)
+    # 2 shared prefix blocks + one third block per prompt (+ the changed prompt's 3 blocks)
+    assert stats["cached_blocks"] == stats["stored_blocks"] == 2 + len(PROMPTS) + 3, stats
+    assert stats["pinned_blocks"] == stats["writing_blocks"] == 0, stats
+
+
+def test_a_fresh_instance_loads_the_prompt_blocks_from_the_daemon(
+    engines: dict[str, harness.Engine],
+    daemon: OffloadDaemonProcess,
+    reference: dict[tuple[int, ...], list[int]],
+) -> None:
+    reader = engines["reader"]
+    hits = _daemon_stats(daemon.address)["loaded_blocks"]
+    # the first prompt alone: the others then find the shared prefix in reader's own cache
+    got = _tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
+    got += _tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
+    assert got == [reference[tuple(p)] for p in PROMPTS]
+    loads = _loads(reader, set())
+    assert all(not x["error"] and x["moved"] == 0 for x in loads), loads
+    assert sorted(x["offloaded"] for x in loads) == [1, 1, 1, 3], loads
+    assert _daemon_stats(daemon.address)["loaded_blocks"] - hits == 6
+    _assert_nothing_held(engines)
+
+
+def test_decode_takes_the_daemons_blocks_and_only_the_rest_from_prefill(
+    engines: dict[str, harness.Engine],
+) -> None:
+    writer, reader = engines["writer"], engines["reader"]
+    expected = _tokens(writer.generate(PD_PROMPTS, MAX_TOKENS))  # also stores their full blocks
+    _assert_nothing_held({"writer": writer})
+    before = set(reader.call(cmd="stats")["loads"])
+    pre = writer.generate(PD_PROMPTS, 1, [{"do_remote_decode": True}] * len(PD_PROMPTS))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p["remote_address"] for p in params), params
+    got = _tokens(reader.generate(PD_PROMPTS, MAX_TOKENS, params))
+    assert got == expected
+    loads = _loads(reader, before)
+    assert len(loads) == len(PD_PROMPTS) and all(not x["error"] for x in loads), loads
+    # 3 full blocks from the daemon, the partial last block from prefill's memory
+    assert [(x["offloaded"], x["moved"]) for x in loads] == [(3, 1)] * len(PD_PROMPTS), loads
+    _assert_nothing_held(engines)
+
+
+def test_a_dead_daemon_is_a_miss_and_nothing_leaks(
+    engines: dict[str, harness.Engine], daemon: OffloadDaemonProcess
+) -> None:
+    writer, reader = engines["writer"], engines["reader"]
+    daemon.kill()
+    prompts = [[7, *range(600, 700), 800 + i] for i in range(2)]
+    expected = _tokens(writer.generate(prompts, MAX_TOKENS))  # its stores fail: still freed
+    before = set(reader.call(cmd="stats")["loads"])
+    assert _tokens(reader.generate(prompts, MAX_TOKENS)) == expected
+    assert _loads(reader, before) == []  # lookups miss: nothing to load
+    _assert_nothing_held(engines)
