@@ -38,7 +38,13 @@ from kvbridge.proto.errors import (
     TransferTimeoutError,
 )
 from kvbridge.proto.negotiate import TransferMode, negotiate
-from kvbridge.worker.nixl_descs import descriptor_indices, descriptor_table, device_id, mem_type
+from kvbridge.worker.nixl_descs import (
+    descriptor_table,
+    device_id,
+    mem_type,
+    request_indices,
+    strided_table,
+)
 from kvbridge.worker.transport import (
     LinkDownError,
     LocalMemory,
@@ -80,11 +86,19 @@ def load_nixl() -> Any:
 
 @dataclass(frozen=True, slots=True)
 class NixlConfig:
-    """Settings of one process's NIXL transport; built once at the edge."""
+    """Settings of one process's NIXL transport; built once at the edge.
+
+    ``strided_descriptors`` preps NIXL's compressed Nx5 lists (one row per
+    region, :func:`~kvbridge.worker.nixl_descs.strided_table`) instead of
+    one Nx3 row per descriptor (:func:`~kvbridge.worker.nixl_descs.descriptor_table`);
+    both move the same bytes with the same descriptors. See DESIGN-NOTES.md,
+    "NIXL descriptor lists".
+    """
 
     name: str
     progress_interval_s: float | None = 0.002
     backends: tuple[str, ...] = ("UCX",)
+    strided_descriptors: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -96,6 +110,11 @@ class NixlConfig:
             )
         if not self.backends:
             raise ConfigError("NixlConfig.backends must name at least one NIXL backend")
+        if not isinstance(self.strided_descriptors, bool):
+            raise ConfigError(
+                f"NixlConfig.strided_descriptors={self.strided_descriptors!r} must be True "
+                "(compressed Nx5 descriptor lists) or False (one Nx3 row per descriptor)"
+            )
 
 
 @dataclass(slots=True)
@@ -108,6 +127,7 @@ class _Registration:
 @dataclass(slots=True)
 class _LinkState:
     link: PeerLink
+    strided: bool
     dlists: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     handles: set[NixlTransferHandle] = field(default_factory=set)
     down: str | None = None
@@ -316,11 +336,11 @@ class NixlTransport(Transport):
                     f"{remote_layout.region_bytes(i)}"
                 )
         per_span = negotiation.mode is TransferMode.PER_SPAN
-        local_tables = {
-            g.name: descriptor_table(local.layout, g.name, per_span) for g in local.layout.groups
-        }
+        strided = self._config.strided_descriptors
+        build = strided_table if strided else descriptor_table
+        local_tables = {g.name: build(local.layout, g.name, per_span) for g in local.layout.groups}
         remote_tables = {
-            g.name: descriptor_table(remote_layout, g.name, per_span) for g in remote_layout.groups
+            g.name: build(remote_layout, g.name, per_span) for g in remote_layout.groups
         }
         self._load_peer(peer_name, peer_metadata)
         t0 = time.perf_counter()
@@ -350,12 +370,13 @@ class NixlTransport(Transport):
             descriptors_per_block=_per_block(local.layout, "self", per_span),
             prep_s=prep_s,
         )
-        self._links[link.link_id] = _LinkState(link, dlists)
+        self._links[link.link_id] = _LinkState(link, strided, dlists)
         log.info(
-            "linked to %s: %s, %d descriptor(s) per block, prepped in %.1f ms",
+            "linked to %s: %s, %d descriptor(s) per block, %s lists prepped in %.1f ms",
             peer_name,
             link.mode.value,
             link.descriptors_per_block,
+            "strided" if strided else "dense",
             prep_s * 1e3,
         )
         return link
@@ -410,7 +431,8 @@ class NixlTransport(Transport):
         if notify is not None and not isinstance(notify, bytes):
             raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
         deadline = time.monotonic() + timeout_s
-        per = _per_block(link.local.layout, group, link.mode is TransferMode.PER_SPAN)
+        per_span = link.mode is TransferMode.PER_SPAN
+        per = _per_block(link.local.layout, group, per_span)
         what = f"{op} of {len(local_ids)} block(s) of {group!r} with {link.peer_name!r}"
         nbytes = len(local_ids) * link.local.layout.block_bytes(group)
         handle = NixlTransferHandle(self, state, None, deadline, nbytes, len(local_ids) * per, what)
@@ -420,8 +442,15 @@ class NixlTransport(Transport):
             handle._state = "done"
             return handle
         local_h, remote_h = state.dlists[group]
-        local_idx = descriptor_indices(local_ids, per)
-        remote_idx = descriptor_indices(remote_ids, per)
+        local_idx, remote_idx = request_indices(
+            link.local.layout,
+            link.remote_layout,
+            group,
+            local_ids,
+            remote_ids,
+            per_span=per_span,
+            strided=state.strided,
+        )
         try:
             with self._lock:
                 handle._xfer = self._agent.make_prepped_xfer(
