@@ -1,4 +1,4 @@
-"""Test-side driver of ``tests/transport_peer.py`` processes (no NIXL in the test process)."""
+"""Test-side driver of ``tests/transport_peer.py`` processes (no NIXL/UCXX in the test process)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ class PeerError(AssertionError):
 class PeerProc:
     """One ``transport_peer.py`` process; :meth:`stop` always ends it."""
 
-    def __init__(self, name: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, env: dict[str, str] | None = None, backend: str = "nixl") -> None:
         self.name = name
+        self.backend = backend
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         full_env = {**os.environ, "UCX_MODULES": "^ib", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), name],
+            [sys.executable, str(PEER_SCRIPT), name, backend],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
@@ -107,9 +108,11 @@ class PeerProc:
         self.stderr.close()
 
 
-def start_peers(*names: str, env: dict[str, str] | None = None) -> list[PeerProc]:
-    """Start peers concurrently (each takes seconds to import torch and NIXL)."""
-    peers = [PeerProc(n, env) for n in names]
+def start_peers(
+    *names: str, env: dict[str, str] | None = None, backend: str = "nixl"
+) -> list[PeerProc]:
+    """Start peers concurrently (each takes seconds to import torch and its transport)."""
+    peers = [PeerProc(n, env, backend) for n in names]
     try:
         for p in peers:
             p.wait_ready()

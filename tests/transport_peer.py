@@ -1,6 +1,6 @@
-"""A NIXL transport in its own process, driven by the test over stdin/stdout.
+"""A transport (NIXL by default, or UCXX) in its own process, driven by the test over stdin/stdout.
 
-Run as ``python tests/transport_peer.py NAME``. Requests and replies are
+Run as ``python tests/transport_peer.py NAME [nixl|ucxx]``. Requests and replies are
 msgpack maps framed by a 4-byte big-endian length. Each request has an
 ``op``; replies are ``{"ok": True, ...}`` or ``{"ok": False, "error": <type
 name>, "message": ...}``. Logs go to stderr, which the test keeps so it can
@@ -22,8 +22,13 @@ import torch
 
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.presets import preset_layout
-from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
-from kvbridge.worker.transport import LocalMemory, PeerLink
+from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
+
+
+def wire_ctrl() -> int:
+    from kvbridge.worker import ucxx_wire as wire
+
+    return wire.CTRL
 
 
 def read_frame(stream: BinaryIO) -> Any:
@@ -54,9 +59,22 @@ def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: in
     return torch.cat([p.reshape(-1) for p in parts]).numpy().tobytes()
 
 
+def make_transport(name: str, backend: str) -> Transport:
+    if backend == "ucxx":
+        from kvbridge.worker.ucxx_transport import UcxxConfig, UcxxTransport
+
+        return UcxxTransport(UcxxConfig(name))
+    from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
+
+    # the test sets KVBRIDGE_NIXL_STRIDED=0 to get the dense Nx3 descriptor lists
+    strided = os.environ.get("KVBRIDGE_NIXL_STRIDED", "1") != "0"
+    return NixlTransport(NixlConfig(name, progress_interval_s=0.002, strided_descriptors=strided))
+
+
 class Peer:
-    def __init__(self, name: str) -> None:
-        self.transport = NixlTransport(NixlConfig(name, progress_interval_s=0.002))
+    def __init__(self, name: str, backend: str = "nixl") -> None:
+        self.backend = backend
+        self.transport: Any = make_transport(name, backend)
         self.memories: list[tuple[LocalMemory, dict[str, torch.Tensor]]] = []
         self.links: list[PeerLink] = []
         self.handles: list[Any] = []
@@ -136,6 +154,18 @@ class Peer:
 
     def op_state(self) -> dict[str, Any]:
         t = self.transport
+        if self.backend == "ucxx":
+            st = t.stats()
+            return {
+                "pending": st.pending,
+                "leaked": st.abandoned,
+                "links_down": st.links_down,
+                "dlists": st.tables,
+                "peers": list(st.peers),
+                "served": st.served,
+                "rejected": st.rejected,
+                "strays": st.strays,
+            }
         return {
             "pending": sum(len(s.handles) for s in t._links.values()),
             "leaked": len(t._leaked),
@@ -144,9 +174,40 @@ class Peer:
             "peers": sorted(t._peers),
         }
 
+    def op_raw_control(self, link: int, payload: bytes) -> dict[str, Any]:
+        """UCXX only: send ``payload`` as-is to the linked peer's service thread."""
+        t = self.transport
+        with t._lock:
+            peer = t._peers[self.links[link].peer_name]
+            arr = t._array(payload)
+            t._outbox.append((peer.ctl.tag_send(arr, t._tag(wire_ctrl())), arr))
+        return {}
+
+    def op_raw_request(self, link: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """UCXX only: send a hand-made request to the linked peer and return its first reply."""
+        from kvbridge.worker import ucxx_wire as wire
+
+        t = self.transport
+        with t._lock:
+            peer = t._peers[self.links[link].peer_name]
+            xfer = next(t._ids)
+            buf = bytearray(65536)
+            req = peer.ctl.tag_recv(t._array(buf), t._tag(wire.reply_tag(xfer, 0)))
+            t._send_ctrl(peer, {"from": t.name, "xfer": xfer, **body})
+        end = time.monotonic() + timeout_s
+        while not req.completed:
+            if time.monotonic() > end:
+                return {"reply": None}
+            with t._lock:
+                t._progress()
+            time.sleep(0.001)
+        return {"reply": wire.decode_reply(buf, 1 << 20)}
+
     def op_close(self) -> dict[str, Any]:
         state = self.op_state()
         self.transport.close()
+        if self.backend == "ucxx":
+            state["leaked"] = self.transport.stats().abandoned
         return state
 
 
@@ -155,7 +216,7 @@ def main() -> int:
     stdout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    peer = Peer(sys.argv[1])
+    peer = Peer(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "nixl")
     stdin = sys.stdin.buffer
     write_frame(stdout, {"ok": True, "ready": sys.argv[1]})
     while (req := read_frame(stdin)) is not None:
