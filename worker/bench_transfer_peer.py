@@ -2,8 +2,10 @@
 
 Each runs :func:`serve` in a ``spawn``-ed process with its own environment
 (``UCX_TLS=tcp`` must be set before the agent starts) and answers msgpack
-requests over a pipe. The target only registers memory and drives progress;
-the reader connects, moves blocks and times it.
+requests over a pipe. The target only registers memory and drives progress
+(NIXL) or serves the reader's requests (UCXX's service thread); the reader
+connects, moves blocks and times it. ``backend`` picks the transport:
+``nixl`` or ``ucxx`` (the optional extra, imported only when asked for).
 """
 
 from __future__ import annotations
@@ -22,22 +24,32 @@ import msgpack
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.presets import preset_layout
 from kvbridge.worker.bench_report import percentile
-from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
-from kvbridge.worker.transport import LocalMemory, PeerLink
+from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
 
-__all__ = ["serve", "BenchPeer"]
+__all__ = ["serve", "BenchPeer", "make_transport"]
 
 log = logging.getLogger(__name__)
+
+
+def make_transport(backend: str, name: str, progress_interval_s: float) -> Transport:
+    """This process's transport for ``backend`` (imports only that backend)."""
+    if backend == "ucxx":
+        from kvbridge.worker.ucxx_transport import UcxxConfig, UcxxTransport
+
+        return UcxxTransport(UcxxConfig(name))
+    from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
+
+    return NixlTransport(NixlConfig(name, progress_interval_s=progress_interval_s))
 
 
 class BenchPeer:
     """One side of the benchmark; methods are the ops the driver may call."""
 
-    def __init__(self, name: str, progress_interval_s: float) -> None:
+    def __init__(self, name: str, progress_interval_s: float, backend: str = "nixl") -> None:
         import torch
 
         torch.set_num_threads(1)
-        self.transport = NixlTransport(NixlConfig(name, progress_interval_s=progress_interval_s))
+        self.transport = make_transport(backend, name, progress_interval_s)
         self.memories: dict[str, tuple[LocalMemory, Mapping[str, Any]]] = {}
         self.links: dict[str, PeerLink] = {}
 
@@ -74,12 +86,15 @@ class BenchPeer:
             return list(range(n)), list(range(n))
         return rng.sample(range(local_n), n), rng.sample(range(remote_n), n)
 
-    def _move(self, key: str, op: str, local_ids: list[int], remote_ids: list[int]) -> float:
+    def _move(
+        self, key: str, op: str, local_ids: list[int], remote_ids: list[int]
+    ) -> tuple[float, int | None]:
         fn = self.transport.read_blocks if op == "read" else self.transport.write_blocks
         t0 = time.perf_counter()
         handle = fn(self.links[key], "self", local_ids, remote_ids, timeout_s=120.0)
         handle.wait()
-        return time.perf_counter() - t0
+        # UCXX: tagged messages after merging adjacent runs (NIXL merges inside the backend)
+        return time.perf_counter() - t0, getattr(handle, "num_messages", None)
 
     def op_bandwidth(
         self, key: str, op: str, pattern: str, n: int, repeats: int, seed: int
@@ -87,9 +102,10 @@ class BenchPeer:
         rng = random.Random(seed)
         nbytes = n * self.links[key].local.layout.block_bytes()
         times = []
+        messages = None
         for i in range(repeats + 1):  # the first run warms the connection and the pages
             local_ids, remote_ids = self._ids(key, n, pattern, rng)
-            elapsed = self._move(key, op, local_ids, remote_ids)
+            elapsed, messages = self._move(key, op, local_ids, remote_ids)
             if i:
                 times.append(elapsed)
         times.sort()
@@ -97,6 +113,7 @@ class BenchPeer:
             "gbps": nbytes / times[0] / 1e9,
             "median_gbps": nbytes / times[len(times) // 2] / 1e9,
             "descriptors": n * self.links[key].descriptors_per_block,
+            "messages": messages,
         }
 
     def op_latency(self, key: str, n: int, repeats: int, seed: int) -> dict[str, Any]:
@@ -104,7 +121,7 @@ class BenchPeer:
         times = []
         for _ in range(repeats):
             local_ids, remote_ids = self._ids(key, n, "random", rng)
-            times.append(self._move(key, "read", local_ids, remote_ids))
+            times.append(self._move(key, "read", local_ids, remote_ids)[0])
         return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
 
     def op_memcpy(self, nbytes: int, repeats: int) -> dict[str, Any]:
@@ -124,11 +141,17 @@ class BenchPeer:
         self.transport.close()
 
 
-def serve(name: str, conn: Connection, env: Mapping[str, str], progress_interval_s: float) -> None:
+def serve(
+    name: str,
+    conn: Connection,
+    env: Mapping[str, str],
+    progress_interval_s: float,
+    backend: str = "nixl",
+) -> None:
     """Process entry point: set the environment, then answer requests until ``stop``."""
     os.environ.update(env)  # before the agent exists: UCX reads UCX_TLS when it starts
     logging.basicConfig(level=logging.WARNING)
-    peer = BenchPeer(name, progress_interval_s)
+    peer = BenchPeer(name, progress_interval_s, backend)
     conn.send_bytes(msgpack.packb({"ok": True}))
     try:
         while True:
