@@ -212,8 +212,8 @@ class _Peer:
 class _Registration:
     memory: LocalMemory
     keep_alive: Mapping[str, torch.Tensor]
-    serving: dict[tuple[str, bool], tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = (
-        field(default_factory=dict)
+    serving: dict[tuple[str, bool], tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = field(
+        default_factory=dict
     )
 
 

@@ -239,4 +239,3 @@ def take_optional_bytes(body: Mapping[str, Any], name: str, limit: int) -> bytes
     if not isinstance(value, bytes) or len(value) > limit:
         raise WireError(f"field {name!r} must be bytes of at most {limit} bytes")
     return value
-
