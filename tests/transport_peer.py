@@ -176,30 +176,28 @@ class Peer:
 
     def op_raw_control(self, link: int, payload: bytes) -> dict[str, Any]:
         """UCXX only: send ``payload`` as-is to the linked peer's service thread."""
-        t = self.transport
-        with t._lock:
-            peer = t._peers[self.links[link].peer_name]
-            arr = t._array(payload)
-            t._outbox.append((peer.ctl.tag_send(arr, t._tag(wire_ctrl())), arr))
+        ucx = self.transport._ucx
+        with ucx.lock:
+            ucx.send(ucx.peers[self.links[link].peer_name], payload, wire_ctrl())
         return {}
 
     def op_raw_request(self, link: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """UCXX only: send a hand-made request to the linked peer and return its first reply."""
         from kvbridge.worker import ucxx_wire as wire
 
-        t = self.transport
-        with t._lock:
-            peer = t._peers[self.links[link].peer_name]
-            xfer = next(t._ids)
+        ucx = self.transport._ucx
+        with ucx.lock:
+            peer = ucx.peers[self.links[link].peer_name]
+            xfer = ucx.next_id()
             buf = bytearray(65536)
-            req = peer.ctl.tag_recv(t._array(buf), t._tag(wire.reply_tag(xfer, 0)))
-            t._send_ctrl(peer, {"from": t.name, "xfer": xfer, **body})
+            req = peer.ctl.tag_recv(ucx.array(buf), ucx.tag(wire.reply_tag(xfer, 0)))
+            ucx.send_ctrl(peer, {"from": self.transport.name, "xfer": xfer, **body})
         end = time.monotonic() + timeout_s
         while not req.completed:
             if time.monotonic() > end:
                 return {"reply": None}
-            with t._lock:
-                t._progress()
+            with ucx.lock:
+                ucx.progress()
             time.sleep(0.001)
         return {"reply": wire.decode_reply(buf, 1 << 20)}
 
