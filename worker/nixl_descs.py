@@ -10,15 +10,20 @@ descriptors:
   ``b * per_block + s`` (:func:`descriptor_indices`).
 - **strided** (:func:`strided_table`): NIXL's compressed Nx5 rows
   ``(address, length, device id, stride, count)``, each standing for
-  ``count`` descriptors ``stride`` bytes apart. One row per span kind
-  (``per_block`` rows: owning layer, then K before V) with ``count =
-  num_blocks`` and ``stride`` = the block stride, so the expanded order is
-  span-major: descriptor of (block ``b``, span ``s``) is ``s * num_blocks +
-  b`` (:func:`strided_indices`), with ``num_blocks`` of *that side's* layout.
+  ``count`` descriptors ``stride`` bytes apart. Every layout is a dense
+  array of spans in its own outer order (``order[:3]``, a permutation of
+  ``B L KV``), so the table is one contiguous row per region (the whole
+  pool, or each owning layer of a layer-separate pool) and its descriptors
+  are numbered in *physical* order: for ``layer-nhd`` the descriptor of
+  (block ``b``, owning layer ``l``, K/V ``kv``) is ``l * 2 * num_blocks +
+  2 * b + kv`` (:func:`strided_indices`, with *that side's* order and
+  ``num_blocks``).
 
-Both peers enumerate spans the same way, which is what makes index arrays
-built from block ids pair up; each side's indices are computed with its own
-``num_blocks``.
+Physical numbering keeps a block's K and V (and, for sequential ids, whole
+runs of blocks) adjacent in the list as well as in memory, which is what
+NIXL needs to merge them. Both peers enumerate a block's spans in the same
+canonical order, which is what makes index arrays built from block ids pair
+up; :func:`request_indices` builds both arrays of one request.
 """
 
 from __future__ import annotations
