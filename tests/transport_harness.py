@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,15 @@ class PeerProc:
         return self.reply(rpc_timeout)
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP, return only once every thread has stopped (kill() is
+        asynchronous: a request sent right after it could still be served)."""
         self.proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            stat = Path(f"/proc/{self.proc.pid}/stat")
+            deadline = time.monotonic() + 10
+            while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, f"peer {self.name} did not stop"
+                time.sleep(0.005)
 
     def log(self) -> str:
         self.stderr.seek(0)
