@@ -56,7 +56,8 @@ def bar_plot(
     except ImportError:
         log.warning("matplotlib is not installed (pip install 'kvbridge[bench]'); no plot written")
         return None
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(labels) * max(1, len(series))), 4.5))
+    bars = len(labels) * max(1, len(series))
+    fig, ax = plt.subplots(figsize=(min(20.0, max(6.0, 2.0 + 0.25 * bars)), 5.0))
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
         xs = [x + i * width for x in range(len(labels))]
