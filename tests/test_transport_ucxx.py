@@ -9,8 +9,6 @@ installed (it is the optional ``kvbridge[ucxx]`` extra).
 from __future__ import annotations
 
 import random
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +17,15 @@ from typing import Any
 
 import msgpack
 import pytest
-from transport_harness import PeerError, PeerProc, start_peers
+from transport_contract import (
+    TINY_BLOCKS,
+    TransportContract,
+    assert_importing_loads_none_of,
+    blocks,
+    connect,
+    open_pair,
+    transfer,
+)
 
 from kvbridge.proto.errors import LayoutError, WireError
 
@@ -38,154 +44,28 @@ pytestmark = pytest.mark.skipif(
     not _ucxx_importable(), reason="ucxx is not installed (pip install 'kvbridge[ucxx]')"
 )
 
-TINY_BLOCKS = 16
-SHARE_BLOCKS = 4
-TARGET_MEMS = [
-    ("tiny", TINY_BLOCKS, "block-nhd"),
-    ("tiny", TINY_BLOCKS, "layer-nhd"),
-    ("kv-share-third", SHARE_BLOCKS, "layer-nhd"),
-    ("kv-share-third", SHARE_BLOCKS, "block-nhd"),
-    ("tiny", TINY_BLOCKS, "block-hnd"),
-]
-READER_MEMS = TARGET_MEMS[:4]
-LEAK = re.compile(r"not returned to mpool|were not flushed|leak|unused environment", re.I)
-
-
-def assert_clean_close(peer: PeerProc) -> None:
-    state = peer.close()
-    assert state["pending"] == 0 and state["leaked"] == 0, state
-    assert not LEAK.findall(peer.log()), peer.log()[-2000:]
-
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[dict[str, Any]]:
-    """A reader and a target, each with the memories above, over UCXX."""
-    reader, target = start_peers("reader", "target", backend="ucxx")
-    try:
-        tmems = [
-            target.call("setup", preset=p, num_blocks=n, order=o, seed=1) for p, n, o in TARGET_MEMS
-        ]
-        rmems = [
-            reader.call("setup", preset=p, num_blocks=n, order=o, seed=2) for p, n, o in READER_MEMS
-        ]
-        metadata = target.call("metadata")["metadata"]
-        yield {"reader": reader, "target": target, "tmems": tmems, "rmems": rmems, "md": metadata}
-        assert_clean_close(reader)
-        assert_clean_close(target)
-    finally:
-        reader.stop()
-        target.stop()
+    """A reader and a target over UCXX (see transport_contract.open_pair)."""
+    with open_pair("ucxx") as p:
+        yield p
 
 
-def connect(pair: dict[str, Any], rmem: int, tmem: int) -> dict[str, Any]:
-    return pair["reader"].call(
-        "connect",
-        peer="target",
-        metadata=pair["md"],
-        layout=pair["tmems"][tmem]["layout"],
-        mem=rmem,
-    )
+class TestUcxxTransport(TransportContract):
+    """The transport contract over UCXX."""
 
+    backend = "ucxx"
+    killed_error = r"LinkDownError: READ .*disconnected"
+    killed_timeout_s = 5.0
+    killed_detected_within_s = 2.5  # UCXX sees the endpoint close; the read does not time out
+    notifies_writes = True
+    notifications_in_order = False
 
-def blocks(peer: PeerProc, mem: int, ids: list[int]) -> list[bytes]:
-    result: list[bytes] = peer.call("blocks", mem=mem, ids=ids)["blocks"]
-    return result
-
-
-def transfer(reader: PeerProc, kind: str, link: int, local: list[int], remote: list[int]) -> Any:
-    return reader.call(
-        "transfer", kind=kind, link=link, local_ids=local, remote_ids=remote, timeout_s=10.0
-    )
-
-
-@pytest.mark.parametrize("kind", ["read", "write"])
-@pytest.mark.parametrize("pattern", ["random", "sequential"])
-@pytest.mark.parametrize(
-    ("rmem", "tmem", "mode", "per_block"),
-    [(0, 0, "whole_block", 1), (1, 1, "per_span", 8), (0, 1, "per_span", 8), (1, 0, "per_span", 8)],
-    ids=["block-block", "layer-layer", "block-layer", "layer-block"],
-)
-def test_every_moved_block_arrives_bit_exact(
-    pair: dict[str, Any], kind: str, pattern: str, rmem: int, tmem: int, mode: str, per_block: int
-) -> None:
-    reader, target = pair["reader"], pair["target"]
-    link = connect(pair, rmem, tmem)
-    assert (link["mode"], link["descriptors_per_block"]) == (mode, per_block)
-    rng = random.Random(f"{kind}{pattern}{rmem}{tmem}")
-    if pattern == "random":
-        local_ids, remote_ids = rng.sample(range(TINY_BLOCKS), 7), rng.sample(range(TINY_BLOCKS), 7)
-    else:  # adjacent runs on both sides: merged into few messages
-        start = rng.randrange(TINY_BLOCKS - 7)
-        local_ids, remote_ids = list(range(start, start + 7)), list(range(7))
-    dst, dst_mem, dst_ids = (
-        (reader, rmem, local_ids) if kind == "read" else (target, tmem, remote_ids)
-    )
-    src, src_mem, src_ids = (
-        (target, tmem, remote_ids) if kind == "read" else (reader, rmem, local_ids)
-    )
-    before = blocks(dst, dst_mem, list(range(TINY_BLOCKS)))
-    result = transfer(reader, kind, link["link"], local_ids, remote_ids)
-    assert result["descriptors"] == 7 * per_block
-    assert blocks(dst, dst_mem, dst_ids) == blocks(src, src_mem, src_ids)
-    after = blocks(dst, dst_mem, list(range(TINY_BLOCKS)))
-    untouched = [b for b in range(TINY_BLOCKS) if b not in dst_ids]
-    assert [after[b] for b in untouched] == [before[b] for b in untouched]
-    reader.call("disconnect", link=link["link"])
-
-
-@pytest.mark.parametrize(("rmem", "tmem", "regions"), [(2, 2, 16), (3, 3, 1), (3, 2, 16)])
-def test_kv_sharing_layout_registers_and_moves_no_aliased_layer_twice(
-    pair: dict[str, Any], rmem: int, tmem: int, regions: int
-) -> None:
-    # kv-share-third: 24 layers, the last 8 alias earlier ones -> 16 owning layers
-    assert pair["tmems"][tmem]["regions"] == regions
-    reader, target = pair["reader"], pair["target"]
-    link = connect(pair, rmem, tmem)
-    result = transfer(reader, "read", link["link"], [3, 0], [1, 2])
-    block_bytes = 2 * 16 * 16 * 8 * 128 * 2  # K/V x owning layers x tokens x heads x C x bf16
-    assert result["nbytes"] == 2 * block_bytes
-    assert result["descriptors"] == 2 * (1 if link["mode"] == "whole_block" else 32)
-    assert blocks(reader, rmem, [3, 0]) == blocks(target, tmem, [1, 2])
-    reader.call("disconnect", link=link["link"])
-
-
-def test_bad_ids_are_rejected_before_the_wire_and_the_link_survives(
-    pair: dict[str, Any],
-) -> None:
-    reader, target = pair["reader"], pair["target"]
-    link = connect(pair, 0, 0)["link"]
-    served_before = target.call("state")["rejected"]
-
-    def read(local_ids: list[int], remote_ids: list[int], group: str = "self") -> Any:
-        return reader.call(
-            "transfer",
-            kind="read",
-            link=link,
-            local_ids=local_ids,
-            remote_ids=remote_ids,
-            timeout_s=5.0,
-            group=group,
-        )
-
-    with pytest.raises(PeerError, match=r"LayoutError: block id 16 of group 'self' is outside"):
-        read([0], [TINY_BLOCKS])
-    with pytest.raises(PeerError, match=r"LayoutError: block id -1 "):
-        read([-1], [0])
-    with pytest.raises(PeerError, match=r"TransferError: local_ids has 2 ids and remote_ids 1"):
-        read([0, 1], [0])
-    with pytest.raises(PeerError, match=r"LayoutError: .*group 'cross'"):
-        read([0], [0], group="cross")
-    assert reader.call("state")["links_down"] == 0
-    assert target.call("state")["rejected"] == served_before  # nothing reached the target
-    assert read([2], [5])["nbytes"] > 0
-    reader.call("disconnect", link=link)
-
-
-def test_incompatible_or_rearranged_layouts_fail_at_connect(pair: dict[str, Any]) -> None:
-    with pytest.raises(PeerError, match=r"IncompatibleLayoutError: incompatible: model.name"):
-        connect(pair, 0, 2)
-    with pytest.raises(PeerError, match=r"IncompatibleLayoutError: rearrange: inner order"):
-        connect(pair, 0, 4)
+    def sequential_ids(self, kind: str, rmem: int, tmem: int) -> tuple[list[int], list[int]]:
+        """Adjacent runs on both sides, merged into few messages; the local run starts at random."""
+        start = random.Random(f"{kind}sequential{rmem}{tmem}").randrange(TINY_BLOCKS - 7)
+        return list(range(start, start + 7)), list(range(7))
 
 
 def _read_request(pair: dict[str, Any], tmem: int, **override: Any) -> dict[str, Any]:
@@ -259,111 +139,6 @@ def test_malformed_requests_are_refused_and_the_target_keeps_serving(
     reader.call("disconnect", link=link)
 
 
-def test_reader_notification_reaches_the_owner(pair: dict[str, Any]) -> None:
-    reader, target = pair["reader"], pair["target"]
-    target.call("notifications")  # drain
-    link = connect(pair, 0, 0)["link"]
-    reader.call(
-        "transfer",
-        kind="read",
-        link=link,
-        local_ids=[1],
-        remote_ids=[1],
-        timeout_s=5.0,
-        notify=b"req-7 done",
-    )
-    reader.call("notify", link=link, message=b"req-8 release")
-    reader.call(
-        "transfer",
-        kind="write",
-        link=link,
-        local_ids=[2],
-        remote_ids=[3],
-        timeout_s=5.0,
-        notify=b"req-9 stored",
-    )
-    got: list[bytes] = []
-    deadline = time.monotonic() + 5
-    while len(got) < 3 and time.monotonic() < deadline:
-        got += target.call("notifications", wait_s=1.0)["notifications"].get("reader", [])
-    assert sorted(got) == [b"req-7 done", b"req-8 release", b"req-9 stored"]
-    reader.call("disconnect", link=link)
-
-
-def test_disconnected_link_rejects_transfers_until_reconnected(pair: dict[str, Any]) -> None:
-    reader = pair["reader"]
-    link = connect(pair, 0, 0)["link"]
-    reader.call("disconnect", link=link)
-    with pytest.raises(PeerError, match=r"LinkDownError: link .* was disconnected"):
-        transfer(reader, "read", link, [0], [0])
-    again = connect(pair, 0, 0)["link"]
-    transfer(reader, "read", again, [0], [0])
-    assert blocks(reader, 0, [0]) == blocks(pair["target"], 0, [0])
-    reader.call("disconnect", link=again)
-
-
-def _linked(reader: PeerProc, target: PeerProc) -> int:
-    t = target.call("setup", preset="tiny", num_blocks=64, order="block-nhd", seed=3)
-    r = reader.call("setup", preset="tiny", num_blocks=64, order="block-nhd", seed=4)
-    link: int = reader.call(
-        "connect", peer=target.name, metadata=t["metadata"], layout=t["layout"], mem=r["mem"]
-    )["link"]
-    everything = list(range(64))
-    transfer(reader, "read", link, everything, everything)
-    return link
-
-
-def _assert_fails_within(reader: PeerProc, link: int, timeout_s: float, error: str) -> None:
-    everything = list(range(64))
-    t0 = time.monotonic()
-    with pytest.raises(PeerError, match=error):
-        reader.call(
-            "transfer",
-            kind="read",
-            link=link,
-            local_ids=everything,
-            remote_ids=everything,
-            timeout_s=timeout_s,
-            rpc_timeout=timeout_s + 10,
-        )
-    assert time.monotonic() - t0 < timeout_s + 1.0
-    state = reader.call("state")
-    assert (state["pending"], state["leaked"], state["dlists"]) == (0, 0, 0), state
-    assert state["links_down"] == 1
-    with pytest.raises(PeerError, match=r"LinkDownError: .* is down"):
-        reader.call("transfer", kind="read", link=link, local_ids=[0], remote_ids=[0], timeout_s=1)
-
-
-@pytest.mark.slow
-def test_killed_peer_ends_in_link_down_well_before_the_deadline() -> None:
-    reader, target = start_peers("reader-k", "victim", backend="ucxx")
-    try:
-        link = _linked(reader, target)
-        target.signal(signal.SIGKILL)
-        target.proc.wait(timeout=10)
-        t0 = time.monotonic()
-        _assert_fails_within(reader, link, 5.0, r"LinkDownError: READ .*disconnected")
-        assert time.monotonic() - t0 < 2.5  # detected, not timed out
-        assert reader.call("state")["peers"] == []
-        assert_clean_close(reader)
-    finally:
-        reader.stop()
-        target.stop()
-
-
-@pytest.mark.slow
-def test_hung_peer_ends_in_timeout_within_the_deadline() -> None:
-    reader, target = start_peers("reader-h", "hung", backend="ucxx")
-    try:
-        link = _linked(reader, target)
-        target.signal(signal.SIGSTOP)
-        _assert_fails_within(reader, link, 2.0, r"TransferTimeoutError: READ .* deadline")
-        assert_clean_close(reader)
-    finally:
-        reader.stop()
-        target.stop()
-
-
 def test_wire_checks_refuse_runs_outside_the_targets_own_memory() -> None:
     import numpy as np
 
@@ -427,9 +202,7 @@ def test_config_names_the_bad_knob() -> None:
 
 
 def test_importing_the_transport_loads_no_ucxx_or_torch() -> None:
-    code = (
-        "import sys, kvbridge.worker.ucxx_transport, kvbridge.worker.ucxx_wire;"
-        "bad = [m for m in sys.modules if m.startswith(('ucxx', 'torch', 'nixl', 'rmm'))];"
-        "assert not bad, bad"
+    assert_importing_loads_none_of(
+        ["kvbridge.worker.ucxx_transport", "kvbridge.worker.ucxx_wire"],
+        ("ucxx", "torch", "nixl", "rmm"),
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
