@@ -52,7 +52,7 @@ from kvbridge.worker.transport import (
     TransferHandle,
     TransferState,
     Transport,
-    check_transfer_ids,
+    check_transfer_request,
 )
 
 if TYPE_CHECKING:
@@ -424,12 +424,8 @@ class NixlTransport(Transport):
         notify: bytes | None,
         timeout_s: float,
     ) -> NixlTransferHandle:
-        if not timeout_s > 0:
-            raise TransferError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         state = self._live_link(link)
-        check_transfer_ids(link.local.layout, link.remote_layout, group, local_ids, remote_ids)
-        if notify is not None and not isinstance(notify, bytes):
-            raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
+        check_transfer_request(link, group, local_ids, remote_ids, notify, timeout_s)
         deadline = time.monotonic() + timeout_s
         per_span = link.mode is TransferMode.PER_SPAN
         per = _per_block(link.local.layout, group, per_span)

@@ -43,6 +43,7 @@ __all__ = [
     "Transport",
     "LinkDownError",
     "check_transfer_ids",
+    "check_transfer_request",
     "wait_async",
 ]
 
@@ -102,6 +103,23 @@ def check_transfer_ids(
         )
     local.check_block_ids(group, local_ids)
     remote.check_block_ids(group, remote_ids)
+
+
+def check_transfer_request(
+    link: PeerLink,
+    group: str,
+    local_ids: Sequence[int],
+    remote_ids: Sequence[int],
+    notify: bytes | None,
+    timeout_s: float,
+) -> None:
+    """Everything a transport checks before it posts a transfer on ``link``: a positive
+    deadline, ids inside both layouts (:func:`check_transfer_ids`), ``notify`` as bytes."""
+    if not timeout_s > 0:
+        raise TransferError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    check_transfer_ids(link.local.layout, link.remote_layout, group, local_ids, remote_ids)
+    if notify is not None and not isinstance(notify, bytes):
+        raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
 
 
 class TransferHandle(abc.ABC):

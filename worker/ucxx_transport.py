@@ -87,7 +87,7 @@ from kvbridge.worker.transport import (
     LocalMemory,
     PeerLink,
     Transport,
-    check_transfer_ids,
+    check_transfer_request,
 )
 from kvbridge.worker.ucxx_handle import REPLY_BYTES, LinkState, UcxxTransferHandle
 from kvbridge.worker.ucxx_service import MAX_NOTIFY, Registration, UcxxService
@@ -380,12 +380,8 @@ class UcxxTransport(Transport):
         notify: bytes | None,
         timeout_s: float,
     ) -> UcxxTransferHandle:
-        if not timeout_s > 0:
-            raise TransferError(f"timeout_s must be > 0 seconds, got {timeout_s}")
         state = self._live_link(link)
-        check_transfer_ids(link.local.layout, link.remote_layout, group, local_ids, remote_ids)
-        if notify is not None and not isinstance(notify, bytes):
-            raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
+        check_transfer_request(link, group, local_ids, remote_ids, notify, timeout_s)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise TransferError(f"notify has {len(notify)} bytes; at most {MAX_NOTIFY}")
         deadline = time.monotonic() + timeout_s
