@@ -254,9 +254,12 @@ class VllmScheduler:
                     "request %s ended before its prompt was computed; no hand-over", request_id
                 )
             return False, None
+        hand_over = bool(self.config.produces and raw_params and raw_params.get("do_remote_decode"))
+        if self.offload_lookup is None and not hand_over:
+            return False, None
         names = tuple(self.hasher.hash_blocks(list(prompt)))
         stored = self._store(request_id, block_ids, names)
-        if not self.config.produces or not raw_params or not raw_params.get("do_remote_decode"):
+        if not hand_over:
             return stored, None
         num_tokens = len(prompt)
         needed = -(-num_tokens // self.block_size)
