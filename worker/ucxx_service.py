@@ -34,7 +34,7 @@ from kvbridge.worker.ucxx_worker import Peer, UcxxWorker, all_done, view
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.worker.ucxx_transport import UcxxConfig
+    from kvbridge.worker.ucxx_config import UcxxConfig
 
 __all__ = ["MAX_NOTIFY", "Registration", "Served", "UcxxService"]
 

@@ -57,7 +57,7 @@ def all_done(requests: Sequence[Any], start: int) -> int:
 class UcxxWorker:
     """The UCX context, worker and peer endpoints of one transport; see the module docstring.
 
-    ``lib`` and ``array_type`` are what :func:`~kvbridge.worker.ucxx_transport.load_ucxx`
+    ``lib`` and ``array_type`` are what :func:`~kvbridge.worker.ucxx_config.load_ucxx`
     returns. :meth:`close` (the transport's, under the lock) ends it.
     """
 
