@@ -45,6 +45,7 @@ __all__ = [
     "strided_indices",
     "expand_strided",
     "request_indices",
+    "descriptors_per_block",
 ]
 
 
@@ -57,6 +58,11 @@ def device_id(device: str) -> int:
 def mem_type(device: str) -> str:
     """NIXL memory type of a torch device string."""
     return "VRAM" if device.startswith("cuda") else "DRAM"
+
+
+def descriptors_per_block(layout: KVLayout, group: str, per_span: bool) -> int:
+    """1 whole-block descriptor, or one per (owning layer, K/V) span when ``per_span``."""
+    return 2 * len(layout.owning_layers(group)) if per_span else 1
 
 
 def _span_starts(
@@ -72,7 +78,7 @@ def _span_starts(
     st = layout.strides(group)
     nblocks = layout.group(group).num_blocks
     dev = device_id(regions[0].device)
-    per_block = 2 * len(layout.owning_layers(group)) if per_span else 1
+    per_block = descriptors_per_block(layout, group, per_span)
     if nblocks * per_block >= 2**31:
         raise LayoutError(
             f"{nblocks} blocks of group {group!r} need more than 2**31 descriptors; NIXL "

@@ -40,6 +40,7 @@ from kvbridge.proto.errors import (
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.worker.nixl_descs import (
     descriptor_table,
+    descriptors_per_block,
     device_id,
     mem_type,
     request_indices,
@@ -131,10 +132,6 @@ class _LinkState:
     dlists: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     handles: set[NixlTransferHandle] = field(default_factory=set)
     down: str | None = None
-
-
-def _per_block(layout: KVLayout, group: str, per_span: bool) -> int:
-    return 2 * len(layout.owning_layers(group)) if per_span else 1
 
 
 class NixlTransferHandle(TransferHandle):
@@ -367,7 +364,7 @@ class NixlTransport(Transport):
             local=local,
             remote_layout=remote_layout,
             mode=negotiation.mode,
-            descriptors_per_block=_per_block(local.layout, "self", per_span),
+            descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
             prep_s=prep_s,
         )
         self._links[link.link_id] = _LinkState(link, strided, dlists)
@@ -428,7 +425,7 @@ class NixlTransport(Transport):
         check_transfer_request(link, group, local_ids, remote_ids, notify, timeout_s)
         deadline = time.monotonic() + timeout_s
         per_span = link.mode is TransferMode.PER_SPAN
-        per = _per_block(link.local.layout, group, per_span)
+        per = descriptors_per_block(link.local.layout, group, per_span)
         what = f"{op} of {len(local_ids)} block(s) of {group!r} with {link.peer_name!r}"
         nbytes = len(local_ids) * link.local.layout.block_bytes(group)
         handle = NixlTransferHandle(self, state, None, deadline, nbytes, len(local_ids) * per, what)

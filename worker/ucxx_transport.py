@@ -78,7 +78,7 @@ from kvbridge.proto.errors import (
 )
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.worker import ucxx_wire as wire
-from kvbridge.worker.nixl_descs import descriptor_indices, descriptor_table
+from kvbridge.worker.nixl_descs import descriptor_indices, descriptor_table, descriptors_per_block
 from kvbridge.worker.transport import (
     LinkDownError,
     LocalMemory,
@@ -106,10 +106,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _per_block(layout: KVLayout, group: str, per_span: bool) -> int:
-    return 2 * len(layout.owning_layers(group)) if per_span else 1
 
 
 class UcxxTransport(Transport):
@@ -238,7 +234,7 @@ class UcxxTransport(Transport):
             local=local,
             remote_layout=remote_layout,
             mode=negotiation.mode,
-            descriptors_per_block=_per_block(local.layout, "self", per_span),
+            descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
             prep_s=prep_s,
         )
         with self._ucx.lock:
@@ -300,7 +296,7 @@ class UcxxTransport(Transport):
             raise TransferError(f"notify has {len(notify)} bytes; at most {MAX_NOTIFY}")
         deadline = time.monotonic() + timeout_s
         per_span = link.mode is TransferMode.PER_SPAN
-        per = _per_block(link.local.layout, group, per_span)
+        per = descriptors_per_block(link.local.layout, group, per_span)
         what = f"{op} of {len(local_ids)} block(s) of {group!r} with {link.peer_name!r}"
         nbytes = len(local_ids) * link.local.layout.block_bytes(group)
         handle = UcxxTransferHandle(
