@@ -305,28 +305,27 @@ class UcxxService:
         return reg, runs, notify, timeout_s
 
     def _on_read(self, peer: Peer, xfer: int, body: Mapping[str, Any]) -> None:
-        reg, runs, notify, timeout_s = self._check_request(body)
-        requests, buffers = [], []
-        for i, (addr, size) in enumerate(runs):
-            arr = self._ucx.array(view(addr, size))
-            buffers.append(arr)
-            requests.append(peer.data.tag_send(arr, self._ucx.tag(wire.data_tag(xfer, i))))
-        deadline = time.monotonic() + timeout_s
-        self._served.append(
-            Served(peer.name, "read", xfer, requests, buffers, notify, deadline, reg.keep_alive)
-        )
+        self._serve(peer, "read", xfer, xfer, body)
         self._ucx.reply(peer, xfer, 0, {"ok": True})
 
     def _on_write(self, peer: Peer, xfer: int, body: Mapping[str, Any]) -> None:
+        base = self._ucx.next_id()  # our own ids: many writers share this worker
+        self._serve(peer, "write", xfer, base, body)
+        self._ucx.reply(peer, xfer, 0, {"ok": True, "tag": base})
+
+    def _serve(self, peer: Peer, kind: str, xfer: int, base: int, body: Mapping[str, Any]) -> None:
+        """Check a peer's request, then post one tagged send (``read``: the peer reads our
+        memory) or receive (``write``) per run, tags ``DATA|base|i``; track it as served."""
         reg, runs, notify, timeout_s = self._check_request(body)
-        base = self._ucx.next_id()
         requests, buffers = [], []
         for i, (addr, size) in enumerate(runs):
             arr = self._ucx.array(view(addr, size))
             buffers.append(arr)
-            requests.append(peer.ctl.tag_recv(arr, self._ucx.tag(wire.data_tag(base, i))))
+            tag = self._ucx.tag(wire.data_tag(base, i))
+            requests.append(
+                peer.data.tag_send(arr, tag) if kind == "read" else peer.ctl.tag_recv(arr, tag)
+            )
         deadline = time.monotonic() + timeout_s
         self._served.append(
-            Served(peer.name, "write", xfer, requests, buffers, notify, deadline, reg.keep_alive)
+            Served(peer.name, kind, xfer, requests, buffers, notify, deadline, reg.keep_alive)
         )
-        self._ucx.reply(peer, xfer, 0, {"ok": True, "tag": base})
