@@ -44,6 +44,29 @@ def create(p_ns: str, d_ns: str, tag: str) -> None:
         sh("ip", "-n", ns, "link", "set", "lo", "up")
 
 
+def try_create(p_ns: str, d_ns: str, tag: str) -> bool:
+    """:func:`create`, or say why not (usually: not root) and clean up; False then."""
+    try:
+        create(p_ns, d_ns, tag)
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        destroy(p_ns, d_ns)
+        err = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+        print(f"cannot create network namespaces ({err.strip()}); run as root", file=sys.stderr)
+        return False
+    return True
+
+
+def stop(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Terminate every process, wait up to ``timeout_s`` each, kill what is left."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def destroy(p_ns: str, d_ns: str) -> None:
     for ns in (p_ns, d_ns):
         sh("ip", "netns", "del", ns, check=False)  # deleting a namespace removes its veth end
@@ -93,12 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tag = str(os.getpid() % 100000)
     p_ns, d_ns = f"kvb-p-{tag}", f"kvb-d-{tag}"
-    try:
-        create(p_ns, d_ns, tag)
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        destroy(p_ns, d_ns)
-        err = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-        print(f"cannot create network namespaces ({err.strip()}); run as root", file=sys.stderr)
+    if not try_create(p_ns, d_ns, tag):
         return SKIP
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -129,13 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--json", str(args.json)]
             return subprocess.run(cmd).returncode
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs, 10)
         destroy(p_ns, d_ns)
 
 

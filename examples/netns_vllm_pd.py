@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_harness as harness
-from netns_two_hosts import HERE, SKIP, create, destroy
+from netns_two_hosts import HERE, SKIP, destroy, stop, try_create
 
 PREFILL, DECODE = "10.77.0.1", "10.77.0.2"
 
@@ -48,12 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     harness.ensure_venv()
     tag = str(os.getpid() % 100000)
     p_ns, d_ns = f"kvb-p-{tag}", f"kvb-d-{tag}"
-    try:
-        create(p_ns, d_ns, tag)
-    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
-        destroy(p_ns, d_ns)
-        err = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else str(exc)
-        print(f"cannot create network namespaces ({err.strip()}); run as root", file=sys.stderr)
+    if not try_create(p_ns, d_ns, tag):
         return SKIP
     procs: list[subprocess.Popen[bytes]] = []
     work = Path(tempfile.mkdtemp(prefix="kvb-netns-vllm-"))
@@ -78,13 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"logs in {work}")
         return rc
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs, 40)
         destroy(p_ns, d_ns)
 
 
