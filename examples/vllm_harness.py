@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +186,20 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextmanager
+def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
+    """Wait until every engine (started with ``wait=False``) is ready; close them all on exit."""
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def tokens(answer: dict[str, Any]) -> list[list[int]]:
+    """The generated token ids of a ``generate`` answer, one list per prompt."""
+    return [o["tokens"] for o in answer["outputs"]]

@@ -68,17 +68,8 @@ def engines(
         )
         for core, name in enumerate(("writer", "reader"))
     }
-    try:
-        for engine in started.values():
-            engine.wait_ready()
-        yield started
-    finally:
-        for engine in started.values():
-            engine.close()
-
-
-def _tokens(answer: dict[str, Any]) -> list[list[int]]:
-    return [o["tokens"] for o in answer["outputs"]]
+    with harness.running(started) as engines:
+        yield engines
 
 
 def _loads(engine: harness.Engine, before: set[str]) -> list[dict[str, Any]]:
@@ -119,7 +110,7 @@ def test_writer_computes_and_stores_the_full_prompt_blocks(
     writer = engines["writer"]
     # the early-token check of test_vllm_pd, here too: wrong KV must show in the tokens
     changed = [9, *PROMPTS[0][1:]]
-    outputs = _tokens(writer.generate([*PROMPTS, changed], MAX_TOKENS))
+    outputs = harness.tokens(writer.generate([*PROMPTS, changed], MAX_TOKENS))
     assert outputs[0] != outputs[-1]
     assert _loads(writer, set()) == []  # an empty daemon: nothing was loaded
     reference.update({tuple(p): t for p, t in zip(PROMPTS, outputs, strict=False)})
@@ -138,8 +129,8 @@ def test_a_fresh_instance_loads_the_prompt_blocks_from_the_daemon(
     reader = engines["reader"]
     hits = _daemon_stats(daemon.address)["loaded_blocks"]
     # the first prompt alone: the others then find the shared prefix in reader's own cache
-    got = _tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
-    got += _tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
+    got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
+    got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
     assert got == [reference[tuple(p)] for p in PROMPTS]
     loads = _loads(reader, set())
     assert all(not x["error"] and x["moved"] == 0 for x in loads), loads
@@ -152,13 +143,14 @@ def test_decode_takes_the_daemons_blocks_and_only_the_rest_from_prefill(
     engines: dict[str, harness.Engine],
 ) -> None:
     writer, reader = engines["writer"], engines["reader"]
-    expected = _tokens(writer.generate(PD_PROMPTS, MAX_TOKENS))  # also stores their full blocks
+    # the writer computes them alone first, which also stores their full blocks
+    expected = harness.tokens(writer.generate(PD_PROMPTS, MAX_TOKENS))
     _assert_nothing_held({"writer": writer})
     before = set(reader.call(cmd="stats")["loads"])
     pre = writer.generate(PD_PROMPTS, 1, [{"do_remote_decode": True}] * len(PD_PROMPTS))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
     assert all(p and p["remote_address"] for p in params), params
-    got = _tokens(reader.generate(PD_PROMPTS, MAX_TOKENS, params))
+    got = harness.tokens(reader.generate(PD_PROMPTS, MAX_TOKENS, params))
     assert got == expected
     loads = _loads(reader, before)
     assert len(loads) == len(PD_PROMPTS) and all(not x["error"] for x in loads), loads
@@ -173,8 +165,8 @@ def test_a_dead_daemon_is_a_miss_and_nothing_leaks(
     writer, reader = engines["writer"], engines["reader"]
     daemon.kill()
     prompts = [[7, *range(600, 700), 800 + i] for i in range(2)]
-    expected = _tokens(writer.generate(prompts, MAX_TOKENS))  # its stores fail: still freed
+    expected = harness.tokens(writer.generate(prompts, MAX_TOKENS))  # its stores fail: still freed
     before = set(reader.call(cmd="stats")["loads"])
-    assert _tokens(reader.generate(prompts, MAX_TOKENS)) == expected
+    assert harness.tokens(reader.generate(prompts, MAX_TOKENS)) == expected
     assert _loads(reader, before) == []  # lookups miss: nothing to load
     _assert_nothing_held(engines)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -55,35 +54,26 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harn
         ),
         "plain": harness.Engine(model, core=0, log=tmp / "plain.log", wait=False),
     }
-    try:
-        for engine in started.values():
-            engine.wait_ready()
-        yield started
-    finally:
-        for engine in started.values():
-            engine.close()
-
-
-def _tokens(answer: dict[str, Any]) -> list[list[int]]:
-    return [o["tokens"] for o in answer["outputs"]]
+    with harness.running(started) as engines:
+        yield engines
 
 
 def _pd(engines: dict[str, harness.Engine], prompts: list[list[int]]) -> list[list[int]]:
     pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
     assert all(p and p["remote_address"] for p in params), params
-    return _tokens(engines["decode"].generate(prompts, MAX_TOKENS, params))
+    return harness.tokens(engines["decode"].generate(prompts, MAX_TOKENS, params))
 
 
 def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engine]) -> None:
     plain = engines["plain"]
-    assert _tokens(plain.generate(PROMPTS[:1], MAX_TOKENS)) != _tokens(
+    assert harness.tokens(plain.generate(PROMPTS[:1], MAX_TOKENS)) != harness.tokens(
         plain.generate(OTHER_FIRST, MAX_TOKENS)
     )
 
 
 def test_pd_greedy_outputs_equal_one_plain_engine(engines: dict[str, harness.Engine]) -> None:
-    expected = _tokens(engines["plain"].generate(PROMPTS + OTHER_FIRST, MAX_TOKENS))
+    expected = harness.tokens(engines["plain"].generate(PROMPTS + OTHER_FIRST, MAX_TOKENS))
     # the first prompt alone, so that the others find its prefix in decode's cache
     got = _pd(engines, PROMPTS[:1]) + _pd(engines, PROMPTS[1:] + OTHER_FIRST)
     assert got == expected
@@ -108,12 +98,12 @@ def test_no_blocks_held_after_decode_released_them(engines: dict[str, harness.En
 
 def test_killed_prefill_means_decode_recomputes(engines: dict[str, harness.Engine]) -> None:
     prompts = [[7, *range(200, 260), 300 + i] for i in range(3)]
-    expected = _tokens(engines["plain"].generate(prompts, MAX_TOKENS))
+    expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
     pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     engines["prefill"].kill()
     decode = engines["decode"]
     before = set(decode.call(cmd="stats")["loads"])
-    got = _tokens(
+    got = harness.tokens(
         decode.generate(prompts, MAX_TOKENS, [o["kv_transfer_params"] for o in pre["outputs"]])
     )
     assert got == expected
