@@ -53,7 +53,7 @@ class LeaseIssuer(ABC):
     """Pins a finished prefill request's blocks under a lease that a decode peer releases.
 
     Implemented by the process that owns the KV memory and runs the control
-    server (:class:`kvbridge.worker.node.Node`); called from the scheduler thread.
+    server (:class:`kvbridge.worker.serving.node.Node`); called from the scheduler thread.
     """
 
     @abstractmethod

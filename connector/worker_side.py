@@ -1,7 +1,7 @@
 """kvbridge's worker half: pulls remote blocks into this engine's KV cache, fail closed.
 
 Runs in the engine's worker thread (vLLM: each model-runner process). It owns
-a :class:`~kvbridge.worker.transport.Transport` (injected: the transport lives
+a :class:`~kvbridge.connector.transport.base.Transport` (injected: the transport lives
 in ``kvbridge.worker``) and one control client per remote engine.
 
 Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
@@ -46,11 +46,11 @@ from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestI
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.connector.control_client import ControlClient
-    from kvbridge.connector.control_types import PeerInfo
-    from kvbridge.connector.offload_client import OffloadClient
+    from kvbridge.connector.control.client import ControlClient
+    from kvbridge.connector.control.types import PeerInfo
+    from kvbridge.connector.offload.client import OffloadClient
+    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
     from kvbridge.proto.layout import KVLayout
-    from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
 
 __all__ = ["KVBridgeWorker", "LoadResult"]
 
@@ -149,7 +149,7 @@ class KVBridgeWorker(WorkerConnector):
         self.memory = self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches
         if self.config.offload_address:
-            from kvbridge.connector.offload_client import OffloadClient, OffloadClientConfig
+            from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
 
             timeout = self.config.load_timeout_s
             self.offload = OffloadClient(

@@ -7,7 +7,7 @@ one core each) serve the same prompts one at a time: prefill with
 client-side TTFT (prefill + transfer + decode's first token) and the KV
 transfer time the connector reports (kvbridge: the READ with its control
 calls; NixlConnector: its ``transfer_duration`` stats). Writes JSON and a PNG
-via :mod:`kvbridge.worker.bench_report`.
+via :mod:`kvbridge.worker.bench.report`.
 
 Run from the main environment (vLLM runs in ``.venv-vllm``)::
 
@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_harness as harness
 
-from kvbridge.worker.bench_report import bar_plot, print_table, write_json
+from kvbridge.worker.bench.report import bar_plot, print_table, write_json
 
 
 def run_connector(

@@ -21,10 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from kvbridge.worker.demo import check_no_leaks, make_workload, reference_outputs
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.node_cmd import add_engine_arguments
-from kvbridge.worker.router import EngineClient, Router
+from kvbridge.worker.serving.demo import check_no_leaks, make_workload, reference_outputs
+from kvbridge.worker.serving.node_cmd import add_engine_arguments
+from kvbridge.worker.serving.router import EngineClient, Router
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,7 @@ def ensure_venv(log: Path | None = None) -> Path:
 
 
 def _imports_ok() -> bool:
-    code = "import vllm, kvbridge.connector.vllm_config"
+    code = "import vllm, kvbridge.connector.vllm.config"
     return subprocess.run([str(PYTHON), "-c", code], capture_output=True).returncode == 0
 
 

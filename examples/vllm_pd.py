@@ -141,7 +141,7 @@ def local(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         offload = ""
         if args.offload:
-            from kvbridge.worker.demo import start_offload_daemon
+            from kvbridge.worker.serving.demo import start_offload_daemon
 
             offload = stack.enter_context(start_offload_daemon(work, 60)).address
             print(f"offload daemon at {offload}")

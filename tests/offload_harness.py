@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 class DaemonProc:
-    """``python -m kvbridge.worker.offload_cmd`` (``kvbridge offload serve``); stop() ends it."""
+    """``python -m kvbridge.worker.offload.cmd`` (``kvbridge offload serve``); stop() ends it."""
 
     def __init__(self, *args: str, port: int | None = None, timeout_s: float = 60.0) -> None:
         self.port = port or free_port()
@@ -34,7 +34,7 @@ class DaemonProc:
         self.stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by stop())
         env = {**os.environ, "UCX_MODULES": "^ib"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.worker.offload_cmd", "--port", str(self.port), *args],
+            [sys.executable, "-m", "kvbridge.worker.offload.cmd", "--port", str(self.port), *args],
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             env=env,

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from transport_peer import block_bytes, fill, read_frame, write_frame
 
-from kvbridge.connector.offload_client import OffloadClient, OffloadClientConfig
+from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
+from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.presets import preset_layout
 from kvbridge.proto.types import BlockHash, BlockId
-from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
 
 
 class Worker:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.connector.control_client import ControlClient
-from kvbridge.connector.control_types import PeerInfo, Role
+from kvbridge.connector.control.client import ControlClient
+from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.proto.errors import AuthError
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.presets import preset_layout
@@ -44,7 +44,7 @@ def test_committed_stubs_match_a_fresh_regeneration(tmp_path: Path) -> None:
 def test_generated_code_imports_package_qualified_and_wire_types_load_no_grpc() -> None:
     code = (
         "import sys, kvbridge.proto, kvbridge.connector;"
-        "import kvbridge.proto.control_pb2 as pb, kvbridge.connector.control_types;"
+        "import kvbridge.proto.control_pb2 as pb, kvbridge.connector.control.types;"
         "assert pb.DESCRIPTOR.name == 'kvbridge/proto/control.proto', pb.DESCRIPTOR.name;"
         "print([m for m in sys.modules if m.split('.')[0] == 'grpc'])"
     )
@@ -54,7 +54,7 @@ def test_generated_code_imports_package_qualified_and_wire_types_load_no_grpc() 
 
 def run_serve(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.worker.serve_cmd", *args],
+        [sys.executable, "-m", "kvbridge.worker.serving.control_cmd", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -64,7 +64,7 @@ def run_serve(*args: str) -> subprocess.Popen[str]:
 
 def test_serve_control_help() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvbridge.worker.serve_cmd", "--help"],
+        [sys.executable, "-m", "kvbridge.worker.serving.control_cmd", "--help"],
         capture_output=True,
         text=True,
     )
@@ -99,7 +99,7 @@ def test_a_served_control_plane_answers_health_from_another_process(tmp_path: Pa
 def test_bench_control_writes_latency_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvbridge.worker import bench_control
+    from kvbridge.worker.bench import control as bench_control
 
     parser = argparse.ArgumentParser()
     bench_control.add_parser(parser.add_subparsers())

@@ -8,10 +8,11 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from kvbridge.connector.control.leases import BlockOwner, LeaseTable
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.block_pool import BlockPool
-from kvbridge.worker.leases import BlockOwner, LeaseTable, PoolBlockOwner
+from kvbridge.worker.pool_owner import PoolBlockOwner
 
 
 class Clock:

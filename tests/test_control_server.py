@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.connector.control_client import ControlClient
-from kvbridge.connector.control_types import PeerInfo, Role
+from kvbridge.connector.control.client import ControlClient
+from kvbridge.connector.control.leases import BlockOwner, LeaseTable
+from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
+from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.proto.errors import (
     AuthError,
     ControlPlaneError,
@@ -33,8 +35,6 @@ from kvbridge.proto.negotiate import Negotiation, TransferMode
 from kvbridge.proto.presets import preset_layout
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, RequestId
 from kvbridge.worker.block_pool import BlockPool
-from kvbridge.worker.control_server import ControlServer, ControlServerConfig, serve
-from kvbridge.worker.leases import BlockOwner, LeaseTable
 
 NUM_BLOCKS = 16
 

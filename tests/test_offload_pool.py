@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvbridge.proto.errors import LeaseError
 from kvbridge.proto.types import BlockHash
-from kvbridge.worker.offload_pool import HostPool, pool_key
+from kvbridge.worker.offload.pool import HostPool, pool_key
 
 TTL = 10.0
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from kvbridge.proto import codec
-from kvbridge.worker.demo import check_no_leaks, make_workload, start_node
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.router import EngineClient, Router
+from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
+from kvbridge.worker.serving.router import EngineClient, Router
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,15 @@ import pytest
 import torch
 
 from kvbridge.proto import codec
-from kvbridge.worker.demo import check_no_leaks, make_encoder_inputs, make_workload, start_node
 from kvbridge.worker.engine import Engine
-from kvbridge.worker.node_cmd import engine_config_from_args
-from kvbridge.worker.router import EngineClient, Router
+from kvbridge.worker.serving.demo import (
+    check_no_leaks,
+    make_encoder_inputs,
+    make_workload,
+    start_node,
+)
+from kvbridge.worker.serving.node_cmd import engine_config_from_args
+from kvbridge.worker.serving.router import EngineClient, Router
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 from test_pd_e2e import MAX_TOKENS, node_args, reference
 
-from kvbridge.worker.demo import check_no_leaks, make_workload, start_node, start_offload_daemon
-from kvbridge.worker.router import EngineClient, Router
+from kvbridge.worker.serving.demo import (
+    check_no_leaks,
+    make_workload,
+    start_node,
+    start_offload_daemon,
+)
+from kvbridge.worker.serving.router import EngineClient, Router
 
 pytestmark = pytest.mark.slow
 

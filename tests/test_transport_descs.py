@@ -9,10 +9,14 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvbridge.proto.errors import ConfigError, LayoutError, TransferError
-from kvbridge.proto.layout import KVLayout, Region
-from kvbridge.proto.presets import preset_layout
-from kvbridge.worker.nixl_descs import (
+from kvbridge.connector.transport.base import (
+    TransferHandle,
+    TransferState,
+    check_transfer_ids,
+    wait_async,
+)
+from kvbridge.connector.transport.nixl import NixlConfig
+from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
     descriptor_table,
     expand_strided,
@@ -20,8 +24,9 @@ from kvbridge.worker.nixl_descs import (
     strided_indices,
     strided_table,
 )
-from kvbridge.worker.nixl_transport import NixlConfig
-from kvbridge.worker.transport import TransferHandle, TransferState, check_transfer_ids, wait_async
+from kvbridge.proto.errors import ConfigError, LayoutError, TransferError
+from kvbridge.proto.layout import KVLayout, Region
+from kvbridge.proto.presets import preset_layout
 
 
 def bound(order: str, preset: str = "tiny", num_blocks: int = 8) -> KVLayout:

@@ -84,5 +84,6 @@ class TestNixlTransport(TransportContract):
 
 def test_importing_the_transport_loads_no_nixl() -> None:
     assert_importing_loads_none_of(
-        ["kvbridge.worker.nixl_transport", "kvbridge.worker.transport"], ("nixl", "torch")
+        ["kvbridge.connector.transport.nixl", "kvbridge.connector.transport.base"],
+        ("nixl", "torch"),
     )

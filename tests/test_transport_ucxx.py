@@ -142,7 +142,7 @@ def test_malformed_requests_are_refused_and_the_target_keeps_serving(
 def test_wire_checks_refuse_runs_outside_the_targets_own_memory() -> None:
     import numpy as np
 
-    from kvbridge.worker import ucxx_wire as wire
+    from kvbridge.connector.transport.ucxx import wire
 
     table = np.array([[1000 + 100 * i, 100, 0] for i in range(4)], dtype=np.uint64)
     bounds = np.array([[1000, 1400]], dtype=np.uint64)
@@ -165,7 +165,7 @@ def test_wire_checks_refuse_runs_outside_the_targets_own_memory() -> None:
 def test_runs_merge_only_what_is_adjacent_on_both_sides() -> None:
     import numpy as np
 
-    from kvbridge.worker import ucxx_wire as wire
+    from kvbridge.connector.transport.ucxx import wire
 
     local = np.array([[100 * i, 100, 0] for i in range(8)], dtype=np.uint64)
     remote = np.array([[5000 + 100 * i, 100, 0] for i in range(8)], dtype=np.uint64)
@@ -182,7 +182,7 @@ def test_runs_merge_only_what_is_adjacent_on_both_sides() -> None:
 def test_device_tensors_are_refused_as_host_only() -> None:
     import torch
 
-    from kvbridge.worker.ucxx_transport import check_host_memory
+    from kvbridge.connector.transport.ucxx.transport import check_host_memory
 
     check_host_memory({"l0": torch.zeros(4)})
     with pytest.raises(LayoutError, match="UCXX transport here is host-only"):
@@ -190,8 +190,8 @@ def test_device_tensors_are_refused_as_host_only() -> None:
 
 
 def test_config_names_the_bad_knob() -> None:
+    from kvbridge.connector.transport.ucxx.transport import UcxxConfig
     from kvbridge.proto.errors import ConfigError
-    from kvbridge.worker.ucxx_transport import UcxxConfig
 
     with pytest.raises(ConfigError, match="idle_wait_s"):
         UcxxConfig("a", idle_wait_s=0)
@@ -203,6 +203,6 @@ def test_config_names_the_bad_knob() -> None:
 
 def test_importing_the_transport_loads_no_ucxx_or_torch() -> None:
     assert_importing_loads_none_of(
-        ["kvbridge.worker.ucxx_transport", "kvbridge.worker.ucxx_wire"],
+        ["kvbridge.connector.transport.ucxx.transport", "kvbridge.connector.transport.ucxx.wire"],
         ("ucxx", "torch", "nixl", "rmm"),
     )

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import pytest
 
 from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata
-from kvbridge.connector.offload_lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.connector.vllm_config import VllmConnectorConfig
-from kvbridge.connector.vllm_scheduler import HoldOrder, VllmScheduler, to_json_params
-from kvbridge.connector.vllm_worker import NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.config import VllmConnectorConfig
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
+from kvbridge.connector.vllm.worker import NamedLeases, VllmWorker, WorkerSettings
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 

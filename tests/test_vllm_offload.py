@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import vllm_harness as harness
 
-from kvbridge.worker.demo import OffloadDaemonProcess, start_offload_daemon
+from kvbridge.worker.serving.demo import OffloadDaemonProcess, start_offload_daemon
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 

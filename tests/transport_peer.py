@@ -20,13 +20,13 @@ from typing import Any, BinaryIO
 import msgpack
 import torch
 
+from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.presets import preset_layout
-from kvbridge.worker.transport import LocalMemory, PeerLink, Transport
 
 
 def wire_ctrl() -> int:
-    from kvbridge.worker import ucxx_wire as wire
+    from kvbridge.connector.transport.ucxx import wire
 
     return wire.CTRL
 
@@ -61,10 +61,10 @@ def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: in
 
 def make_transport(name: str, backend: str) -> Transport:
     if backend == "ucxx":
-        from kvbridge.worker.ucxx_transport import UcxxConfig, UcxxTransport
+        from kvbridge.connector.transport.ucxx.transport import UcxxConfig, UcxxTransport
 
         return UcxxTransport(UcxxConfig(name))
-    from kvbridge.worker.nixl_transport import NixlConfig, NixlTransport
+    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 
     # the test sets KVBRIDGE_NIXL_STRIDED=0 to get the dense Nx3 descriptor lists
     strided = os.environ.get("KVBRIDGE_NIXL_STRIDED", "1") != "0"
@@ -183,7 +183,7 @@ class Peer:
 
     def op_raw_request(self, link: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """UCXX only: send a hand-made request to the linked peer and return its first reply."""
-        from kvbridge.worker import ucxx_wire as wire
+        from kvbridge.connector.transport.ucxx import wire
 
         ucx = self.transport._ucx
         with ucx.lock:

@@ -70,30 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_layout)
 
-    from kvbridge.worker import demo, node_cmd, offload_cmd, serve_cmd
+    from kvbridge.worker.offload import cmd as offload_cmd
+    from kvbridge.worker.serving import control_cmd, demo, node_cmd
 
     node_cmd.add_parser(sub)
     demo.add_parser(sub)
     offload_cmd.add_parser(sub)
-    serve_cmd.add_parser(sub)
+    control_cmd.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from kvbridge.worker import (
-        bench_control,
-        bench_hash,
-        bench_kernels,
-        bench_offload,
-        bench_prefill_skip,
-        bench_transfer,
-    )
+    from kvbridge.worker.bench import control, hash, kernels, offload, prefill_skip, transfer
 
-    bench_hash.add_parser(bench_sub)
-    bench_transfer.add_parser(bench_sub)
-    bench_kernels.add_parser(bench_sub)
-    bench_control.add_parser(bench_sub)
-    bench_offload.add_parser(bench_sub)
-    bench_prefill_skip.add_parser(bench_sub)
+    for bench_module in (hash, transfer, kernels, control, offload, prefill_skip):
+        bench_module.add_parser(bench_sub)
     return parser
 
 

@@ -1,0 +1,264 @@
+"""A typed client of a peer's control service (``PeerControl``).
+
+Every call has a deadline. Only idempotent calls (``Health``, ``Heartbeat``,
+``Release``) are retried, and only on ``UNAVAILABLE``, within the call's
+deadline. Failures come back as typed kvbridge errors (see
+:mod:`control_errors`). After :meth:`ControlClient.handshake`, block ids in
+``Pin`` answers are bounds-checked against the peer's layout before anyone can
+hand them to NIXL.
+
+This module imports gRPC; :mod:`kvbridge.connector` imports it only when a
+client is wanted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from kvbridge.connector.control.errors import TOKEN_KEY, error_from_rpc
+from kvbridge.connector.control.types import (
+    ControlLimits,
+    HealthInfo,
+    PeerInfo,
+    PinnedBlocks,
+    check_lease_id,
+    mode_from_pb,
+    peer_from_pb,
+    peer_to_pb,
+    role_from_pb,
+)
+from kvbridge.proto import control_pb2 as pb
+from kvbridge.proto import control_pb2_grpc as pb_grpc
+from kvbridge.proto.errors import ConfigError, ControlPlaneError, WireError
+from kvbridge.proto.negotiate import Negotiation, negotiate
+from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
+
+__all__ = ["ControlClient", "HandshakeResult"]
+
+Resp = TypeVar("Resp")
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeResult:
+    """The peer's identity, layout and agent metadata, and how we move blocks with it."""
+
+    peer: PeerInfo
+    negotiation: Negotiation
+
+
+class ControlClient:
+    """One channel to one peer's control service; close it (or use ``with``)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        root_cert: bytes | None = None,
+        server_name: str | None = None,
+        timeout_s: float = 5.0,
+        retries: int = 2,
+        retry_backoff_s: float = 0.05,
+        limits: ControlLimits | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        if retries < 0:
+            raise ConfigError(f"retries must be >= 0, got {retries}")
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.limits = limits or ControlLimits()
+        self.peer: PeerInfo | None = None
+        """The peer's info once :meth:`handshake` succeeded."""
+        self._metadata: tuple[tuple[str, str], ...] = () if token is None else ((TOKEN_KEY, token),)
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
+            ("grpc.max_send_message_length", self.limits.max_message_bytes),
+            ("grpc.enable_retries", 0),  # retries are ours, and only where idempotent
+        ]
+        if server_name is not None:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.PeerControlStub(self._channel)
+        self._closed = False
+
+    # ----------------------------------------------------------------- calls
+
+    def handshake(self, local: PeerInfo, *, timeout_s: float | None = None) -> HandshakeResult:
+        """Exchange identities and layouts; raises IncompatibleLayoutError or
+        VersionMismatchError (peer said FAILED_PRECONDITION) with the peer's reason."""
+        req = pb.HandshakeRequest(peer=peer_to_pb(local))
+        resp: pb.HandshakeResponse = self._call("Handshake", req, timeout_s, retry=False)
+        try:
+            peer = peer_from_pb(resp.peer, self.limits)
+            mode = mode_from_pb(resp.mode)
+        except WireError as exc:
+            raise WireError(f"Handshake answer from {self.address}: {exc}") from None
+        ours = negotiate(local.layout, peer.layout)
+        if ours.mode is not mode:
+            raise WireError(
+                f"peer {peer.engine_id} negotiated {mode.value}, we computed {ours.mode.value}"
+            )
+        self.peer = peer
+        return HandshakeResult(peer, ours)
+
+    def pin_request(
+        self, request_id: RequestId, *, ttl_s: float | None = None, timeout_s: float | None = None
+    ) -> PinnedBlocks:
+        """The lease the peer created when ``request_id`` finished, extended by ``ttl_s``.
+
+        Raises :class:`LeaseError` (code ``NOT_FOUND``) if it is gone: recompute.
+        """
+        req = pb.PinRequest(request_id=request_id, ttl_ms=_ttl_ms(ttl_s))
+        resp: pb.PinResponse = self._call("Pin", req, timeout_s, retry=False)
+        return self._pinned(resp.lease, None)
+
+    def pin_hashes(
+        self,
+        group_hashes: Mapping[str, Sequence[BlockHash]],
+        *,
+        ttl_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> PinnedBlocks:
+        """Pin the longest prefix of each group's hashes the peer still holds, under a new lease.
+
+        The answer may be shorter than asked (blocks were evicted), or empty
+        with ``lease_id=None`` (nothing to read, nothing to release).
+        """
+        req = pb.PinRequest(
+            hashes=pb.PinByHashes(
+                groups=[pb.GroupHashes(group=g, hashes=list(h)) for g, h in group_hashes.items()]
+            ),
+            ttl_ms=_ttl_ms(ttl_s),
+        )
+        resp: pb.PinResponse = self._call("Pin", req, timeout_s, retry=False)
+        return self._pinned(resp.lease, group_hashes)
+
+    def heartbeat(
+        self,
+        lease_ids: Sequence[LeaseId],
+        *,
+        ttl_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> frozenset[LeaseId]:
+        """Extend leases; returns those still alive (a missing one expired: recompute)."""
+        req = pb.HeartbeatRequest(lease_ids=list(lease_ids), ttl_ms=_ttl_ms(ttl_s))
+        resp: pb.HeartbeatResponse = self._call("Heartbeat", req, timeout_s, retry=True)
+        alive = frozenset(LeaseId(x) for x in resp.alive)
+        if not alive <= set(lease_ids):
+            raise WireError(f"Heartbeat answer from {self.address} names leases we did not send")
+        return alive
+
+    def release(self, lease_id: LeaseId, *, timeout_s: float | None = None) -> bool:
+        """Unpin a lease; False if the peer no longer held it (expired or already released)."""
+        req = pb.ReleaseRequest(lease_id=lease_id)
+        resp: pb.ReleaseResponse = self._call("Release", req, timeout_s, retry=True)
+        return bool(resp.released)
+
+    def health(self, *, timeout_s: float | None = None) -> HealthInfo:
+        resp: pb.HealthResponse = self._call("Health", pb.HealthRequest(), timeout_s, retry=True)
+        return HealthInfo(
+            engine_id=EngineId(resp.engine_id),
+            role=role_from_pb(resp.role),
+            protocol_version=resp.protocol_version,
+            num_leases=resp.num_leases,
+        )
+
+    # ------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._channel.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- helpers
+
+    def _call(self, method: str, request: Any, timeout_s: float | None, *, retry: bool) -> Any:
+        if self._closed:
+            raise ControlPlaneError(f"{method}: the client is closed", code="CANCELLED")
+        fn: Callable[..., Any] = getattr(self._stub, method)
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                return fn(request, timeout=max(remaining, 0.001), metadata=self._metadata)
+            except grpc.RpcError as err:
+                backoff = self.retry_backoff_s * 2**attempt
+                if (
+                    retry
+                    and attempt < self.retries
+                    and err.code() is grpc.StatusCode.UNAVAILABLE
+                    and time.monotonic() + backoff < deadline
+                ):
+                    attempt += 1
+                    time.sleep(backoff)
+                    continue
+                raise error_from_rpc(f"{method} {self.address}", err) from None
+
+    def _pinned(
+        self, msg: pb.Lease, asked: Mapping[str, Sequence[BlockHash]] | None
+    ) -> PinnedBlocks:
+        """Check a Pin answer against what we asked and the peer's layout."""
+        where = f"Pin answer from {self.address}"
+        if not msg.lease_id:
+            if msg.blocks:
+                raise WireError(f"{where}: blocks without a lease")
+            return PinnedBlocks(lease_id=None, expires_in_s=0.0)
+        lease_id = check_lease_id(msg.lease_id)
+        blocks: dict[str, tuple[BlockId, ...]] = {}
+        for item in msg.blocks:
+            if item.group in blocks:
+                raise WireError(f"{where}: group {item.group!r} repeats")
+            ids = tuple(BlockId(b) for b in item.block_ids)
+            if asked is not None and len(ids) > len(asked.get(item.group, ())):
+                raise WireError(f"{where}: more blocks than hashes for group {item.group!r}")
+            if self.peer is not None and ids:
+                n = self.peer.layout.group(item.group).num_blocks  # LayoutError if unknown
+                if max(ids) >= n:
+                    raise WireError(f"{where}: block id {max(ids)} is outside 0..{n - 1}")
+            blocks[item.group] = ids
+        hashes = {item.group: tuple(BlockHash(h) for h in item.hashes) for item in msg.hashes}
+        if asked is not None:
+            for group, ids in blocks.items():
+                if hashes.get(group, ()) != tuple(asked[group][: len(ids)]):
+                    raise WireError(f"{where}: hashes of group {group!r} are not our prefix")
+        rid = msg.request_id
+        return PinnedBlocks(
+            lease_id=lease_id,
+            expires_in_s=msg.expires_in_ms / 1000,
+            blocks=blocks,
+            hashes=hashes,
+            request_id=RequestId(rid) if rid else None,
+        )
+
+
+def _ttl_ms(ttl_s: float | None) -> int:
+    if ttl_s is None:
+        return 0
+    if ttl_s <= 0:
+        raise ConfigError(f"ttl_s must be > 0, got {ttl_s}")
+    return max(1, round(ttl_s * 1000))

@@ -1,0 +1,378 @@
+"""The peer control server: handshake, pins under leases, heartbeats, health.
+
+Every kvbridge process that owns KV memory runs one. The layout is the one in
+gRPC's ``route_guide``: :class:`ControlHandlers` does the work on protobuf
+messages and raises typed kvbridge errors; :class:`_Servicer` is a thin shim
+that maps those errors to status codes (via :mod:`kvbridge.connector.control.errors`);
+:func:`serve` builds and starts a :class:`ControlServer`. Optional shared-token
+auth is a server interceptor, so a peer without the token learns nothing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from kvbridge.connector.control.errors import (
+    ERROR_KIND_KEY,
+    TOKEN_KEY,
+    call_handler,
+    lease_not_found,
+    status_for,
+)
+from kvbridge.connector.control.grpc_server import ReapingServer
+from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.types import (
+    ControlLimits,
+    PeerInfo,
+    check_hashes,
+    check_lease_id,
+    check_request_id,
+    mode_to_pb,
+    peer_from_pb,
+    peer_to_pb,
+    role_to_pb,
+)
+from kvbridge.proto import control_pb2 as pb
+from kvbridge.proto import control_pb2_grpc as pb_grpc
+from kvbridge.proto.errors import (
+    AuthError,
+    ConfigError,
+    ControlPlaneError,
+    IncompatibleLayoutError,
+    WireError,
+)
+from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
+from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.proto.version import PROTOCOL_VERSION
+
+__all__ = ["ControlServerConfig", "HandshakeHook", "ControlHandlers", "ControlServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+HandshakeHook = Callable[[PeerInfo, Negotiation], None]
+"""Called after a compatible handshake with the caller's info, e.g. to add it as a NIXL peer.
+It runs on a server thread; raising a kvbridge error fails the handshake with that error."""
+
+
+@dataclass(frozen=True, slots=True)
+class ControlServerConfig:
+    """How the control server listens and what it allows (built once at the edge)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    token: str | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    max_workers: int = 8
+    max_concurrent_rpcs: int = 256
+    default_ttl_s: float = 30.0
+    max_ttl_s: float = 600.0
+    reap_interval_s: float = 0.5
+    limits: ControlLimits = field(default_factory=ControlLimits)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
+        if self.token is not None and (
+            not self.token or not self.token.isascii() or not self.token.isprintable()
+        ):
+            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        for knob in ("max_workers", "max_concurrent_rpcs"):
+            if getattr(self, knob) < 1:
+                raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")
+        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+            raise ConfigError(
+                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s})"
+            )
+        if self.reap_interval_s <= 0:
+            raise ConfigError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
+
+
+class ControlHandlers:
+    """The control service's logic on protobuf messages; knows nothing of gRPC.
+
+    Each method validates every id, count and size first and changes no
+    state when it raises.
+    """
+
+    def __init__(
+        self,
+        local: PeerInfo,
+        leases: LeaseTable,
+        config: ControlServerConfig,
+        on_handshake: HandshakeHook | None = None,
+    ) -> None:
+        self.local = local
+        self.leases = leases
+        self.config = config
+        self._on_handshake = on_handshake
+        self._groups = tuple(g.name for g in local.layout.groups)
+        self._local_pb = peer_to_pb(local)
+
+    @property
+    def owner(self) -> BlockOwner:
+        return self.leases.owner
+
+    def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
+        if not request.HasField("peer"):
+            raise WireError("handshake carries no peer info")
+        remote = peer_from_pb(request.peer, self.config.limits)
+        result = negotiate(self.local.layout, remote.layout)
+        if result.mode is TransferMode.INCOMPATIBLE:
+            raise IncompatibleLayoutError(
+                f"peer {remote.engine_id} cannot exchange blocks with {self.local.engine_id}: "
+                f"{result.reason}"
+            )
+        if self._on_handshake is not None:
+            self._on_handshake(remote, result)
+        log.info(
+            "handshake from %s (%s): %s", remote.engine_id, remote.role.value, result.mode.value
+        )
+        return pb.HandshakeResponse(
+            peer=self._local_pb,
+            mode=mode_to_pb(result.mode),  # type: ignore[arg-type]
+            mode_reason=result.reason,
+        )
+
+    def pin(self, request: pb.PinRequest) -> pb.PinResponse:
+        ttl_s = self._ttl(request.ttl_ms)
+        target = request.WhichOneof("target")
+        if target == "request_id":
+            return pb.PinResponse(lease=self._pin_request(request.request_id, ttl_s))
+        if target == "hashes":
+            return pb.PinResponse(lease=self._pin_hashes(request.hashes, ttl_s))
+        raise WireError("pin names neither a request id nor block hashes")
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        limit = self.config.limits.max_lease_ids_per_heartbeat
+        if len(request.lease_ids) > limit:
+            raise WireError(f"heartbeat of {len(request.lease_ids)} leases exceeds {limit}")
+        ids = [check_lease_id(x) for x in request.lease_ids]
+        ttl_s = self._ttl(request.ttl_ms)
+        alive = self.leases.heartbeat(ids, ttl_s)
+        return pb.HeartbeatResponse(
+            alive=[lease.lease_id for lease in alive], expires_in_ms=round(ttl_s * 1000)
+        )
+
+    def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+        lease_id = check_lease_id(request.lease_id)
+        return pb.ReleaseResponse(released=self.leases.release(lease_id))
+
+    def health(self, request: pb.HealthRequest) -> pb.HealthResponse:
+        self.leases.expire()
+        return pb.HealthResponse(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=self.local.engine_id,
+            role=role_to_pb(self.local.role),  # type: ignore[arg-type]
+            num_leases=len(self.leases),
+        )
+
+    # ------------------------------------------------------------------ helpers
+
+    def _ttl(self, ttl_ms: int) -> float:
+        if ttl_ms == 0:
+            return self.config.default_ttl_s
+        return min(ttl_ms / 1000, self.config.max_ttl_s)
+
+    def _pin_request(self, request_id: str, ttl_s: float) -> pb.Lease:
+        rid = check_request_id(request_id, self.config.limits)
+        lease = self.leases.get_by_request(rid)
+        alive = [] if lease is None else self.leases.heartbeat([lease.lease_id], ttl_s)
+        if not alive:
+            raise lease_not_found(
+                f"no lease for request {rid!r}: it was never pinned here, was released, "
+                "or expired; recompute its KV"
+            )
+        return self._lease_pb(alive[0])
+
+    def _pin_hashes(self, msg: pb.PinByHashes, ttl_s: float) -> pb.Lease:
+        limits = self.config.limits
+        wanted: dict[str, list[BlockHash]] = {}
+        for item in msg.groups:
+            if item.group not in self._groups:
+                raise WireError(f"unknown group {item.group[:64]!r}; this peer has {self._groups}")
+            if item.group in wanted:
+                raise WireError(f"group {item.group!r} appears twice")
+            cap = min(limits.max_hashes_per_group, self.owner.num_blocks(item.group))
+            if len(item.hashes) > cap:
+                raise WireError(
+                    f"{len(item.hashes)} hashes for group {item.group!r} exceed the "
+                    f"{cap} blocks this peer can hold"
+                )
+            wanted[item.group] = check_hashes(item.hashes, limits)
+        if not any(wanted.values()):
+            return pb.Lease()
+        if not self.leases.has_room():
+            raise self._table_full()
+        pinned = self.owner.pin_hashes(wanted)
+        try:
+            blocks = self._check_pinned(wanted, pinned)
+            if not any(blocks.values()):
+                return pb.Lease()
+            hashes = {g: wanted[g][: len(ids)] for g, ids in blocks.items()}
+            lease = self.leases.create(blocks, ttl_s=ttl_s, hashes=hashes)
+        except BaseException:
+            self.owner.unpin(pinned)
+            raise
+        return self._lease_pb(lease)
+
+    def _check_pinned(
+        self, wanted: dict[str, list[BlockHash]], pinned: dict[str, list[BlockId]]
+    ) -> dict[str, list[BlockId]]:
+        """The owner's answer, checked against what was asked (a bad owner is a bug)."""
+        assert set(pinned) <= set(wanted), f"owner pinned groups {set(pinned) - set(wanted)}"
+        for group, ids in pinned.items():
+            n = self.owner.num_blocks(group)
+            assert len(ids) <= len(wanted[group]), "owner pinned more blocks than hashes"
+            assert all(0 <= b < n for b in ids), f"owner returned block ids outside 0..{n - 1}"
+        return {g: ids for g, ids in pinned.items() if ids}
+
+    def _lease_pb(self, lease: Lease) -> pb.Lease:
+        remaining = max(0.0, lease.expires_at - self.leases.now())
+        return pb.Lease(
+            lease_id=lease.lease_id,
+            expires_in_ms=round(remaining * 1000),
+            request_id=lease.request_id or "",
+            blocks=[pb.GroupBlocks(group=g, block_ids=ids) for g, ids in lease.blocks.items()],
+            hashes=[pb.GroupHashes(group=g, hashes=h) for g, h in lease.hashes.items()],
+        )
+
+    def _table_full(self) -> Exception:
+        return ControlPlaneError(
+            f"{len(self.leases)} leases are held; the table is full", code="RESOURCE_EXHAUSTED"
+        )
+
+
+class _Servicer(pb_grpc.PeerControlServicer):
+    """Thin gRPC shim: call the handler, map a raised error to a status in one place."""
+
+    def __init__(self, handlers: ControlHandlers) -> None:
+        self._h = handlers
+
+    def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
+        return call_handler(self._h.handshake, request, context)
+
+    def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
+        return call_handler(self._h.pin, request, context)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        return call_handler(self._h.heartbeat, request, context)
+
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        return call_handler(self._h.release, request, context)
+
+    def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
+        return call_handler(self._h.health, request, context)
+
+
+class _TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Rejects every call without the shared token before any handler runs."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        def deny(request: bytes, context: Any) -> None:
+            code, kind, message = status_for(AuthError("missing or wrong kvbridge token"))
+            context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+            context.abort(code, message)
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._token):
+                    return continuation(details)
+        return self._deny
+
+
+class ControlServer:
+    """A running gRPC server for one :class:`ControlHandlers`, plus its lease reaper.
+
+    ``close()`` stops accepting calls, stops the reaper and releases every
+    lease (their blocks become evictable). Use it as a context manager.
+    """
+
+    def __init__(self, handlers: ControlHandlers, config: ControlServerConfig) -> None:
+        self.handlers = handlers
+        self.config = config
+        credentials = None
+        if config.tls_cert is not None and config.tls_key is not None:
+            credentials = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
+        self._grpc = ReapingServer(
+            name="control",
+            host=config.host,
+            port=config.port,
+            max_workers=config.max_workers,
+            max_message_bytes=config.limits.max_message_bytes,
+            register=lambda server: pb_grpc.add_PeerControlServicer_to_server(
+                _Servicer(handlers), server
+            ),
+            reap=self.leases.expire,
+            reap_interval_s=config.reap_interval_s,
+            interceptors=[] if config.token is None else [_TokenInterceptor(config.token)],
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            credentials=credentials,
+        )
+        self.port = self._grpc.port
+
+    @property
+    def address(self) -> str:
+        return self._grpc.address
+
+    @property
+    def leases(self) -> LeaseTable:
+        return self.handlers.leases
+
+    def start(self) -> ControlServer:
+        self._grpc.start()
+        log.info(
+            "control server for %s listening on %s", self.handlers.local.engine_id, self.address
+        )
+        return self
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the server stops (or ``timeout_s`` passes); True if it stopped."""
+        return self._grpc.wait(timeout_s)
+
+    def close(self, grace_s: float = 1.0) -> None:
+        if not self._grpc.close(grace_s):
+            return
+        released = self.leases.release_all()
+        if released:
+            log.info("control server closed; released %d lease(s)", released)
+
+    def __enter__(self) -> ControlServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def serve(
+    local: PeerInfo,
+    owner: BlockOwner | LeaseTable,
+    config: ControlServerConfig | None = None,
+    on_handshake: HandshakeHook | None = None,
+) -> ControlServer:
+    """Start a control server for ``local``; pass a :class:`LeaseTable` to share it with the
+    owner (which creates leases for finished requests), or just the owner."""
+    config = config or ControlServerConfig()
+    leases = owner if isinstance(owner, LeaseTable) else LeaseTable(owner)
+    handlers = ControlHandlers(local, leases, config, on_handshake)
+    return ControlServer(handlers, config).start()

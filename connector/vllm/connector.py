@@ -1,0 +1,254 @@
+"""kvbridge as a vLLM KV connector: ``KVBridgeConnector(KVConnectorBase_V1)``.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+                           "kv_connector_module_path": "kvbridge.connector.vllm",
+                           "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"control_port": 7600}}'
+
+This is the only kvbridge module that imports vLLM (0.32's connector API). vLLM
+makes one instance per process and role: the **scheduler** instance (in the
+EngineCore) delegates to :class:`~kvbridge.connector.vllm.scheduler.VllmScheduler`
+and the **worker** instance (in each model runner) to
+:class:`~kvbridge.connector.vllm.worker.VllmWorker`; they talk only through
+:class:`KVBridgeMetadata`, which vLLM carries from one to the other each step.
+
+KV tensors are described with :meth:`KVLayout.from_tensors` after
+:func:`logical_views` turns vLLM's per-layer tensors into views of logical
+shape ``(2, num_blocks, block_size, H, C)``; see ``docs/VLLM.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.request import RequestStatus
+
+from kvbridge.connector.base import StepMetadata
+from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.vllm.config import VllmConnectorConfig
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
+from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
+from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.types import BlockId, RequestId
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "logical_views"]
+
+log = logging.getLogger(__name__)
+
+PACKED_SUFFIX = "|vllm-packed-kv"
+"""Appended to the layout's model name when K and V are packed per token (the CPU
+backend): the logical views then name byte ranges, not real K/V, so such a layout
+must never negotiate REARRANGE with a peer whose K/V are real."""
+
+_HANDED_OVER = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class KVBridgeMetadata(KVConnectorMetadata):
+    """One step's plan, scheduler → worker: loads to start and finished requests to hold."""
+
+    step: StepMetadata
+    holds: tuple[HoldOrder, ...] = ()
+
+
+def logical_views(
+    kv_caches: Mapping[str, torch.Tensor], *, num_kv_heads: int, head_size: int, block_size: int
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """vLLM's per-layer KV tensors as views of logical shape ``(2, B, N, H, C)``.
+
+    Returns the views and whether K and V are *packed* (vLLM's CPU backend:
+    ``(B, H, N, 2*C)``, each token's K and V side by side). A packed block is
+    one dense span per layer; it is described as two halves of that span, so
+    whole blocks move correctly but the halves are not K and V.
+    """
+    out: dict[str, torch.Tensor] = {}
+    packed = False
+    shape5 = (block_size, num_kv_heads, head_size)
+    for name, t in kv_caches.items():
+        if t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == shape5:
+            out[name] = t  # FlashAttention: (2, B, N, H, C)
+        elif t.dim() == 5 and t.shape[1] == 2 and tuple(t.shape[2:]) == shape5:
+            out[name] = t.permute(1, 0, 2, 3, 4)  # FlashInfer: (B, 2, N, H, C)
+        elif (
+            t.dim() == 4
+            and tuple(t.shape[1:]) == (num_kv_heads, block_size, 2 * head_size)
+            and t.is_contiguous()
+        ):
+            packed = True  # CPU_ATTN, LBHNC with packed K|V content
+            b = t.shape[0]
+            out[name] = t.view(b, 2, block_size, num_kv_heads, head_size).permute(1, 0, 2, 3, 4)
+        else:
+            raise LayoutError(
+                f"layer {name!r}: vLLM KV tensor of shape {tuple(t.shape)} and strides "
+                f"{t.stride()} is not a layout kvbridge knows (block_size {block_size}, "
+                f"{num_kv_heads} KV heads of {head_size})"
+            )
+    return out, packed
+
+
+class KVBridgeConnector(KVConnectorBase_V1):
+    """kvbridge behind vLLM's KV connector API; see the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        model = vllm_config.model_config
+        self._cfg = VllmConnectorConfig.from_vllm(
+            ktc.kv_role,
+            ktc.engine_id,
+            ktc.kv_connector_extra_config,
+            model=str(model.served_model_name or model.model),
+        )
+        self._block_size = vllm_config.cache_config.block_size
+        par = vllm_config.parallel_config
+        self._num_kv_heads = model.get_num_kv_heads(par)
+        self._head_size = model.get_head_size()
+        self._scheduler: VllmScheduler | None = None
+        self._worker: VllmWorker | None = None
+        self._lookup: OffloadLookup | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            hasher = self._cfg.hasher(
+                dtype=str(model.dtype).removeprefix("torch."),
+                num_layers=model.get_num_layers(par),
+                num_kv_heads=model.get_total_num_kv_heads(),
+                head_size=self._head_size,
+                block_size=self._block_size,
+            )
+            self._lookup = self._offload_lookup()
+            self._scheduler = VllmScheduler(
+                self._cfg.connector, self._block_size, hasher, self._lookup
+            )
+        else:
+            if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
+                raise LayoutError("kvbridge's vLLM connector supports TP=1, PP=1 for now")
+            self._worker = VllmWorker(
+                self._cfg.connector,
+                WorkerSettings(
+                    model_name=self._cfg.model_id,
+                    block_size=self._block_size,
+                    control_host=self._cfg.control_host,
+                    control_port=self._cfg.control_port,
+                ),
+            )
+
+    def _offload_lookup(self) -> OffloadLookup | None:
+        address = self._cfg.connector.offload_address
+        return OffloadLookup(OffloadLookupConfig(address)) if address else None
+
+    # ----- worker side ---------------------------------------------------------------------
+    @property
+    def worker(self) -> VllmWorker:
+        assert self._worker is not None, "a worker-side call on the scheduler instance"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views, packed = logical_views(
+            kv_caches,
+            num_kv_heads=self._num_kv_heads,
+            head_size=self._head_size,
+            block_size=self._block_size,
+        )
+        if packed:
+            name = self.worker.settings.model_name + PACKED_SUFFIX
+            self.worker.settings = replace(self.worker.settings, model_name=name)
+        self.worker.register(views)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBridgeMetadata)
+        self.worker.start_step(meta.step, meta.holds)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete before the request is scheduled (async); nothing to wait for."""
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Decode pulls whole blocks; prefill saves nothing."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved asynchronously."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, receiving = self.worker.get_finished()
+        return (set(sending) or None), (set(receiving) or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return {int(b) for b in self.worker.load_errors()}
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._lookup is not None:
+            self._lookup.close()
+
+    # ----- scheduler side ------------------------------------------------------------------
+    @property
+    def scheduler(self) -> VllmScheduler:
+        assert self._scheduler is not None, "a scheduler-side call on a worker instance"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.num_matched(
+            RequestId(request.request_id),
+            request.prompt_token_ids or (),
+            request.kv_transfer_params,
+            num_computed_tokens,
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        ids = blocks.get_block_ids()[0]
+        self.scheduler.after_alloc(
+            RequestId(request.request_id), [BlockId(b) for b in ids], num_external_tokens
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        step, holds = self.scheduler.build_step()
+        return KVBridgeMetadata(step, holds)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        prompt = request.prompt_token_ids or ()
+        done = request.status in _HANDED_OVER and request.num_computed_tokens >= len(prompt)
+        return self.scheduler.request_finished(
+            RequestId(request.request_id),
+            prompt,
+            request.kv_transfer_params,
+            [BlockId(b) for b in block_ids],
+            done,
+        )

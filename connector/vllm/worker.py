@@ -1,0 +1,325 @@
+"""The worker half of kvbridge inside vLLM: where the KV memory lives, and what holds it.
+
+Runs in each vLLM worker process (the model runner). It imports no vLLM; the
+adapter (:mod:`kvbridge.connector.vllm`) hands it plain tensors, step plans and
+request ids. It is the composition root of kvbridge inside vLLM (the way
+:class:`kvbridge.worker.serving.node.Node` is for kvbridge's own engine), so it wires
+pieces from ``kvbridge.worker`` (NIXL and gRPC load only when the caches are
+registered):
+
+- one :class:`~kvbridge.connector.transport.nixl.NixlTransport` for the process;
+- decode: :class:`~kvbridge.connector.worker_side.KVBridgeWorker` runs each
+  step's :class:`~kvbridge.connector.base.BlockLoad` (READ under a deadline,
+  fail closed, release the prefill's lease);
+- prefill: a control server with a lease table over :class:`HeldRequests`.
+  vLLM holds a finished request's blocks (``delay_free``); a lease says a
+  decode peer may read them; when the lease is released or expires the
+  request is reported in ``done_sending`` and vLLM frees the blocks;
+- with an offload daemon: ``KVBridgeWorker`` also loads blocks from it and
+  stores finished requests' blocks into it. A request held for a decode peer
+  *and* being stored is reported in ``done_sending`` once, when both are over
+  (:class:`_Sends`).
+
+The scheduler picks each lease's id (it must put it into
+``kv_transfer_params`` before the worker hears of the request), so the lease
+table here answers to that id: :class:`_NamedLeases` maps it to the table's
+own id.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from kvbridge.connector.base import StepMetadata
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.types import PeerInfo, Role
+from kvbridge.connector.vllm.scheduler import HoldOrder
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.connector.control.client import ControlClient
+    from kvbridge.connector.control.server import ControlServer
+    from kvbridge.connector.transport.nixl import NixlTransport
+    from kvbridge.connector.worker_side import KVBridgeWorker, LoadResult
+
+__all__ = ["VllmWorker", "WorkerSettings", "HeldRequests", "NamedLeases"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """What the worker half needs beyond :class:`ConnectorConfig` (built by the adapter)."""
+
+    model_name: str
+    block_size: int
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class VllmWorker:
+    """kvbridge in one vLLM worker process; ``close()`` stops everything it started."""
+
+    def __init__(self, config: ConnectorConfig, settings: WorkerSettings) -> None:
+        self.config = config
+        self.settings = settings
+        self.layout: KVLayout | None = None
+        self.transport: NixlTransport | None = None
+        self.loader: KVBridgeWorker | None = None
+        self.held = HeldRequests()
+        self.leases: NamedLeases | None = None
+        self.control: ControlServer | None = None
+        self.results: dict[RequestId, LoadResult] = {}
+        self._sends = _Sends()
+
+    # ----- start-up ------------------------------------------------------------------------
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+        """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
+        from kvbridge.connector.control.server import ControlServerConfig, serve
+        from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+        from kvbridge.connector.worker_side import KVBridgeWorker
+
+        s = self.settings
+        layout = KVLayout.from_tensors(
+            kv_caches,
+            model_name=s.model_name,
+            block_size=s.block_size,
+            tp_rank=s.tp_rank,
+            tp_size=s.tp_size,
+        )
+        self.transport = NixlTransport(NixlConfig(name=self.config.engine_id))
+        self.loader = KVBridgeWorker(self.config, self.transport, self._client, self._peer_info)
+        self.loader.register_kv_caches(kv_caches, layout)
+        assert self.loader.memory is not None
+        self.layout = self.loader.memory.layout
+        if self.config.produces:
+            self.held.blocks_per_group = {g.name: g.num_blocks for g in layout.groups}
+            self.leases = NamedLeases(self.held)
+            self.control = serve(
+                self._peer_info(self.layout),
+                self.leases,
+                ControlServerConfig(
+                    host=s.control_host,
+                    port=s.control_port,
+                    token=self.config.token,
+                    default_ttl_s=self.config.lease_ttl_s,
+                    max_ttl_s=max(600.0, self.config.lease_ttl_s),
+                ),
+            )
+        log.info("kvbridge registered vLLM's KV cache: %s", self.layout.describe())
+        return self.layout
+
+    def _peer_info(self, layout: KVLayout) -> PeerInfo:
+        assert self.transport is not None
+        return PeerInfo(
+            engine_id=EngineId(self.config.engine_id),
+            role=Role(self.config.role),
+            layout=layout,
+            agent_metadata=self.transport.metadata(),
+            control_address=self.config.control_address,
+        )
+
+    def _client(self, address: str) -> ControlClient:
+        from kvbridge.connector.control.client import ControlClient
+
+        cc = self.config
+        return ControlClient(address, token=cc.token, timeout_s=cc.control_timeout_s)
+
+    # ----- per step ------------------------------------------------------------------------
+    def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:
+        """Put finished prefill requests under leases, then start this step's loads and
+        offload stores."""
+        self._sends.expect([o.request_id for o in holds] + [s.request_id for s in step.stores])
+        for order in holds:
+            self._hold(order)
+        if (step.loads or step.stores) and self.loader is not None:
+            self.loader.start_load_kv(step)
+
+    def _hold(self, order: HoldOrder) -> None:
+        if self.leases is None:  # not a producer: the scheduler never orders holds
+            log.warning("request %s: hold order on a non-producer; ignored", order.request_id)
+            self.held.release(order.request_id)  # vLLM may free the blocks at once
+            return
+        self.held.hold(order.request_id, order.block_ids)
+        try:
+            self.leases.create_named(order)
+        except Exception as exc:  # e.g. the table is full: decode recomputes, vLLM frees
+            log.warning("request %s: could not lease its blocks (%s)", order.request_id, exc)
+            self.held.release(order.request_id)
+
+    def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
+        """``(done_sending, done_receiving)`` since the last call."""
+        released = self.held.take_done()
+        if self.leases is not None:
+            self.leases.forget(released)
+        stored: set[RequestId] = set()
+        receiving: set[RequestId] = set()
+        if self.loader is not None:
+            stored, receiving = self.loader.get_finished(set())
+            for rid in receiving:
+                result = self.loader.pop_result(rid)
+                if result is not None:
+                    self.results[rid] = result
+        return self._sends.done([*released, *stored]), receiving
+
+    @property
+    def pending_sends(self) -> int:
+        """Finished requests whose blocks are still held for a decode peer or a store."""
+        return len(self._sends)
+
+    def load_errors(self) -> set[BlockId]:
+        return set() if self.loader is None else self.loader.get_block_ids_with_load_errors()
+
+    def close(self) -> None:
+        if self.control is not None:
+            self.control.close()
+        if self.loader is not None:
+            self.loader.close()
+        if self.transport is not None:
+            self.transport.close()
+        self.control = self.loader = self.transport = None
+
+
+class _Sends:
+    """Requests whose blocks vLLM keeps (``delay_free``) until every use of them is over:
+    a lease for a decode peer, a store into the offload daemon, or both."""
+
+    def __init__(self) -> None:
+        self._open: dict[RequestId, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def expect(self, request_ids: Iterable[RequestId]) -> None:
+        for rid in request_ids:
+            self._open[rid] = self._open.get(rid, 0) + 1
+
+    def done(self, request_ids: Iterable[RequestId]) -> set[RequestId]:
+        """Count ``request_ids``' uses as over; the requests with none left."""
+        finished: set[RequestId] = set()
+        for rid in request_ids:
+            left = self._open.get(rid, 0) - 1
+            if left > 0:
+                self._open[rid] = left
+                continue
+            if left < 0:
+                log.warning("request %s: a use of its blocks ended that was never begun", rid)
+            self._open.pop(rid, None)
+            finished.add(rid)
+        return finished
+
+
+class HeldRequests(BlockOwner):
+    """The KV memory as the control plane sees it: blocks vLLM holds for finished requests.
+
+    Thread-safe (the control server's threads and the lease reaper call
+    :meth:`unpin`). A request is *done* once its lease is gone; vLLM then frees
+    its blocks, which may be reused at once, so :meth:`pin_hashes` never pins
+    anything: a decode that lost its lease recomputes.
+    """
+
+    def __init__(self) -> None:
+        self.blocks_per_group: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._held: dict[tuple[BlockId, ...], list[RequestId]] = {}
+        self._done: set[RequestId] = set()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._held.values())
+
+    def hold(self, request_id: RequestId, block_ids: Sequence[BlockId]) -> None:
+        with self._lock:
+            self._held.setdefault(tuple(block_ids), []).append(request_id)
+
+    def release(self, request_id: RequestId) -> None:
+        """Give a request back to vLLM without a lease (it could not be leased)."""
+        with self._lock:
+            for key, rids in list(self._held.items()):
+                if request_id in rids:
+                    rids.remove(request_id)
+                    if not rids:
+                        del self._held[key]
+            self._done.add(request_id)
+
+    def take_done(self) -> set[RequestId]:
+        with self._lock:
+            done, self._done = self._done, set()
+        return done
+
+    # ----- BlockOwner ----------------------------------------------------------------------
+    def num_blocks(self, group: str) -> int:
+        return self.blocks_per_group.get(group, 0)
+
+    def pin_hashes(
+        self, group_hashes: Mapping[str, Sequence[BlockHash]]
+    ) -> dict[str, list[BlockId]]:
+        return {g: [] for g in group_hashes}
+
+    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
+        key = tuple(blocks.get("self", ()))
+        with self._lock:
+            rids = self._held.get(key)
+            if not rids:
+                log.warning("unpin of %d blocks that no request holds", len(key))
+                return
+            rid = rids.pop(0)
+            if not rids:
+                del self._held[key]
+            self._done.add(rid)
+
+
+class NamedLeases(LeaseTable):
+    """A lease table whose leases for finished requests also answer to the id the scheduler
+    chose (decode peers heartbeat and release by that id)."""
+
+    def __init__(self, held: HeldRequests) -> None:
+        super().__init__(held)
+        self._names: dict[LeaseId, LeaseId] = {}
+        self._name_of: dict[RequestId, LeaseId] = {}
+        self._names_lock = threading.Lock()
+
+    def create_named(self, order: HoldOrder) -> Lease:
+        lease = self.create(
+            {"self": order.block_ids},
+            ttl_s=order.ttl_s,
+            hashes={"self": order.block_hashes},
+            request_id=order.request_id,
+        )
+        with self._names_lock:
+            self._names[order.lease_id] = lease.lease_id
+            self._name_of[order.request_id] = order.lease_id
+        return lease
+
+    def forget(self, request_ids: Iterable[RequestId]) -> None:
+        with self._names_lock:
+            for rid in request_ids:
+                name = self._name_of.pop(rid, None)
+                if name is not None:
+                    self._names.pop(name, None)
+
+    def _real(self, lease_id: LeaseId) -> LeaseId:
+        with self._names_lock:
+            return self._names.get(lease_id, lease_id)
+
+    def get(self, lease_id: LeaseId) -> Lease | None:
+        return super().get(self._real(lease_id))
+
+    def heartbeat(self, lease_ids: Iterable[LeaseId], ttl_s: float) -> list[Lease]:
+        """Extends the leases; each comes back under the id it was asked by."""
+        asked = {self._real(x): x for x in lease_ids}
+        alive = super().heartbeat(list(asked), ttl_s)
+        return [replace(lease, lease_id=asked[lease.lease_id]) for lease in alive]
+
+    def release(self, lease_id: LeaseId) -> bool:
+        return super().release(self._real(lease_id))

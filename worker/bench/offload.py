@@ -1,0 +1,210 @@
+"""``kvbridge bench offload``: store/load bandwidth through the offload daemon, lookup latency.
+
+For each preset and block size a daemon process starts (``kvbridge offload
+serve`` via ``python -m``, its pool sized for the case) and this process acts
+as the worker: an :class:`~kvbridge.connector.offload.client.OffloadClient`
+over its own NIXL transport. In the same run it measures single-thread memcpy
+of the same bytes, then ``store`` (PrepareStore → NIXL WRITE → CommitStore,
+new hashes each time) and ``load`` (PrepareLoad → NIXL READ → CompleteLoad)
+of ``--mib`` MiB, best of ``--repeats``; and the latency of a 10k-hash
+``lookup``. Targets (issue 7): store and load >= 70% of memcpy for >= 1 MiB
+blocks; 10k-hash lookup <= 5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvbridge.proto.errors import KVBridgeError
+from kvbridge.proto.presets import preset_layout
+from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
+
+__all__ = ["add_parser", "run"]
+
+MiB = 2**20
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("offload", help="store/load through the CPU offload daemon vs memcpy")
+    p.add_argument("--presets", nargs="+", default=["llama3-8b", "small"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--mib", type=int, default=256, help="MiB per store/load")
+    p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")
+    p.add_argument("--lookup-hashes", type=int, default=10_000)
+    p.add_argument("--lookup-repeats", type=int, default=50)
+    p.add_argument("--quick", action="store_true", help="one preset, 64 MiB: well under a minute")
+    p.add_argument("--out", type=Path, default=Path("results/bench_offload"))
+    p.set_defaults(func=run)
+
+
+def _hashes(tag: str, n: int) -> list[BlockHash]:
+    return [BlockHash(hashlib.sha256(f"{tag}-{i}".encode()).digest()) for i in range(n)]
+
+
+def _memcpy_gbps(nbytes: int, repeats: int) -> float:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / best / 1e9
+
+
+class _Daemon:
+    """An offload daemon subprocess; :meth:`stop` always ends it."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.worker.offload.cmd",
+                "--capacity",
+                str(capacity_bytes),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "listening on" in line:
+                self.address = line.split("listening on ")[1].split(",")[0].strip()
+                return
+        self.stop()
+        raise KVBridgeError("the offload daemon did not start (run `kvbridge offload serve -v`)")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, Any]:
+    from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
+    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+
+    block_bytes = preset_layout(preset, block_size=block_size, num_blocks=1).block_bytes()
+    n = max(1, args.mib * MiB // block_bytes)
+    layout = preset_layout(preset, block_size=block_size, num_blocks=n)
+    nbytes = n * block_bytes
+    memcpy = _memcpy_gbps(nbytes, args.repeats)
+    daemon = _Daemon(capacity_bytes=(n + 1) * block_bytes)
+    try:
+        with NixlTransport(NixlConfig(f"bench-offload-worker-{os.getpid()}")) as transport:
+            kv = layout.allocate()
+            for t in kv.values():
+                t.fill_(1)
+            memory = transport.register(layout, kv)
+            config = OffloadClientConfig(address=daemon.address, engine_id="bench-offload")
+            with OffloadClient(config, transport, memory) as client:
+                ids = [BlockId(i) for i in range(n)]
+                store_s, load_s = [], []
+                hashes: list[BlockHash] = []
+                for r in range(args.repeats):
+                    hashes = _hashes(f"{preset}-{block_size}-{r}", n)
+                    t0 = time.perf_counter()
+                    stored = client.store(ids, hashes)
+                    store_s.append(time.perf_counter() - t0)
+                    if stored.stored != n:
+                        raise KVBridgeError(f"store wrote {stored.stored} of {n}: {stored.error}")
+                    t0 = time.perf_counter()
+                    loaded = client.load(ids, hashes)
+                    load_s.append(time.perf_counter() - t0)
+                    if loaded.loaded != n:
+                        raise KVBridgeError(f"load read {loaded.loaded} of {n}: {loaded.error}")
+                lookup = hashes + _hashes("absent", max(0, args.lookup_hashes - n))
+                lookup = lookup[: args.lookup_hashes]
+                lat = []
+                for _ in range(args.lookup_repeats):
+                    t0 = time.perf_counter()
+                    client.lookup(lookup)
+                    lat.append(time.perf_counter() - t0)
+    finally:
+        daemon.stop()
+    store = nbytes / min(store_s) / 1e9
+    load = nbytes / min(load_s) / 1e9
+    return {
+        "preset": preset,
+        "block_size": block_size,
+        "block_kib": block_bytes / 1024,
+        "blocks": n,
+        "mib": nbytes / MiB,
+        "memcpy_gbps": memcpy,
+        "store_gbps": store,
+        "load_gbps": load,
+        "store_pct": 100 * store / memcpy,
+        "load_pct": 100 * load / memcpy,
+        "lookup_p50_ms": percentile(lat, 50) * 1e3,
+        "lookup_p99_ms": percentile(lat, 99) * 1e3,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.presets, args.block_sizes, args.mib = args.presets[:1], [16], 64
+    cases = [(p, bs) for p in args.presets for bs in args.block_sizes]
+    rows = [_case(args, p, bs) for p, bs in progress(cases, "offload cases", len(cases))]
+    print_table(
+        rows,
+        ["preset", "block_size", "block_kib", "mib", "memcpy_gbps", "store_gbps", "load_gbps",
+         "store_pct", "load_pct", "lookup_p50_ms", "lookup_p99_ms"],
+    )  # fmt: skip
+    big = [r for r in rows if r["block_kib"] >= 1024]
+    for r in big:
+        verdict = "meets" if min(r["store_pct"], r["load_pct"]) >= 70 else "misses"
+        print(
+            f"{r['preset']} bs={r['block_size']}: store {r['store_pct']:.0f}%, load "
+            f"{r['load_pct']:.0f}% of memcpy ({verdict} the 70% target)"
+        )
+    worst = max(r["lookup_p50_ms"] for r in rows)
+    verdict = "meets" if worst <= 5 else "misses"
+    print(f"{args.lookup_hashes}-hash lookup p50 <= {worst:.2f} ms ({verdict} the 5 ms target)")
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    path = write_json(args.out.with_suffix(".json"), {"settings": settings, "rows": rows})
+    labels = [f"{r['preset']}/{r['block_size']}" for r in rows]
+    series = {k: [r[f"{k}_gbps"] for r in rows] for k in ("memcpy", "store", "load")}
+    bar_plot(args.out.with_suffix(".png"), "offload daemon vs memcpy (best of runs)", labels,
+             series, "GB/s")  # fmt: skip
+    print(f"wrote {path} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbridge.worker.bench.offload`` (the same as ``kvbridge bench offload``)."""
+    parser = argparse.ArgumentParser(prog="kvbridge")
+    sub = parser.add_subparsers(dest="bench", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["offload", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

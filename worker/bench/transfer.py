@@ -1,0 +1,337 @@
+"""``kvbridge bench transfer``: whole-block transfers between two processes on loopback.
+
+For each backend (``nixl``; ``ucxx``, the optional extra) and transport
+setting (default UCX, ``UCX_TLS=tcp``) a target and a reader process start;
+for each preset and block size the reader measures, in the same run,
+single-thread memcpy of the same bytes and one raw READ of one contiguous
+region of that size over the same backend (``raw_gbps``; ``raw_nixl_gbps``
+is NIXL's), then, per layout (block-outermost vs layer-separate) and block
+order (random vs sequential), READ and WRITE bandwidth, descriptors per
+transfer, descriptor prep time and p50/p99 latency of 1k/8k/32k-token
+requests. Targets (issue 3), as ratios in one run: block-outermost >= 1.5x
+layer-separate at 16-token blocks, >= 70% of memcpy for >= 1 MiB blocks,
+>= 90% of the raw single-region NIXL figure. With both backends, the
+``backends`` table puts UCXX over NIXL for every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvbridge.proto.errors import KVBridgeError
+from kvbridge.proto.presets import preset_layout
+from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
+
+__all__ = ["add_parser", "run"]
+
+TRANSPORTS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
+BACKENDS = ("nixl", "ucxx")
+ORDERS = {"block-outermost": "block-nhd", "layer-separate": "layer-nhd"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("transfer", help="block transfers (NIXL, UCXX) between two local processes")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=None,
+        help="transports to compare (default: nixl, plus ucxx when installed; --quick: nixl)",
+    )
+    p.add_argument("--presets", nargs="+", default=["llama3-8b", "small"])
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument(
+        "--transports", nargs="+", choices=sorted(TRANSPORTS), default=["default", "tcp"]
+    )
+    p.add_argument("--mib", type=int, default=256, help="MiB moved per bandwidth transfer")
+    p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")
+    p.add_argument("--request-tokens", type=int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--latency-repeats", type=int, default=20)
+    p.add_argument(
+        "--max-pool-mib", type=int, default=1024, help="largest KV pool per side (caps requests)"
+    )
+    p.add_argument(
+        "--target-progress-us", type=float, default=500.0, help="target's progress poll interval"
+    )
+    p.add_argument("--quick", action="store_true", help="small sizes, default transport: < 1 min")
+    p.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
+    p.set_defaults(func=run)
+
+
+class _Proc:
+    """A spawned bench peer (see :mod:`kvbridge.worker.bench.transfer_peer`)."""
+
+    def __init__(self, name: str, env: dict[str, str], progress_s: float, backend: str) -> None:
+        from kvbridge.worker.bench.transfer_peer import serve
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.name = name
+        self.proc = ctx.Process(
+            target=serve, args=(name, child, env, progress_s, backend), daemon=True
+        )
+        self.proc.start()
+
+    def ready(self, timeout_s: float = 120.0) -> None:
+        if not self.conn.poll(timeout_s):
+            raise KVBridgeError(f"bench peer {self.name} did not start in {timeout_s:.0f} s")
+        self.conn.recv_bytes()
+
+    def __call__(self, rpc: str, /, **kwargs: Any) -> dict[str, Any]:
+        self.conn.send_bytes(msgpack.packb({"rpc": rpc, **kwargs}, use_bin_type=True))
+        if not self.conn.poll(600):
+            raise KVBridgeError(f"bench peer {self.name} did not answer {rpc} in 600 s")
+        reply: dict[str, Any] = msgpack.unpackb(self.conn.recv_bytes(), raw=False)
+        if not reply.pop("ok"):
+            raise KVBridgeError(f"bench peer {self.name}: {rpc} failed: {reply['error']}")
+        return reply
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(msgpack.packb({"rpc": "stop"}))
+                if self.conn.poll(30):
+                    self.conn.recv_bytes()
+            except (OSError, EOFError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+@contextmanager
+def _peers(backend: str, transport: str, progress_s: float) -> Iterator[tuple[_Proc, _Proc]]:
+    env = TRANSPORTS[transport]
+    target = _Proc(f"bench-target-{backend}-{transport}", env, progress_s, backend)
+    reader = _Proc(f"bench-reader-{backend}-{transport}", env, 0.002, backend)
+    try:
+        target.ready()
+        reader.ready()
+        yield target, reader
+    finally:
+        reader.stop()
+        target.stop()
+
+
+def _pair(target: _Proc, reader: _Proc, key: str, **setup: Any) -> dict[str, Any]:
+    t = target("setup", key=key, **setup)
+    reader("setup", key=key, **setup)
+    return reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
+
+
+def _drop(target: _Proc, reader: _Proc, key: str) -> None:
+    reader("drop", key=key)
+    target("drop", key=key)
+
+
+def _cases(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
+    return [
+        (b, t, p, bs)
+        for t in args.transports
+        for b in args.backends
+        for p in args.presets
+        for bs in args.block_sizes
+    ]
+
+
+def _measure(
+    target: _Proc,
+    reader: _Proc,
+    args: argparse.Namespace,
+    backend: str,
+    transport: str,
+    preset: str,
+    bs: int,
+) -> list[dict[str, Any]]:
+    block_bytes = preset_layout(preset, block_size=bs, num_blocks=1).block_bytes()
+    n = max(1, args.mib * 2**20 // block_bytes)
+    pool = max(2 * n, min(max(args.request_tokens) // bs, args.max_pool_mib * 2**20 // block_bytes))
+    nbytes = n * block_bytes
+    memcpy = reader("memcpy", nbytes=nbytes, repeats=args.repeats)["gbps"]
+    _pair(target, reader, "raw", preset=preset, block_size=bs * n, num_blocks=1, order="block-nhd")
+    raw = reader("bandwidth", key="raw", op="read", pattern="sequential", n=1,
+                 repeats=args.repeats, seed=0)["gbps"]  # fmt: skip
+    _drop(target, reader, "raw")
+    rows = []
+    for kind, order in ORDERS.items():
+        link = _pair(
+            target, reader, kind, preset=preset, block_size=bs, num_blocks=pool, order=order
+        )
+        latency: dict[str, Any] = {}
+        for tokens in args.request_tokens:
+            k = -(-tokens // bs)
+            if k > pool:
+                latency[f"p50_ms_{tokens // 1024}k"] = latency[f"p99_ms_{tokens // 1024}k"] = None
+                continue
+            lat = reader("latency", key=kind, n=k, repeats=args.latency_repeats, seed=tokens)
+            latency[f"p50_ms_{tokens // 1024}k"] = lat["p50_ms"]
+            latency[f"p99_ms_{tokens // 1024}k"] = lat["p99_ms"]
+        for pattern in ("random", "sequential"):
+            common = {"key": kind, "pattern": pattern, "n": n, "repeats": args.repeats, "seed": 1}
+            rd = reader("bandwidth", op="read", **common)
+            wr = reader("bandwidth", op="write", **common)
+            rows.append(
+                {
+                    "backend": backend,
+                    "transport": transport,
+                    "preset": preset,
+                    "layout": kind,
+                    "pattern": pattern,
+                    "block_tokens": bs,
+                    "block_bytes": block_bytes,
+                    "blocks": n,
+                    "descriptors_per_block": link["descriptors_per_block"],
+                    "descriptors": rd["descriptors"],
+                    "messages": rd.get("messages"),
+                    "prep_ms": link["prep_s"] * 1e3,
+                    "pool_blocks": pool,
+                    "gbps": rd["gbps"],
+                    "median_gbps": rd["median_gbps"],
+                    "write_gbps": wr["gbps"],
+                    "memcpy_gbps": memcpy,
+                    "raw_gbps": raw,
+                    "raw_nixl_gbps": raw if backend == "nixl" else None,
+                    "vs_memcpy": rd["gbps"] / memcpy,
+                    "vs_raw": rd["gbps"] / raw,
+                    **latency,
+                }
+            )
+        _drop(target, reader, kind)
+    return rows
+
+
+def _fill_raw_nixl(rows: list[dict[str, Any]]) -> None:
+    """Give every row the raw NIXL figure of its case, when NIXL ran in this run."""
+    raw = {
+        (r["transport"], r["preset"], r["block_tokens"]): r["raw_gbps"]
+        for r in rows
+        if r["backend"] == "nixl"
+    }
+    for r in rows:
+        r["raw_nixl_gbps"] = raw.get((r["transport"], r["preset"], r["block_tokens"]))
+
+
+def _backend_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """UCXX over NIXL for every case both ran (READ and WRITE bandwidth)."""
+    key = ("transport", "preset", "block_tokens", "layout", "pattern")
+    nixl = {tuple(r[k] for k in key): r for r in rows if r["backend"] == "nixl"}
+    out = []
+    for r in rows:
+        other = nixl.get(tuple(r[k] for k in key))
+        if r["backend"] == "ucxx" and other is not None:
+            out.append(
+                {
+                    **{k: r[k] for k in key},
+                    "ucxx_gbps": r["gbps"],
+                    "nixl_gbps": other["gbps"],
+                    "ucxx_vs_nixl": r["gbps"] / other["gbps"],
+                    "write_ucxx_vs_nixl": r["write_gbps"] / other["write_gbps"],
+                    "messages": r["messages"],
+                }
+            )
+    return out
+
+
+def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Block-outermost over layer-separate, per backend, transport, preset, block size, pattern."""
+    out = []
+    by = {
+        (r["backend"], r["transport"], r["preset"], r["block_tokens"], r["pattern"], r["layout"]): r
+        for r in rows
+    }
+    for (b, t, p, bs, pat, kind), r in by.items():
+        other = by.get((b, t, p, bs, pat, "layer-separate"))
+        if kind == "block-outermost" and other is not None:
+            out.append(
+                {
+                    "backend": b,
+                    "transport": t,
+                    "preset": p,
+                    "block_tokens": bs,
+                    "pattern": pat,
+                    "block_mib": r["block_bytes"] / 2**20,
+                    "outermost_vs_layer": r["gbps"] / other["gbps"],
+                    "outermost_vs_memcpy": r["vs_memcpy"],
+                    "outermost_vs_raw": r["vs_raw"],
+                }
+            )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.backends is None:
+        ucxx = not args.quick and importlib.util.find_spec("ucxx") is not None
+        args.backends = ["nixl", "ucxx"] if ucxx else ["nixl"]
+    if args.quick:
+        args.transports = ["default"]
+        args.mib = min(args.mib, 32)
+        args.repeats = 2
+        args.request_tokens = [1024, 8192]
+        args.latency_repeats = 5
+        args.max_pool_mib = 128
+    t0 = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    cases = _cases(args)
+    bar = progress(iter(cases), "bench transfer", total=len(cases))
+    current: tuple[tuple[str, str], _Proc, _Proc] | None = None
+    stack: Any = None
+    try:
+        for backend, transport, preset, bs in bar:
+            if current is None or current[0] != (backend, transport):
+                if stack is not None:
+                    stack.__exit__(None, None, None)
+                stack = _peers(backend, transport, args.target_progress_us * 1e-6)
+                target, reader = stack.__enter__()
+                current = ((backend, transport), target, reader)
+            rows += _measure(current[1], current[2], args, backend, transport, preset, bs)
+    finally:
+        if stack is not None:
+            stack.__exit__(None, None, None)
+    _fill_raw_nixl(rows)
+    columns = ["backend", "transport", "preset", "layout", "pattern", "block_tokens",
+               "descriptors", "messages", "prep_ms", "gbps", "write_gbps", "memcpy_gbps",
+               "raw_gbps", "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k", "p50_ms_32k",
+               "p99_ms_32k"]  # fmt: skip
+    print_table(rows, columns)
+    ratios = _ratios(rows)
+    print()
+    print_table(ratios, list(ratios[0]) if ratios else [])
+    backends = _backend_ratios(rows)
+    if backends:
+        print()
+        print_table(backends, list(backends[0]))
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "out")}
+    path = write_json(
+        args.out.with_suffix(".json"),
+        {
+            "settings": settings,
+            "seconds": time.monotonic() - t0,
+            "rows": rows,
+            "ratios": ratios,
+            "backend_ratios": backends,
+        },
+    )
+    labels = [
+        f"{r['backend']}/{r['transport']}/{r['preset']}/{r['block_tokens']}/{r['pattern'][:3]}"
+        for r in ratios
+    ]
+    series = {
+        "block-outermost": [r["gbps"] for r in rows if r["layout"] == "block-outermost"],
+        "layer-separate": [r["gbps"] for r in rows if r["layout"] == "layer-separate"],
+        "memcpy": [r["memcpy_gbps"] for r in rows if r["layout"] == "block-outermost"],
+        "raw (same backend)": [r["raw_gbps"] for r in rows if r["layout"] == "block-outermost"],
+    }
+    title = f"READ between two processes ({', '.join(args.backends)})"
+    bar_plot(args.out.with_suffix(".png"), title, labels, series, "GB/s")
+    print(f"wrote {path} and {args.out.with_suffix('.png')} in {time.monotonic() - t0:.0f} s")
+    return 0

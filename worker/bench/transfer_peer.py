@@ -1,0 +1,174 @@
+"""The two processes of ``kvbridge bench transfer``: a target that owns KV memory, a reader.
+
+Each runs :func:`serve` in a ``spawn``-ed process with its own environment
+(``UCX_TLS=tcp`` must be set before the agent starts) and answers msgpack
+requests over a pipe. The target only registers memory and drives progress
+(NIXL) or serves the reader's requests (UCXX's service thread); the reader
+connects, moves blocks and times it. ``backend`` picks the transport:
+``nixl`` or ``ucxx`` (the optional extra, imported only when asked for).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+
+from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.presets import preset_layout
+from kvbridge.worker.bench.report import percentile
+
+__all__ = ["serve", "BenchPeer", "make_transport"]
+
+log = logging.getLogger(__name__)
+
+
+def make_transport(backend: str, name: str, progress_interval_s: float) -> Transport:
+    """This process's transport for ``backend`` (imports only that backend)."""
+    if backend == "ucxx":
+        from kvbridge.connector.transport.ucxx.transport import UcxxConfig, UcxxTransport
+
+        return UcxxTransport(UcxxConfig(name))
+    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+
+    return NixlTransport(NixlConfig(name, progress_interval_s=progress_interval_s))
+
+
+class BenchPeer:
+    """One side of the benchmark; methods are the ops the driver may call."""
+
+    def __init__(self, name: str, progress_interval_s: float, backend: str = "nixl") -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.transport = make_transport(backend, name, progress_interval_s)
+        self.memories: dict[str, tuple[LocalMemory, Mapping[str, Any]]] = {}
+        self.links: dict[str, PeerLink] = {}
+
+    def op_setup(
+        self, key: str, preset: str, block_size: int, num_blocks: int, order: str
+    ) -> dict[str, Any]:
+        layout = preset_layout(preset, block_size=block_size, num_blocks=num_blocks, order=order)
+        kv = layout.allocate()
+        for layer in layout.owning_layers("self"):
+            kv[layer.name].fill_(1)  # touch every page so nothing reads the shared zero page
+        memory = self.transport.register(layout, kv)
+        self.memories[key] = (memory, kv)
+        return {"layout": memory.layout.to_bytes(), "metadata": self.transport.metadata()}
+
+    def op_connect(self, key: str, peer: str, metadata: bytes, layout: bytes) -> dict[str, Any]:
+        remote = KVLayout.from_bytes(layout)
+        link = self.transport.connect(peer, metadata, remote, self.memories[key][0])
+        self.links[key] = link
+        return {"prep_s": link.prep_s, "descriptors_per_block": link.descriptors_per_block}
+
+    def op_drop(self, key: str) -> dict[str, Any]:
+        link = self.links.pop(key, None)
+        if link is not None:
+            self.transport.disconnect(link)
+        memory, _ = self.memories.pop(key)
+        self.transport.unregister(memory)
+        return {}
+
+    def _ids(self, key: str, n: int, pattern: str, rng: random.Random) -> tuple[list[int], ...]:
+        link = self.links[key]
+        local_n = link.local.layout.group("self").num_blocks
+        remote_n = link.remote_layout.group("self").num_blocks
+        if pattern == "sequential":
+            return list(range(n)), list(range(n))
+        return rng.sample(range(local_n), n), rng.sample(range(remote_n), n)
+
+    def _move(
+        self, key: str, op: str, local_ids: list[int], remote_ids: list[int]
+    ) -> tuple[float, int | None]:
+        fn = self.transport.read_blocks if op == "read" else self.transport.write_blocks
+        t0 = time.perf_counter()
+        handle = fn(self.links[key], "self", local_ids, remote_ids, timeout_s=120.0)
+        handle.wait()
+        # UCXX: tagged messages after merging adjacent runs (NIXL merges inside the backend)
+        return time.perf_counter() - t0, getattr(handle, "num_messages", None)
+
+    def op_bandwidth(
+        self, key: str, op: str, pattern: str, n: int, repeats: int, seed: int
+    ) -> dict[str, Any]:
+        rng = random.Random(seed)
+        nbytes = n * self.links[key].local.layout.block_bytes()
+        times = []
+        messages = None
+        for i in range(repeats + 1):  # the first run warms the connection and the pages
+            local_ids, remote_ids = self._ids(key, n, pattern, rng)
+            elapsed, messages = self._move(key, op, local_ids, remote_ids)
+            if i:
+                times.append(elapsed)
+        times.sort()
+        return {
+            "gbps": nbytes / times[0] / 1e9,
+            "median_gbps": nbytes / times[len(times) // 2] / 1e9,
+            "descriptors": n * self.links[key].descriptors_per_block,
+            "messages": messages,
+        }
+
+    def op_latency(self, key: str, n: int, repeats: int, seed: int) -> dict[str, Any]:
+        rng = random.Random(seed)
+        times = []
+        for _ in range(repeats):
+            local_ids, remote_ids = self._ids(key, n, "random", rng)
+            times.append(self._move(key, "read", local_ids, remote_ids)[0])
+        return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
+
+    def op_memcpy(self, nbytes: int, repeats: int) -> dict[str, Any]:
+        import torch
+
+        src = torch.ones(nbytes, dtype=torch.uint8)
+        dst = torch.zeros(nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return {"gbps": nbytes / best / 1e9}
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def serve(
+    name: str,
+    conn: Connection,
+    env: Mapping[str, str],
+    progress_interval_s: float,
+    backend: str = "nixl",
+) -> None:
+    """Process entry point: set the environment, then answer requests until ``stop``."""
+    os.environ.update(env)  # before the agent exists: UCX reads UCX_TLS when it starts
+    logging.basicConfig(level=logging.WARNING)
+    peer = BenchPeer(name, progress_interval_s, backend)
+    conn.send_bytes(msgpack.packb({"ok": True}))
+    try:
+        while True:
+            try:
+                req = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            except EOFError:  # the driver went away: clean up and exit
+                break
+            rpc = req.pop("rpc")
+            if rpc == "stop":
+                break
+            try:
+                reply = {"ok": True, **getattr(peer, f"op_{rpc}")(**req)}
+            except Exception as exc:
+                log.exception("bench request %s failed", rpc)
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+    finally:
+        peer.close()
+        with contextlib.suppress(OSError):
+            conn.send_bytes(msgpack.packb({"ok": True}))

@@ -1,0 +1,163 @@
+"""``kvbridge offload serve``: run the per-node CPU offload daemon until Ctrl-C/SIGTERM.
+
+The daemon owns one NIXL agent, a host pool of ``--capacity`` bytes (allocated
+and registered once, in the layout of the first worker that connects unless
+``--preset`` fixes it at start) and the ``OffloadStore`` gRPC service. With
+``--metrics-port`` it also serves Prometheus metrics on ``/metrics``.
+Defaults run on one machine: loopback, a free port, printed on start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import sys
+import threading
+from types import FrameType
+
+__all__ = ["add_parser", "parse_bytes", "run", "main"]
+
+log = logging.getLogger(__name__)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"`` → 8589934592; accepts B, kB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
+    from kvbridge.proto.errors import ConfigError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"--capacity {text!r} is not a size like 8GiB, 512MiB or 1000000")
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ConfigError(f"--capacity {text!r} must be at least one byte")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``offload`` (with its ``serve`` subcommand) to the ``kvbridge`` command."""
+    from kvbridge.proto.layout import ORDERS
+    from kvbridge.proto.presets import PRESETS
+
+    offload = sub.add_parser("offload", help="the per-node CPU offload daemon")
+    offload_sub = offload.add_subparsers(dest="offload_command", metavar="SUBCOMMAND")
+    offload_sub.required = True
+    p = offload_sub.add_parser(
+        "serve",
+        help="run the offload daemon until Ctrl-C",
+        description="Keep KV blocks in a NIXL-registered host pool keyed by prefix hash; "
+        "workers store and load them over NIXL (OffloadStore gRPC service).",
+    )
+    p.add_argument(
+        "--capacity", default="8GiB", help="host pool size, e.g. 8GiB, 512MiB (default 8GiB)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: pick a free one)")
+    p.add_argument(
+        "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="allocate the pool at start for this model (default: at the first handshake, "
+        "in that worker's layout)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --preset")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size with --preset")
+    p.add_argument(
+        "--order",
+        help=f"pool order: one of {', '.join(ORDERS)} (default: block-outermost with the "
+        "workers' inner order)",
+    )
+    p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
+    p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+    from kvbridge.proto.layout import parse_order
+    from kvbridge.proto.presets import preset_layout
+    from kvbridge.worker.offload.metrics import MetricsServer
+    from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
+
+    layout = None
+    if args.preset is not None:
+        layout = preset_layout(args.preset, block_size=args.block_size, tp_size=args.tp_size)
+    config = OffloadConfig(
+        capacity_bytes=parse_bytes(args.capacity),
+        host=args.host,
+        port=args.port,
+        layout=layout,
+        order=None if args.order is None else parse_order(args.order),
+        default_ttl_s=args.default_ttl,
+        max_ttl_s=args.max_ttl,
+    )
+    instance = new_instance()
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    metrics: MetricsServer | None = None
+    try:
+        with (
+            NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
+            serve(transport, config, instance=instance) as server,
+        ):
+            if args.metrics_port is not None:
+                metrics = MetricsServer(server.handlers.snapshot, args.host, args.metrics_port)
+            print(
+                f"kvbridge offload: daemon {instance} listening on {server.address}, "
+                f"capacity {config.capacity_bytes} bytes"
+                + (f", metrics on :{metrics.port}/metrics" if metrics else ""),
+                flush=True,
+            )
+            try:
+                while not stop.wait(0.5):
+                    pass
+            except KeyboardInterrupt:
+                pass
+            log.info("stopping offload daemon on %s", server.address)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbridge.worker.offload.cmd ARGS`` (the same as ``kvbridge offload serve``)."""
+    parser = argparse.ArgumentParser(prog="kvbridge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["offload", "serve", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

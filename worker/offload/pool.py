@@ -1,0 +1,321 @@
+"""The offload daemon's host pool bookkeeping: which slot holds which block hash.
+
+Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`)
+and called from its gRPC threads and its reaper thread, so every method takes
+the pool's lock. It is pure bookkeeping over a :class:`BlockPool` (the LRU,
+the hash map and the ref counts): it never touches memory or NIXL.
+
+Slot states:
+
+- **free**: ref count 0, maybe with a hash (evictable, LRU order);
+- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash
+  in the block pool* — so it is invisible to lookups and loads, and never
+  evicted. :meth:`HostPool.commit_store` caches it under its hash and drops the
+  reference (it becomes evictable); :meth:`HostPool.abort_store` or the store's
+  expiry (a dead writer) frees it without a hash;
+- **pinned**: a committed block with references from loads
+  (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
+  evicted while pinned.
+
+Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head
+slices of a block of the same name.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvbridge.proto.errors import ConfigError, LeaseError
+from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.worker.block_pool import BlockPool
+
+__all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
+
+log = logging.getLogger(__name__)
+
+
+def pool_key(tp_rank: int, block_hash: bytes) -> BlockHash:
+    """The pool's key of ``block_hash`` for ``tp_rank`` (2-byte rank prefix)."""
+    return BlockHash(tp_rank.to_bytes(2, "big") + block_hash)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStore:
+    """Slots to WRITE: ``hashes[indices[i]]`` goes into ``slots[i]``. Empty id: nothing to do."""
+
+    store_id: str
+    indices: tuple[int, ...]
+    slots: tuple[BlockId, ...]
+    evicted: tuple[bytes, ...]
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLoad:
+    """Pinned slots of the cached prefix; empty id: no hit, nothing to complete."""
+
+    load_id: str
+    slots: tuple[BlockId, ...]
+    expires_in_s: float
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    """Counters since the daemon started (a snapshot is a copy)."""
+
+    capacity_blocks: int = 0
+    block_bytes: int = 0
+    cached_blocks: int = 0
+    pinned_blocks: int = 0
+    writing_blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    loaded_blocks: int = 0
+    loaded_bytes: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+    aborted_stores: int = 0
+    expired: int = 0
+    store_seconds_sum: float = 0.0
+    store_count: int = 0
+    load_seconds_sum: float = 0.0
+    load_count: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    slots: list[BlockId]
+    keys: list[BlockHash]
+    started: float
+    expires_at: float
+    done: set[BlockHash] = field(default_factory=set)
+
+
+class HostPool:
+    """Slot bookkeeping for ``num_blocks`` host blocks of ``block_bytes`` each."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_pending: int = 4096,
+    ) -> None:
+        if block_bytes < 1:
+            raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
+        if max_pending < 1:
+            raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
+        self._evicted: list[BlockHash] = []
+        self._pool = BlockPool(num_blocks, on_evict=lambda h, _b: self._evicted.append(h))
+        self._block_bytes = block_bytes
+        self._clock = clock
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._writing: dict[BlockHash, str] = {}  # key -> store id
+        self._stores: dict[str, _Pending] = {}
+        self._loads: dict[str, _Pending] = {}
+        self._pinned = 0
+        self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, keys: Iterable[BlockHash], asked: int | None = None) -> int:
+        """Length of the committed prefix of ``keys``; counts hits and misses, pins nothing.
+
+        ``keys`` may be a lazy iterable (read up to the first miss); then pass
+        ``asked``, its length, for the miss count.
+        """
+        if asked is None:
+            keys = list(keys)
+            asked = len(keys)
+        with self._lock:
+            hits = 0
+            for key in keys:
+                if self._pool.get_block(key) is None:
+                    break
+                hits += 1
+            self._count_lookup(hits, asked)
+            return hits
+
+    def stats(self) -> OffloadStats:
+        with self._lock:
+            s = self._stats
+            snapshot = OffloadStats(**{k: getattr(s, k) for k in OffloadStats.__slots__})
+            snapshot.cached_blocks = self._pool.num_cached_blocks
+            snapshot.pinned_blocks = self._pinned
+            snapshot.writing_blocks = len(self._writing)
+            return snapshot
+
+    def check(self) -> None:
+        """Assert the invariants (tests): every slot is counted once, capacity is respected."""
+        with self._lock:
+            writing = sum(len(p.slots) for p in self._stores.values())
+            pinned = sum(len(p.slots) for p in self._loads.values())
+            assert writing == len(self._writing)
+            assert pinned == self._pinned
+            referenced = self._pool.num_blocks - self._pool.num_free_blocks
+            assert len({b for p in self._stores.values() for b in p.slots}) == writing
+            assert writing + len({b for p in self._loads.values() for b in p.slots}) <= referenced
+            assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
+
+    # ---------------------------------------------------------------- mutations
+
+    def prepare_store(self, keys: Sequence[BlockHash], ttl_s: float) -> PreparedStore:
+        """Take slots for the keys neither cached nor being written, in order, while room lasts.
+
+        Evicts least recently used unpinned blocks as needed; returns their keys.
+        """
+        self._expire()
+        with self._lock:
+            seen: set[BlockHash] = set()
+            wanted: list[int] = []
+            for i, key in enumerate(keys):
+                if key in seen or key in self._writing or self._pool.get_block(key) is not None:
+                    continue
+                seen.add(key)
+                wanted.append(i)
+            take = min(len(wanted), self._pool.num_free_blocks)
+            if take == 0 or len(self._stores) >= self._max_pending:
+                return PreparedStore("", (), (), (), 0.0)
+            wanted = wanted[:take]
+            slots = self._pool.allocate(take)
+            evicted, self._evicted = self._evicted, []
+            store_id = secrets.token_hex(16)
+            now = self._clock()
+            chosen = [keys[i] for i in wanted]
+            self._stores[store_id] = _Pending(list(slots), chosen, now, now + ttl_s)
+            for key in chosen:
+                self._writing[key] = store_id
+            self._stats.evicted_blocks += len(evicted)
+            self._stats.evicted_bytes += len(evicted) * self._block_bytes
+        return PreparedStore(
+            store_id, tuple(wanted), tuple(slots), tuple(k[2:] for k in evicted), ttl_s
+        )
+
+    def commit_store(self, store_id: str) -> int:
+        """Publish a store's blocks (they become visible and evictable); returns how many."""
+        self._expire()
+        with self._lock:
+            pending = self._stores.pop(store_id, None)
+            if pending is None:
+                raise _lease_gone("store", store_id)
+            for slot, key in zip(pending.slots, pending.keys, strict=True):
+                del self._writing[key]
+                cached = self._pool.cache_block(slot, key)
+                assert cached, "a key being written is never cached by anyone else"
+            self._pool.free(pending.slots)
+            n = len(pending.slots)
+            self._stats.stored_blocks += n
+            self._stats.stored_bytes += n * self._block_bytes
+            self._stats.store_seconds_sum += self._clock() - pending.started
+            self._stats.store_count += 1
+        return n
+
+    def abort_store(self, store_id: str) -> bool:
+        """Free a store's slots unpublished; False if it was unknown or already finished."""
+        self._expire()
+        with self._lock:
+            pending = self._stores.pop(store_id, None)
+            if pending is None:
+                return False
+            self._drop_store(pending)
+            self._stats.aborted_stores += 1
+        return True
+
+    def prepare_load(self, keys: Sequence[BlockHash], ttl_s: float) -> PreparedLoad:
+        """Pin the committed prefix of ``keys`` until :meth:`complete_load` or expiry."""
+        self._expire()
+        with self._lock:
+            hits = self._pool.lookup_prefix(keys)
+            self._count_lookup(len(hits), len(keys))
+            if not hits or len(self._loads) >= self._max_pending:
+                return PreparedLoad("", (), 0.0)
+            self._pool.touch(hits)
+            self._pinned += len(hits)
+            load_id = secrets.token_hex(16)
+            now = self._clock()
+            self._loads[load_id] = _Pending(list(hits), list(keys[: len(hits)]), now, now + ttl_s)
+        return PreparedLoad(load_id, tuple(hits), ttl_s)
+
+    def complete_load(self, load_id: str) -> bool:
+        """Unpin a load's blocks (they move to the most recently used end); False if gone."""
+        self._expire()
+        with self._lock:
+            pending = self._loads.pop(load_id, None)
+            if pending is None:
+                return False
+            self._unpin(pending)
+            n = len(pending.slots)
+            self._stats.loaded_blocks += n
+            self._stats.loaded_bytes += n * self._block_bytes
+            self._stats.load_seconds_sum += self._clock() - pending.started
+            self._stats.load_count += 1
+        return True
+
+    def expire(self) -> int:
+        """Abort stores and unpin loads past their expiry; returns how many."""
+        return self._expire()
+
+    def close(self) -> None:
+        """Drop every pending store and load (the daemon is stopping)."""
+        with self._lock:
+            for pending in self._stores.values():
+                self._drop_store(pending)
+            for pending in self._loads.values():
+                self._unpin(pending)
+            self._stores.clear()
+            self._loads.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _expire(self) -> int:
+        with self._lock:
+            now = self._clock()
+            stores = [k for k, p in self._stores.items() if p.expires_at <= now]
+            loads = [k for k, p in self._loads.items() if p.expires_at <= now]
+            for store_id in stores:
+                log.info("store %s expired before commit; its slots are freed", store_id)
+                self._drop_store(self._stores.pop(store_id))
+            for load_id in loads:
+                log.info("load %s expired before completion; its blocks are unpinned", load_id)
+                self._unpin(self._loads.pop(load_id))
+            self._stats.expired += len(stores) + len(loads)
+            return len(stores) + len(loads)
+
+    def _drop_store(self, pending: _Pending) -> None:
+        for key in pending.keys:
+            del self._writing[key]
+        self._pool.free(pending.slots)
+
+    def _unpin(self, pending: _Pending) -> None:
+        self._pool.free(pending.slots)
+        self._pinned -= len(pending.slots)
+
+    def _count_lookup(self, hits: int, asked: int) -> None:
+        self._stats.hits += hits
+        self._stats.misses += asked - hits
+
+
+def _lease_gone(what: str, ident: str) -> LeaseError:
+    err = LeaseError(
+        f"{what} {ident[:64]!r} is unknown, expired or already finished; "
+        f"its slots were freed: prepare the {what} again"
+    )
+    err.code = "NOT_FOUND"
+    return err

@@ -1,0 +1,132 @@
+"""``kvbridge serve-control``: run a bare peer control server until Ctrl-C.
+
+The process owns an empty block pool per group of a preset layout and
+answers ``Handshake``, ``Pin`` (nothing is cached, so pins come back empty),
+``Heartbeat``, ``Release`` and ``Health``: enough to check a deployment's
+network path, token and TLS setup, or a peer's layout compatibility, without
+an engine. ``kvbridge serve`` (:mod:`kvbridge.worker.serving.node_cmd`) runs the same
+control server in front of a real engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+__all__ = ["add_parser", "run", "main"]
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> None:  # type: ignore[type-arg]
+    from kvbridge.proto.layout import ORDERS
+    from kvbridge.proto.presets import PRESETS
+
+    p = sub.add_parser(
+        name,
+        help="run a bare peer control server (no engine) until Ctrl-C",
+        description="Start the peer control server (gRPC) for a preset KV layout, with an "
+        "empty block pool: checks addresses, tokens, TLS and layout compatibility.",
+    )
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=1024, help="blocks per group (default 1024)")
+    p.add_argument("--order", default="block-nhd", help=f"physical order: {', '.join(ORDERS)}")
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--role", default="prefill", choices=["prefill", "decode", "both", "offload"])
+    p.add_argument("--engine-id", help="unique id of this process (default: HOST-PID)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: pick a free one)")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument("--token", help="shared token peers must send (visible in `ps`)")
+    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--default-ttl", type=float, default=30.0, help="lease TTL in s (default 30)")
+    p.add_argument("--max-ttl", type=float, default=600.0, help="longest lease TTL in s")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.connector.control.server import ControlServerConfig, serve
+    from kvbridge.connector.control.types import PeerInfo, Role
+    from kvbridge.proto.errors import ConfigError
+    from kvbridge.proto.presets import preset_layout
+    from kvbridge.proto.types import EngineId
+    from kvbridge.worker.block_pool import BlockPool
+    from kvbridge.worker.pool_owner import PoolBlockOwner
+
+    layout = preset_layout(
+        args.preset,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        order=args.order,
+        tp_rank=args.tp_rank,
+        tp_size=args.tp_size,
+    )
+    token = args.token
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    config = ControlServerConfig(
+        host=args.host,
+        port=args.port,
+        token=token,
+        tls_cert=None if args.tls_cert is None else args.tls_cert.read_bytes(),
+        tls_key=None if args.tls_key is None else args.tls_key.read_bytes(),
+        default_ttl_s=args.default_ttl,
+        max_ttl_s=args.max_ttl,
+    )
+    engine_id = EngineId(args.engine_id or f"{socket.gethostname()}-{os.getpid()}")
+    owner = PoolBlockOwner({g.name: BlockPool(g.num_blocks) for g in layout.groups})
+    local = PeerInfo(engine_id, Role(args.role), layout)
+    stop = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with serve(local, owner, config) as server:
+            print(
+                f"kvbridge serve: {engine_id} ({args.role}, {args.preset}, "
+                f"{' '.join(layout.order)}) listening on {server.address}"
+                + (" with TLS" if config.tls_cert else "")
+                + (" with token auth" if token else ""),
+                flush=True,
+            )
+            try:
+                while not stop.wait(0.5):
+                    pass
+            except KeyboardInterrupt:
+                pass
+            log.info("stopping control server on %s", server.address)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbridge.worker.serving.control_cmd``: the same as ``kvbridge serve-control``."""
+    parser = argparse.ArgumentParser(prog="kvbridge")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["serve-control", *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

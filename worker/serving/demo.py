@@ -1,0 +1,446 @@
+"""``kvbridge demo``: a 1-prefill / 1-decode deployment on loopback, checked token for token.
+
+Starts a prefill node and a decode node (``kvbridge serve`` subprocesses,
+pinned to different cores where there are two), routes a few dozen requests
+that share prefixes through them, and compares every decode output with a
+single-process run of the same engine. Prints per request what moved, writes
+JSON with ``--json``, and exits non-zero if any output differs or any block
+or lease is left behind.
+
+``--share-last N`` / ``--share-every M`` / ``--prefill-skip`` run a KV-sharing
+model (sharing layers are never moved); ``--encoder-decoder`` gives every
+request an encoder input drawn from a few clips (``--clips``), so later
+requests with the same clip reuse its cross-attention blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.bench.report import machine_info
+from kvbridge.worker.serving.node_cmd import (
+    add_engine_arguments,
+    engine_config_from_args,
+    engine_model_flags,
+)
+
+__all__ = [
+    "add_parser",
+    "run",
+    "make_workload",
+    "make_encoder_inputs",
+    "start_node",
+    "start_offload_daemon",
+    "OffloadDaemonProcess",
+    "reference_outputs",
+    "check_no_leaks",
+]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "demo",
+        help="run 1 prefill + 1 decode on loopback and check outputs token for token",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_arguments(p)
+    p.add_argument(
+        "--decode-order",
+        default=None,
+        choices=sorted(ORDERS),
+        help="decode's layout order (default: same as --order)",
+    )
+    p.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
+    p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (default 4)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--clips",
+        type=int,
+        default=2,
+        help="--encoder-decoder: distinct encoder inputs shared by the requests (default 2)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write per-request results here")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="add a CPU offload daemon; a second pass meets a fresh decode node, which loads "
+        "the repeated prompts from the daemon",
+    )
+    p.add_argument("--startup-timeout", type=float, default=90.0)
+    p.set_defaults(func=run)
+
+
+def make_workload(
+    n: int, prefixes: int, vocab: int, block_size: int, seed: int = 0
+) -> list[list[int]]:
+    """Prompts built from a few shared prefixes (2-5 blocks) plus unique suffixes."""
+    rng = random.Random(seed)
+    heads = [
+        [rng.randrange(vocab) for _ in range(rng.randint(2, 5) * block_size + rng.randrange(4))]
+        for _ in range(max(1, prefixes))
+    ]
+    return [
+        heads[i % len(heads)]
+        + [rng.randrange(vocab) for _ in range(rng.randint(3, 2 * block_size))]
+        for i in range(n)
+    ]
+
+
+def make_encoder_inputs(n: int, clips: int, max_len: int, seed: int = 0) -> list[bytes]:
+    """Encoder inputs for ``n`` requests, cycling through ``clips`` random byte strings
+    (20..min(100, max_len) bytes), so that requests repeat them."""
+    rng = random.Random(seed + 7)
+    pool = [
+        bytes(rng.randrange(256) for _ in range(rng.randint(20, min(100, max_len))))
+        for _ in range(max(1, clips))
+    ]
+    return [pool[i % len(pool)] for i in range(n)]
+
+
+def _pin_to_core(core: int | None) -> Any:
+    if core is None or not hasattr(os, "sched_setaffinity"):
+        return None
+    return lambda: os.sched_setaffinity(0, {core})
+
+
+@contextmanager
+def start_node(
+    name: str,
+    args: argparse.Namespace,
+    order: str,
+    workdir: Path,
+    core: int | None,
+    extra: list[str] | None = None,
+    *,
+    role: str | None = None,
+) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
+    """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``) and yield (process,
+    its ready info); always stops it."""
+    role = role or name
+    ready = workdir / f"{name}.ready"
+    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvbridge.worker.cli",
+        "serve",
+        "--role",
+        role,
+        "--engine-id",
+        f"{name}-{os.getpid()}",
+        "--model",
+        args.model,
+        "--order",
+        order,
+        "--block-size",
+        str(args.block_size),
+        "--num-blocks",
+        str(args.num_blocks),
+        "--seed",
+        str(args.seed),
+        "--on-load-error",
+        args.on_load_error,
+        "--ready-file",
+        str(ready),
+        *engine_model_flags(args),
+        *(extra or []),
+    ]
+    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin_to_core(core)
+    )
+    try:
+        deadline = time.monotonic() + args.startup_timeout
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{role} node exited with {proc.returncode}; see {log.name}:\n"
+                    + Path(log.name).read_text()[-2000:]
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{role} node not ready after {args.startup_timeout}s; see {log.name}"
+                )
+            time.sleep(0.1)
+        yield proc, json.loads(ready.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+def reference_outputs(
+    args: argparse.Namespace, prompts: list[list[int]], encoder_inputs: list[bytes | None]
+) -> list[list[int]]:
+    """Greedy outputs of a single-process engine with the same flags: the ground truth."""
+    import torch
+
+    from kvbridge.worker.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
+    return [
+        engine.generate([p], args.max_tokens, [e])[0]
+        for p, e in zip(prompts, encoder_inputs, strict=True)
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.worker.serving.router import EngineClient, Router
+
+    config: Any = engine_config_from_args(args)
+    prompts = make_workload(
+        args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed
+    )
+    encoder_inputs: list[bytes | None] = (
+        list(make_encoder_inputs(args.requests, args.clips, config.max_encoder_len, args.seed))
+        if config.encoder_decoder
+        else [None] * len(prompts)
+    )
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    p_core, d_core = (cores[0], cores[1]) if len(cores) >= 2 else (None, None)
+    print(
+        f"kvbridge demo: {args.requests} requests, model {args.model}, block size "
+        f"{args.block_size}, prefill {args.order} -> decode {args.decode_order or args.order}"
+    )
+    layout = config.layout()
+    print(layout.describe())
+    print("computing single-process reference outputs ...", flush=True)
+    expected = reference_outputs(args, prompts, encoder_inputs)
+    rows: list[dict[str, Any]] = []
+    leaks: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="kvbridge-demo-") as tmp, ExitStack() as stack:
+        work = Path(tmp)
+        extra: list[str] = []
+        if args.offload:
+            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
+            extra = ["--offload", daemon]
+            print(f"offload daemon at {daemon}")
+        _, pinfo = stack.enter_context(start_node("prefill", args, args.order, work, p_core, extra))
+        prefill = EngineClient(pinfo["inference"])
+        stack.callback(prefill.close)
+        passes = 2 if args.offload else 1
+        for n in range(passes):
+            # with --offload the second pass meets a fresh decode node: its prompts come back
+            # from the offload daemon instead of prefill's memory
+            with start_node(
+                f"decode{n}",
+                args,
+                args.decode_order or args.order,
+                work,
+                d_core,
+                extra,
+                role="decode",
+            ) as (_, dinfo):
+                decode = EngineClient(dinfo["inference"])
+                print(
+                    f"\npass {n + 1}: prefill at {pinfo['inference']} (control "
+                    f"{pinfo['control']}), decode at {dinfo['inference']}\n"
+                )
+                rows += _run_pass(
+                    Router(prefill, decode),
+                    prompts,
+                    encoder_inputs,
+                    expected,
+                    args.max_tokens,
+                    n + 1,
+                )
+                leaks += check_no_leaks({"prefill": prefill, f"decode (pass {n + 1})": decode})
+                decode.close()
+    summary = {
+        "requests": len(rows),
+        "all_match": all(r["tokens_match"] for r in rows),
+        "blocks_moved": sum(r["blocks_moved"] for r in rows),
+        "blocks_moved_by_group": _sum_groups(rows),
+        "bytes_moved": sum(r["bytes_moved"] for r in rows),
+        "blocks_local_hit": sum(r["blocks_local_hit"] for r in rows),
+        "blocks_offloaded": sum(r["blocks_offloaded"] for r in rows),
+        "blocks_recomputed": sum(r["blocks_recomputed"] for r in rows),
+        "leaks": leaks,
+    }
+    print(
+        f"\nall_match: {str(summary['all_match']).lower()}; moved {summary['blocks_moved']} "
+        f"blocks {summary['blocks_moved_by_group']} ({summary['bytes_moved'] / 2**20:.2f} MiB), "
+        f"decode hit {summary['blocks_local_hit']} locally, loaded "
+        f"{summary['blocks_offloaded']} from the offload daemon, recomputed "
+        f"{summary['blocks_recomputed']}; leaks: {leaks or 'none'}"
+    )
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine_info(),
+                    "settings": _settings(args),
+                    "requests": rows,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        print(f"wrote {args.json}")
+    return 0 if summary["all_match"] and not leaks else 1
+
+
+def _run_pass(
+    router: Any,
+    prompts: list[list[int]],
+    encoder_inputs: list[bytes | None],
+    expected: list[list[int]],
+    max_tokens: int,
+    pass_no: int,
+) -> list[dict[str, Any]]:
+    """Route every prompt, print a line per request, return the rows."""
+    print(
+        f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'cross':>5} {'offl':>4} {'KiB':>7} "
+        f"{'recomp':>6} {'xfer_ms':>8} {'ttft_ms':>8}  match"
+    )
+    rows = []
+    for i, prompt in enumerate(prompts):
+        rid = f"demo-{pass_no}-{i}"
+        try:
+            res = router.generate(prompt, max_tokens, rid, encoder_inputs[i] or b"")
+            tokens, d, ttft = res.tokens, res.decode, res.ttft_ms
+            error = d.load_error
+        except Exception as exc:  # the demo reports failures per request
+            tokens, d, ttft, error = [], None, 0.0, str(exc)
+        row: dict[str, Any] = {
+            "request_id": rid,
+            "pass": pass_no,
+            "prompt_tokens": len(prompt),
+            "blocks_local_hit": d.blocks_local_hit if d else 0,
+            "blocks_moved": d.blocks_moved if d else 0,
+            "blocks_moved_by_group": dict(d.blocks_moved_by_group) if d else {},
+            "blocks_offloaded": d.blocks_offloaded if d else 0,
+            "bytes_moved": d.bytes_moved if d else 0,
+            "decode_cross_source": d.cross_source if d else "",
+            "blocks_recomputed": d.blocks_recomputed if d else 0,
+            "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
+            "ttft_ms": round(ttft, 3),
+            "tokens_match": tokens == expected[i],
+            "load_error": error,
+        }
+        rows.append(row)
+        print(
+            f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
+            f"{row['blocks_moved']:>5} {_cross_cell(row):>5} {row['blocks_offloaded']:>4} "
+            f"{row['bytes_moved'] / 1024:>7.0f} {row['blocks_recomputed']:>6} "
+            f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
+            f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
+            flush=True,
+        )
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadDaemonProcess:
+    """A ``kvbridge offload serve`` child process started by :func:`start_offload_daemon`."""
+
+    address: str
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """End it abruptly (tests: a daemon that dies under its clients)."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+@contextmanager
+def start_offload_daemon(
+    workdir: Path, timeout_s: float, capacity: str = "256MiB"
+) -> Iterator[OffloadDaemonProcess]:
+    """Start ``kvbridge offload serve`` on loopback; yield it once it listens; always stop it."""
+    log_path = workdir / "offload.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvbridge.worker.cli",
+                "offload",
+                "serve",
+                "--capacity",
+                capacity,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib")),
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                text = log_path.read_text(errors="replace")
+                if " listening on " in text:
+                    address = text.split(" listening on ", 1)[1].split(",", 1)[0].strip()
+                    yield OffloadDaemonProcess(address, proc)
+                    break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"offload daemon did not start; its log:\n{text[-2000:]}")
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _cross_cell(row: dict[str, Any]) -> str:
+    """Cross blocks moved, or where decode's cross KV came from when none moved."""
+    moved = row["blocks_moved_by_group"].get("cross", 0)
+    source = row["decode_cross_source"]
+    if not source:
+        return "-"
+    return str(moved) if source == "loaded" else source
+
+
+def _sum_groups(rows: list[dict[str, Any]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for r in rows:
+        for group, n in r["blocks_moved_by_group"].items():
+            total[group] = total.get(group, 0) + n
+    return total
+
+
+def check_no_leaks(clients: dict[str, Any], timeout_s: float = 10.0) -> list[str]:
+    """Every pool back to full and no lease left, within ``timeout_s`` (releases are async)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        problems = []
+        for name, client in clients.items():
+            stats = client.stats()
+            for group, total in stats.total_blocks.items():
+                free = stats.free_blocks[group]
+                if free != total:
+                    problems.append(f"{name}: {total - free} of {total} '{group}' blocks in use")
+            if stats.active_leases:
+                problems.append(f"{name}: {stats.active_leases} leases held")
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(0.1)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

@@ -1,0 +1,85 @@
+"""The reference engine's KV memory as the control plane sees it.
+
+:class:`EngineBlockOwner` is the :class:`~kvbridge.connector.control.leases.BlockOwner`
+and the :class:`~kvbridge.connector.scheduler.LeaseIssuer` of a serving
+engine. Leases hold references of their own on the engine's pool blocks
+(``touch`` to pin, ``free`` to unpin), so a finished prefill request's blocks
+stay put while decode reads them, and become evictable — not wiped — when the
+lease is released or expires. Called from the scheduler thread and from the
+control server's threads; every pool operation holds the engine's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvbridge.connector.control.leases import BlockOwner, LeaseTable
+from kvbridge.connector.scheduler import LeaseIssuer
+from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.worker.engine import Engine
+
+__all__ = ["EngineBlockOwner"]
+
+
+class EngineBlockOwner(BlockOwner, LeaseIssuer):
+    """Pins and unpins blocks in ``engine``'s pools for leases in ``leases``."""
+
+    def __init__(self, engine: Engine, lease_ttl_s: float) -> None:
+        self._engine = engine
+        self._ttl_s = lease_ttl_s
+        self.leases = LeaseTable(self)
+
+    def num_blocks(self, group: str) -> int:
+        pool = self._engine.pools.get(group)
+        return 0 if pool is None else pool.num_blocks
+
+    def pin_hashes(
+        self, group_hashes: Mapping[str, Sequence[BlockHash]]
+    ) -> dict[str, list[BlockId]]:
+        out: dict[str, list[BlockId]] = {}
+        with self._engine.lock:
+            for group, hashes in group_hashes.items():
+                pool = self._engine.pools.get(group)
+                ids = [] if pool is None else pool.lookup_prefix(hashes)
+                if ids:
+                    assert pool is not None
+                    pool.touch(ids)
+                out[group] = ids
+        return out
+
+    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
+        with self._engine.lock:
+            for group, ids in blocks.items():
+                self._engine.pools[group].free(ids)
+
+    def verified_prefix(
+        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+    ) -> int:
+        pool = self._engine.pools.get(group)
+        if pool is None:
+            return 0
+        n = 0
+        with self._engine.lock:
+            for block_id, block_hash in zip(block_ids, hashes, strict=False):
+                if pool.block_hash(block_id) != block_hash:
+                    break
+                n += 1
+        return n
+
+    def lease_request(
+        self,
+        request_id: RequestId,
+        blocks: Mapping[str, Sequence[BlockId]],
+        hashes: Mapping[str, Sequence[BlockHash]],
+    ) -> tuple[LeaseId, float]:
+        with self._engine.lock:
+            for group, ids in blocks.items():
+                self._engine.pools[group].touch(ids)
+        try:
+            lease = self.leases.create(
+                blocks, ttl_s=self._ttl_s, hashes=hashes, request_id=request_id
+            )
+        except BaseException:
+            self.unpin(blocks)
+            raise
+        return lease.lease_id, self._ttl_s

@@ -1,0 +1,190 @@
+"""``kvbridge serve``: run one prefill, decode or combined serving node until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+
+from kvbridge.proto.layout import ORDERS
+
+__all__ = [
+    "add_parser",
+    "run",
+    "add_engine_arguments",
+    "engine_config_from_args",
+    "engine_model_flags",
+]
+
+log = logging.getLogger(__name__)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and KV layout flags, shared by ``serve`` and ``demo``."""
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="reference engine preset: tiny, small, share-tiny (8 layers, last 4 share KV) "
+        "or encdec-tiny",
+    )
+    p.add_argument(
+        "--order",
+        default="block-nhd",
+        choices=sorted(ORDERS),
+        help="physical KV layout order (default block-nhd: block-outermost)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed; must match on every node")
+    p.add_argument(
+        "--share-last",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV sharing: the last N layers reuse the KV of the layers N before them",
+    )
+    p.add_argument(
+        "--share-every",
+        type=int,
+        default=None,
+        metavar="M",
+        help="KV sharing: every M-th layer reuses the previous layer's KV",
+    )
+    p.add_argument(
+        "--prefill-skip",
+        action="store_true",
+        help="trailing KV-sharing layers compute only each prompt's last token in prefill",
+    )
+    p.add_argument(
+        "--encoder-decoder",
+        action="store_true",
+        help="add an encoder and cross-attention KV (requests then carry encoder input)",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, order: str | None = None) -> object:
+    from kvbridge.worker.engine import EngineConfig
+
+    overrides: dict[str, object] = {}
+    share_last = getattr(args, "share_last", None)
+    share_every = getattr(args, "share_every", None)
+    if share_last is not None or share_every is not None:  # a pattern given replaces the preset's
+        overrides.update(share_last=share_last or 0, share_every=share_every or 0)
+    if getattr(args, "prefill_skip", False):
+        overrides["prefill_skip"] = True
+    if getattr(args, "encoder_decoder", False):
+        overrides["encoder_decoder"] = True
+    return EngineConfig.preset(
+        args.model,
+        order=order or args.order,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        seed=args.seed,
+        **overrides,
+    )
+
+
+def engine_model_flags(args: argparse.Namespace) -> list[str]:
+    """The KV-sharing, prefill-skip and encoder-decoder flags of ``args`` as a command line,
+    so a parent (``demo``) starts ``serve`` children with the same model."""
+    flags: list[str] = []
+    for name in ("share_last", "share_every"):
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    for name in ("prefill_skip", "encoder_decoder"):
+        if getattr(args, name, False):
+            flags.append(f"--{name.replace('_', '-')}")
+    return flags
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "serve",
+        help="run a prefill/decode serving node (engine + kvbridge connector + servers)",
+        description="Run one serving node: the reference engine with kvbridge's connector, a "
+        "PeerControl server for peers and an Inference server for the router.",
+    )
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=int, default=0, help="Inference port (default: any free)")
+    p.add_argument("--control-port", type=int, default=0, help="PeerControl port (default: any)")
+    p.add_argument(
+        "--advertise",
+        default="",
+        help="host:port peers use for PeerControl (default: the listening address)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVBRIDGE_TOKEN"),
+        help="shared auth token (default: $KVBRIDGE_TOKEN; none)",
+    )
+    p.add_argument(
+        "--lease-ttl", type=float, default=30.0, help="seconds a pin lives unheartbeaten"
+    )
+    p.add_argument("--load-timeout", type=float, default=10.0, help="deadline of one KV load (s)")
+    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--offload",
+        default="",
+        metavar="HOST:PORT",
+        help="this node's CPU offload daemon (kvbridge offload serve); default: none",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write {inference, control} addresses as JSON here once serving",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvbridge.connector.config import ConnectorConfig
+    from kvbridge.worker.serving.node import Node, NodeConfig
+
+    torch.set_num_threads(args.threads)
+    engine_id = args.engine_id or f"{args.role}-{os.getpid()}"
+    config = NodeConfig(
+        engine=engine_config_from_args(args),  # type: ignore[arg-type]
+        connector=ConnectorConfig(
+            engine_id=engine_id,
+            role=args.role,
+            control_address=args.advertise,
+            token=args.token,
+            lease_ttl_s=args.lease_ttl,
+            load_timeout_s=args.load_timeout,
+            on_load_error=args.on_load_error,
+            offload_address=args.offload,
+        ),
+        host=args.host,
+        port=args.port,
+        control_port=args.control_port,
+    )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with Node(config) as node:
+        ready = {"inference": node.address, "control": node.control.address, "engine_id": engine_id}
+        print(json.dumps(ready), flush=True)
+        if args.ready_file is not None:
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(ready))
+            tmp.rename(args.ready_file)
+        stop.wait()
+        log.info("%s stopping", engine_id)
+    return 0
