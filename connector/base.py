@@ -64,6 +64,10 @@ class RequestView:
     kv_transfer_params: Mapping[str, Any] | None = None
     """Set by the router: ``do_remote_decode`` on prefill; the prefill's answer on decode."""
     encoder_hash: bytes | None = None
+    prompt_computed: bool = True
+    """At ``request_finished``: the request ended normally with its whole prompt computed, so
+    its full prompt blocks hold the prompt's KV (False for an abort: nothing is handed over
+    or stored)."""
 
 
 @dataclass(frozen=True, slots=True)

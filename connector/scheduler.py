@@ -1,27 +1,39 @@
-"""kvbridge's scheduler half: which blocks a request loads, and what a prefill hands over.
+"""The one planner: which blocks a request loads, what a prefill hands over, what is stored.
 
-Runs in the engine's scheduler thread (vLLM: the scheduler process).
+Both engines use :class:`KVBridgeScheduler`: kvbridge's reference engine calls
+it directly (it is that engine's :class:`SchedulerConnector`), and vLLM's
+adapter (:mod:`kvbridge.connector.vllm.scheduler`) translates vLLM's calls
+into :class:`RequestView` s and calls the same methods. Runs in the engine's
+scheduler thread (vLLM: the EngineCore process); nothing here touches memory.
 
 *Decode* (``kv_transfer_params`` came from a prefill worker): the request's
-prompt is the original prompt plus the first token prefill sampled. The
-engine has already taken its own prefix-cache hits; every original-prompt
-token after them is external and is loaded asynchronously from the prefill
-worker's blocks at the same block positions. Before offering anything, the
-hashes prefill sent are compared with the hashes of the prompt this engine
-was given: a router that pairs the wrong prompt with the wrong KV gets a
-recompute, never wrong tokens.
+prompt is the original prompt (vLLM's proxies) or the original prompt plus the
+first token prefill sampled (kvbridge's router). The engine has already taken
+its own prefix-cache hits; every original-prompt token after them is external.
+Before offering anything, the hashes prefill sent are compared with the hashes
+of the prompt this engine was given: a router that pairs the wrong prompt with
+the wrong KV gets a recompute, never wrong tokens. With an offload daemon, the
+leading blocks it holds (after the local hit) load from there, the rest from
+prefill. A request whose load was planned once is never offered a second try
+(after a failed load the engine asks again; the answer is then a recompute).
+
+*Offload only* (no remote prefill): the daemon's leading hits after the local
+prefix load from the daemon; the last prompt token is always left to compute.
 
 *Cross-attention blocks* (encoder-decoder) travel with the self blocks: prefill
 leases both groups and lists both in its answer; decode loads the ``cross``
 blocks only when the engine names them in ``update_state_after_alloc`` (it
 does not when its own cache already holds that encoder input's blocks) and
-prefill's cross hashes equal the request's. The engine runs the encoder
-itself whenever a cross load is not planned or fails.
+prefill's cross hashes equal the request's.
 
-*Prefill* (``do_remote_decode``): when the request finishes, its blocks are
-pinned under a lease (a :class:`LeaseIssuer` owns that) and the answer tells
-decode where they are. The engine frees its own references at once; the
-lease holds its own until decode releases it or it expires.
+*Prefill* (``do_remote_decode``): when a request whose prompt was computed
+finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
+reference engine pins them itself; vLLM's adapter orders its worker to hold
+them) and the answer tells decode where they are.
+
+*Store*: a finished request's full blocks that the engine itself holds under
+exactly the expected names go to the offload daemon; the engine then keeps them
+(``delay_free``) until the worker reports the store done.
 """
 
 from __future__ import annotations
@@ -50,10 +62,12 @@ log = logging.getLogger(__name__)
 
 
 class LeaseIssuer(ABC):
-    """Pins a finished prefill request's blocks under a lease that a decode peer releases.
+    """Puts a finished prefill request's blocks under a lease that a decode peer releases.
 
-    Implemented by the process that owns the KV memory and runs the control
-    server (:class:`kvbridge.worker.serving.node.Node`); called from the scheduler thread.
+    Implemented by whoever owns the engine's blocks: kvbridge's serving node
+    (:class:`kvbridge.worker.serving.engine_owner.EngineBlockOwner`, pins at once) and
+    vLLM's adapter (:class:`kvbridge.connector.vllm.scheduler.HoldIssuer`, orders the
+    worker to hold them). Called from the scheduler thread.
     """
 
     @abstractmethod
@@ -75,12 +89,14 @@ class LeaseIssuer(ABC):
 @dataclass(slots=True)
 class _Pending:
     params: KVTransferParams | None
+    """Prefill's answer; None for a load from the offload daemon alone."""
     first_block: int
-    offload_blocks: int = 0
+    offload_hashes: tuple[BlockHash, ...] = ()
+    """Names of the blocks from ``first_block`` on that the offload daemon holds."""
 
 
 class KVBridgeScheduler(SchedulerConnector):
-    """The scheduler half for kvbridge's own engines (and, through the adapter, vLLM)."""
+    """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
     def __init__(self, config: ConnectorConfig, block_size: int) -> None:
         self.config = config
@@ -90,6 +106,9 @@ class KVBridgeScheduler(SchedulerConnector):
         self._stores: list[BlockStore] = []
         self._pending: dict[RequestId, _Pending] = {}
         self._loads: list[BlockLoad] = []
+        self._loaded: set[RequestId] = set()
+        """Requests whose load was planned: asked again after a failed load, the answer is
+        0 (recompute), never a second try at the same lease."""
 
     def attach(
         self,
@@ -105,6 +124,8 @@ class KVBridgeScheduler(SchedulerConnector):
     def get_num_new_matched_tokens(
         self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        if request.request_id in self._loaded:
+            return 0, False
         raw = request.kv_transfer_params
         first = num_computed_tokens // self.block_size
         if not self.config.consumes or not KVTransferParams.is_remote_prefill(raw):
@@ -122,19 +143,24 @@ class KVBridgeScheduler(SchedulerConnector):
         if external <= 0:
             return 0, False
         # blocks the node's offload daemon holds come from there; the rest from prefill
-        full = len(params.block_hashes["self"])
-        offload = self._lookup(request.block_hashes.get("self", ())[first:full])
-        self._pending[request.request_id] = _Pending(params, first, offload)
+        names = tuple(
+            request.block_hashes.get("self", ())[first : len(params.block_hashes["self"])]
+        )
+        hits = self._lookup(names)
+        self._pending[request.request_id] = _Pending(params, first, names[:hits])
         return external, True
 
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
-        n = self._lookup(request.block_hashes.get("self", ())[first:last])
-        if n <= 0:
+        if self.offload_lookup is None or last <= first:
+            return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
+        names = tuple(request.block_hashes.get("self", ())[first:last])
+        hits = self._lookup(names)
+        if hits <= 0:
             return 0, False
-        self._pending[request.request_id] = _Pending(None, first, n)
-        return n * self.block_size, True
+        self._pending[request.request_id] = _Pending(None, first, names[:hits])
+        return hits * self.block_size, True
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> int:
         if self.offload_lookup is None or not hashes:
@@ -142,14 +168,19 @@ class KVBridgeScheduler(SchedulerConnector):
         return max(0, min(len(hashes), self.offload_lookup(hashes)))
 
     def _check_matches_prompt(self, request: RequestView, params: KVTransferParams) -> None:
-        if len(request.prompt_token_ids) != params.num_tokens + 1:
+        n = len(request.prompt_token_ids)
+        if n not in (params.num_tokens, params.num_tokens + 1):
             raise WireError(
-                f"prefill computed {params.num_tokens} tokens, decode got a prompt of "
-                f"{len(request.prompt_token_ids)} (expected prompt + first token)"
+                f"prefill computed {params.num_tokens} tokens, decode got a prompt of {n} "
+                "(expected the same prompt, or prompt + first token)"
             )
-        mine = tuple(request.block_hashes.get("self", ()))[: len(params.block_hashes["self"])]
-        if mine != params.block_hashes["self"]:
-            raise WireError("prefill's block hashes do not match this prompt (wrong tokens?)")
+        theirs = params.block_hashes["self"]
+        mine = tuple(request.block_hashes.get("self", ()))[: len(theirs)]
+        if mine != theirs:
+            raise WireError(
+                "prefill's block hashes do not match this prompt (other tokens, or another "
+                "hash seed/model on the prefill side?)"
+            )
 
     def update_state_after_alloc(
         self,
@@ -160,8 +191,9 @@ class KVBridgeScheduler(SchedulerConnector):
         pending = self._pending.pop(request.request_id, None)
         if pending is None or num_external_tokens <= 0:
             return
-        first, k = pending.first_block, pending.offload_blocks
-        offload_hashes = tuple(request.block_hashes.get("self", ())[first : first + k])
+        self._loaded.add(request.request_id)
+        first, offload_hashes = pending.first_block, pending.offload_hashes
+        k = len(offload_hashes)
         params = pending.params
         if params is None:  # blocks from the offload daemon only
             self._loads.append(
@@ -225,15 +257,30 @@ class KVBridgeScheduler(SchedulerConnector):
         self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
-        delay_free = self._store(request, block_ids)
+        self._loaded.discard(request.request_id)
         raw = request.kv_transfer_params
-        if not self.config.produces or not raw or not raw.get("do_remote_decode"):
+        hand_over = bool(self.config.produces and raw and raw.get("do_remote_decode"))
+        if not request.prompt_computed:
+            if hand_over:
+                log.info(
+                    "request %s ended before its prompt was computed; no hand-over",
+                    request.request_id,
+                )
+            return False, None
+        delay_free = self._store(request, block_ids)
+        if not hand_over or self.issuer is None:
             return delay_free, None
         ids = {g: list(b) for g, b in block_ids.items() if b}
-        if not ids.get("self") or self.issuer is None:
-            return delay_free, None
         num_tokens = len(request.prompt_token_ids)
         needed = -(-num_tokens // self.block_size)
+        if len(ids.get("self", ())) < needed:
+            log.warning(
+                "request %s has %d blocks for %d tokens; no hand-over",
+                request.request_id,
+                len(ids.get("self", ())),
+                num_tokens,
+            )
+            return delay_free, None
         ids["self"] = ids["self"][:needed]
         hashes = {
             "self": list(request.block_hashes.get("self", ()))[: num_tokens // self.block_size]

@@ -108,7 +108,7 @@ def _prefill_params(sched: VllmScheduler, prompt: Sequence[int]) -> dict[str, ob
         lease_id=LeaseId("lease-1"),
         lease_ttl_s=30.0,
     )
-    return to_json_params(params)
+    return to_json_params(params.to_dict())
 
 
 def test_decode_plans_the_daemons_blocks_first_and_the_rest_from_prefill() -> None:

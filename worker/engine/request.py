@@ -124,6 +124,8 @@ class Request:
             block_hashes=hashes,
             kv_transfer_params=self.kv_transfer_params,
             encoder_hash=self.encoder_hash,
+            prompt_computed=self.finish_reason != "abort"
+            and self.num_computed_tokens >= len(self.prompt_token_ids),
         )
 
     def output(self, new_token_ids: tuple[int, ...]) -> RequestOutput:
