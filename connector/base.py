@@ -81,10 +81,17 @@ class BlockLoad:
     remote_ids: Mapping[str, Sequence[BlockId]]
     lease_id: str = ""
     remote_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
-    """Hashes of the remote blocks' full blocks, to re-pin by hash if the lease expired."""
+    """The names this engine computed for the blocks it loads (a partial last block named by
+    :func:`~kvbridge.connector.scheduler.tail_name`): the owner must answer with exactly these
+    names for the ids it reads, and re-pinning by name uses them if the lease expired."""
     offload_hashes: Sequence[BlockHash] = ()
     """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon
     first; what it lacks comes from the remote engine (or, with no remote, is recomputed)."""
+    remote_request_id: str = ""
+    """The request id the remote engine leased the blocks under (its owner looks it up)."""
+    first_block: int = 0
+    """Position of ``local_ids["self"][0]`` in the request: the owner's lease covers the whole
+    prompt, the load only what follows the local prefix hit."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,9 @@ class ConnectorConfig:
     lease_ttl_s: float = 30.0
     load_timeout_s: float = 10.0
     control_timeout_s: float = 5.0
+    stall_before_read_s: float = 0.0
+    """Test hook: sleep this long between the owner's answer and the READ, as a decode
+    stalled by GC, SIGSTOP or CPU starvation would (0 in production)."""
     on_load_error: str = "recompute"
     max_concurrent_loads: int = 4
     offload_address: str = ""

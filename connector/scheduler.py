@@ -38,6 +38,7 @@ exactly the expected names go to the offload daemon; the engine then keeps them
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["KVBridgeScheduler", "LeaseIssuer"]
+__all__ = ["KVBridgeScheduler", "LeaseIssuer", "tail_name"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,21 @@ class LeaseIssuer(ABC):
         hashes: Mapping[str, Sequence[BlockHash]],
     ) -> tuple[LeaseId, float]:
         """Take a reference on ``blocks`` and put it under a new lease: ``(lease_id, ttl_s)``."""
+
+
+def tail_name(
+    full_names: Sequence[BlockHash], tail: Sequence[int], encoder_hash: bytes | None = None
+) -> BlockHash:
+    """The name of a prompt's partial last block (full blocks are named by the hasher).
+
+    Chained from the last full block's name (or, for a prompt shorter than one
+    block, from the encoder input), so prefill and decode compute it alike from
+    their own prompts: an owner's lease that names a tail other than this
+    prompt's is refused, never read.
+    """
+    parent = full_names[-1] if full_names else b"\0" + (encoder_hash or b"")
+    body = b"".join(int(t).to_bytes(4, "little") for t in tail)
+    return BlockHash(hashlib.sha256(b"kvbridge-tail-v1\0" + parent + body).digest())
 
 
 @dataclass(slots=True)
@@ -208,9 +224,9 @@ class KVBridgeScheduler(SchedulerConnector):
             )
             return
         end = -(-params.num_tokens // self.block_size)
-        local = {"self": tuple(block_ids["self"][pending.first_block : end])}
-        remote = {"self": params.block_ids["self"][pending.first_block : end]}
-        hashes = {"self": params.block_hashes["self"][pending.first_block :]}
+        local = {"self": tuple(block_ids["self"][first:end])}
+        remote = {"self": params.block_ids["self"][first:end]}
+        hashes = {"self": self._names(request, params.num_tokens)[first:]}
         if self._load_cross(request, block_ids, params):
             local["cross"] = tuple(block_ids["cross"])
             remote["cross"] = params.block_ids["cross"]
@@ -225,8 +241,20 @@ class KVBridgeScheduler(SchedulerConnector):
                 lease_id=params.lease_id,
                 remote_hashes=hashes,
                 offload_hashes=offload_hashes,
+                remote_request_id=params.request_id,
+                first_block=first,
             )
         )
+
+    def _names(self, request: RequestView, num_tokens: int) -> tuple[BlockHash, ...]:
+        """Names of the first ``num_tokens`` prompt tokens' blocks, a partial last one included
+        (the names a lease over exactly those blocks carries)."""
+        full = num_tokens // self.block_size
+        names = tuple(request.block_hashes.get("self", ())[:full])
+        if num_tokens % self.block_size == 0:
+            return names
+        tail = request.prompt_token_ids[full * self.block_size : num_tokens]
+        return (*names, tail_name(names, tail, request.encoder_hash))
 
     @staticmethod
     def _load_cross(
@@ -290,8 +318,9 @@ class KVBridgeScheduler(SchedulerConnector):
             hashes["cross"] = cross_hashes
         else:
             ids.pop("cross", None)
+        leased = {**hashes, "self": list(self._names(request, num_tokens))}
         try:
-            lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, hashes)
+            lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, leased)
         except KVBridgeError as exc:
             log.warning(
                 "request %s: could not pin its blocks (%s); decode will recompute",

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.kernels import BlockMapping, convert_blocks
-from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError
+from kvbridge.proto.errors import KVBridgeError, LeaseError, OutOfBlocksError, WireError
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -272,18 +272,9 @@ class KVBridgeWorker(WorkerConnector):
         peer: _Peer | None = None
         try:
             peer = self._peer(load)
-            alive = peer.client.heartbeat([lease], ttl_s=self.config.lease_ttl_s) if lease else []
-            if not alive:
-                # the lease is gone: its blocks may be reused. Pin what is still there by hash.
-                hashes = {g: list(load.remote_hashes.get(g, ())) for g in groups}
-                pinned = peer.client.pin_hashes(hashes, ttl_s=self.config.lease_ttl_s)
-                lease = pinned.lease_id
-                remote = {g: list(pinned.blocks.get(g, ())) for g in groups}
-                log.info(
-                    "request %s: lease expired; %s blocks still pinned",
-                    load.request_id,
-                    {g: f"{len(remote[g])}/{len(local[g])}" for g in groups},
-                )
+            lease, remote = self._owner_blocks(peer, load, lease, local)
+            if self.config.stall_before_read_s:
+                time.sleep(self.config.stall_before_read_s)
             moved: dict[str, int] = {}
             nbytes = 0
             n = len(remote.get("self", ()))
@@ -300,8 +291,13 @@ class KVBridgeWorker(WorkerConnector):
                     moved["cross"] = len(local["cross"])
                 else:  # all or nothing: the engine recomputes the whole request
                     bad, error = local_self, "cross blocks no longer held by the peer"
+            if not self._release(peer, lease):
+                # the lease lapsed at some moment before the owner confirmed the read: the
+                # blocks may have been reused under it. Recompute; never cache them.
+                moved = {}
+                bad, error = local_self + local.get("cross", []), "lease lapsed during the read"
+                log.warning("request %s: %s; recomputing", load.request_id, error)
             ms = (time.perf_counter() - t0) * 1e3
-            self._release(peer, lease)
             return LoadResult(
                 load.request_id,
                 sum(len(ids) for ids in local.values()),
@@ -407,13 +403,65 @@ class KVBridgeWorker(WorkerConnector):
             )
             return peer
 
-    def _release(self, peer: _Peer, lease: LeaseId | None) -> None:
+    def _owner_blocks(
+        self,
+        peer: _Peer,
+        load: BlockLoad,
+        lease: LeaseId | None,
+        local: Mapping[str, list[BlockId]],
+    ) -> tuple[LeaseId | None, dict[str, list[BlockId]]]:
+        """The remote ids to read, as the blocks' owner names them: ``(lease, ids per group)``.
+
+        Block ids in ``kv_transfer_params`` are a router's claim and never read.
+        The owner answers with its lease for the request (extending it), and its
+        names for those blocks must be exactly the names this engine computed
+        from its own prompt. If the lease is gone, the longest prefix the owner
+        still holds under those names is pinned anew (the rest is recomputed).
+        """
+        ttl = self.config.lease_ttl_s
+        groups = list(local)
+        pinned = None
+        if lease is not None and load.remote_request_id:
+            try:
+                pinned = peer.client.pin_request(RequestId(load.remote_request_id), ttl_s=ttl)
+            except LeaseError:
+                log.info("request %s: the owner's lease is gone", load.request_id)
+        if pinned is not None and pinned.lease_id is not None:
+            remote: dict[str, list[BlockId]] = {}
+            for g in groups:
+                first = load.first_block if g == "self" else 0
+                want = tuple(load.remote_hashes.get(g, ()))
+                names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
+                ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]
+                if names != want or len(ids) != len(local[g]):
+                    self._release(peer, pinned.lease_id)
+                    raise WireError(
+                        f"the owner's lease for request {load.remote_request_id!r} holds other "
+                        f"{g!r} blocks than this prompt's (forged or mismatched params)"
+                    )
+                remote[g] = ids
+            return pinned.lease_id, remote
+        # no lease (expired, released, or never made): pin what is still there by name
+        hashes = {g: list(load.remote_hashes.get(g, ())) for g in groups}
+        again = peer.client.pin_hashes(hashes, ttl_s=ttl)
+        remote = {g: list(again.blocks.get(g, ())) for g in groups}
+        log.info(
+            "request %s: lease gone; %s blocks still pinned",
+            load.request_id,
+            {g: f"{len(remote[g])}/{len(local[g])}" for g in groups},
+        )
+        return again.lease_id, remote
+
+    def _release(self, peer: _Peer, lease: LeaseId | None) -> bool:
+        """Give the lease back; True only if the owner still held it, which proves the blocks
+        were not reused while they were read (leases never come back once lapsed)."""
         if lease is None:
-            return
+            return True  # nothing was read under a lease
         try:
-            peer.client.release(lease)
+            return peer.client.release(lease, timeout_s=self.config.control_timeout_s)
         except Exception as exc:  # e.g. a channel another load's failure closed: it expires
             log.info("release of lease %s failed (%s); it will expire", lease, exc)
+            return False
 
     def _forget(self, engine: str, peer: _Peer) -> None:
         with self._peers_lock:
@@ -440,5 +488,10 @@ def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
     remote["self"] = tuple(load.remote_ids.get("self", ()))[n:]
     hashes["self"] = tuple(load.remote_hashes.get("self", ()))[n:]
     return replace(
-        load, local_ids=local, remote_ids=remote, remote_hashes=hashes, offload_hashes=()
+        load,
+        local_ids=local,
+        remote_ids=remote,
+        remote_hashes=hashes,
+        offload_hashes=(),
+        first_block=load.first_block + n,
     )

@@ -130,6 +130,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--lease-ttl", type=float, default=30.0, help="seconds a pin lives unheartbeaten"
     )
     p.add_argument("--load-timeout", type=float, default=10.0, help="deadline of one KV load (s)")
+    p.add_argument(
+        "--stall-before-read",
+        type=float,
+        default=0.0,
+        help="test hook: decode sleeps this long before each READ (default 0)",
+    )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
         "--offload",
@@ -164,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
             token=args.token,
             lease_ttl_s=args.lease_ttl,
             load_timeout_s=args.load_timeout,
+            stall_before_read_s=args.stall_before_read,
             on_load_error=args.on_load_error,
             offload_address=args.offload,
         ),

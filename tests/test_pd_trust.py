@@ -1,0 +1,129 @@
+"""Decode never reads KV on a router's word: the blocks' owner names them, and a lease that
+lapses before the owner confirms the read means recompute.
+
+Real prefill and decode nodes in separate processes; outputs compared token for token with a
+single-process engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvbridge.proto import codec
+from kvbridge.worker.engine import Engine, EngineConfig
+from kvbridge.worker.serving.demo import check_no_leaks, start_node
+from kvbridge.worker.serving.router import EngineClient, Router
+
+pytestmark = pytest.mark.slow
+
+BS = 16
+MAX_TOKENS = 6
+
+
+def reference(prompts: list[list[int]]) -> list[list[int]]:
+    torch.set_num_threads(1)
+    engine = Engine(EngineConfig.preset("tiny", num_blocks=256))
+    return [engine.generate([p], MAX_TOKENS)[0] for p in prompts]
+
+
+class Pair:
+    """A prefill node, a decode node and a router over them."""
+
+    def __init__(
+        self, tmp: Path, prefill_extra: list[str], decode_extra: list[str], num_blocks: int
+    ) -> None:
+        args = argparse.Namespace(
+            model="tiny",
+            block_size=BS,
+            num_blocks=num_blocks,
+            seed=0,
+            on_load_error="recompute",
+            startup_timeout=90.0,
+        )
+        self._stack = ExitStack()
+        _, pinfo = self._stack.enter_context(
+            start_node("prefill", args, "block-nhd", tmp, None, prefill_extra)
+        )
+        _, dinfo = self._stack.enter_context(
+            start_node("decode", args, "block-nhd", tmp, None, decode_extra)
+        )
+        self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
+        self._stack.callback(self.prefill.close)
+        self.decode = EngineClient(dinfo["inference"], timeout_s=60)
+        self._stack.callback(self.decode.close)
+        self.router = Router(self.prefill, self.decode)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+def test_swapped_block_ids_under_a_valid_lease_load_the_owners_blocks(tmp_path: Path) -> None:
+    a, b = _prompt(1, 5 * BS + 7), _prompt(2, 5 * BS + 7)
+    expected_a, expected_b = reference([a, b])
+    pair = Pair(tmp_path, [], [], num_blocks=256)
+    try:
+        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
+        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
+        params: dict[str, Any] = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+        theirs = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")
+        assert params["block_ids"]["self"] != theirs["block_ids"]["self"]
+        params["block_ids"] = theirs["block_ids"]  # a's lease and hashes, b's blocks
+        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
+        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+        # what decode cached under a's names is a's KV: an honest later request is right
+        again = pair.router.generate(a, MAX_TOKENS, "a-again")
+        assert again.tokens == expected_a and again.decode.blocks_local_hit > 0
+        assert pair.router.generate(b, MAX_TOKENS, "b-again").tokens == expected_b
+        assert check_no_leaks({"decode": pair.decode}) == []  # b's first lease just expires
+    finally:
+        pair.close()
+
+
+def test_a_decode_stalled_past_the_lease_while_prefill_reuses_the_blocks_recomputes(
+    tmp_path: Path,
+) -> None:
+    prompt = _prompt(3, 5 * BS + 7)
+    fillers = [_prompt(100 + i, 6 * BS + 3) for i in range(9)]
+    (expected,) = reference([prompt])
+    prefill_extra = ["--lease-ttl", "1.0", "--load-timeout", "0.9"]
+    decode_extra = [*prefill_extra, "--stall-before-read", "4.0"]
+    pair = Pair(tmp_path, prefill_extra, decode_extra, num_blocks=48)
+    try:
+        first = pair.prefill.generate(prompt, 1, "s", {"do_remote_decode": True})
+        params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        out: dict[str, Any] = {}
+
+        def decode() -> None:
+            out["rest"] = pair.decode.generate(
+                prompt + list(first.token_ids), MAX_TOKENS - 1, "s", params
+            )
+
+        worker = threading.Thread(target=decode)
+        worker.start()
+        time.sleep(1.5)  # decode holds the owner's answer and sleeps; the lease lapses
+        for i, filler in enumerate(fillers):  # prefill reuses every block it has
+            pair.prefill.generate(filler, 1, f"f{i}", {})
+        worker.join(60)
+        assert not worker.is_alive()
+        rest = out["rest"]
+        assert list(first.token_ids) + list(rest.token_ids) == expected
+        assert rest.stats.blocks_recomputed > 0 and rest.stats.load_error
+        # nothing of the lapsed read was cached: an honest request is right too
+        assert pair.router.generate(prompt, MAX_TOKENS, "s-again").tokens == expected
+        assert check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
+    finally:
+        pair.close()
