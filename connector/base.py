@@ -92,6 +92,9 @@ class BlockLoad:
     first_block: int = 0
     """Position of ``local_ids["self"][0]`` in the request: the owner's lease covers the whole
     prompt, the load only what follows the local prefix hit."""
+    seal: bytes = b""
+    """The digest the owner's lease seal must hold if the claimed ids hold this prompt's
+    blocks (:func:`~kvbridge.connector.control.seal.seal_digest`); empty: no fast path."""
 
 
 @dataclass(frozen=True, slots=True)

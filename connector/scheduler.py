@@ -53,6 +53,7 @@ from kvbridge.connector.base import (
     StepMetadata,
 )
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -243,8 +244,16 @@ class KVBridgeScheduler(SchedulerConnector):
                 offload_hashes=offload_hashes,
                 remote_request_id=params.request_id,
                 first_block=first,
+                seal=self._seal(request, params),
             )
         )
+
+    def _seal(self, request: RequestView, params: KVTransferParams) -> bytes:
+        """The seal prefill's lease carries if its claimed ids hold this prompt's blocks."""
+        names = {"self": self._names(request, params.num_tokens)}
+        if "cross" in params.block_ids:
+            names["cross"] = tuple(request.block_hashes.get("cross", ()))
+        return seal_digest(params.block_ids, names)
 
     def _names(self, request: RequestView, num_tokens: int) -> tuple[BlockHash, ...]:
         """Names of the first ``num_tokens`` prompt tokens' blocks, a partial last one included

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.control.seal import SealTable
+from kvbridge.connector.seal_check import ReleaseListener, SealReader
 from kvbridge.kernels import BlockMapping, convert_blocks
 from kvbridge.proto.errors import KVBridgeError, LeaseError, OutOfBlocksError, WireError
 from kvbridge.proto.negotiate import TransferMode
@@ -77,6 +79,9 @@ class LoadResult:
     """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
 
 
+SEAL_SLOTS = 4096
+"""Slots of an engine's lease seal table (64 bytes each): leases held at once, with room."""
+
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
 
@@ -111,6 +116,8 @@ class _Peer:
     client: ControlClient
     link: PeerLink
     staging: _Staging | None = None
+    seal_link: PeerLink | None = None
+    """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
 
 
 @dataclass(slots=True)
@@ -136,6 +143,11 @@ class KVBridgeWorker(WorkerConnector):
         self._client_factory = client_factory
         self._local_info = local_info
         self.memory: LocalMemory | None = None
+        self.seal: SealTable | None = None
+        """This engine's own lease seals (the owner's side), made at registration."""
+        self._seal_memory: LocalMemory | None = None
+        self._seal_reader: SealReader | None = None
+        self._release_listener: ReleaseListener | None = None
         self.offload: OffloadClient | None = None
         self.kv_caches: Mapping[str, torch.Tensor] = {}
         self._staging: dict[tuple[str, ...], _Staging] = {}
@@ -148,6 +160,9 @@ class KVBridgeWorker(WorkerConnector):
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
         self.memory = self.transport.register(layout, kv_caches)
         self.kv_caches = kv_caches
+        self.seal = SealTable(SEAL_SLOTS)
+        self._seal_memory = self.transport.register(self.seal.layout, self.seal.tensors)
+        self._seal_reader = SealReader(self.transport, self.config.max_concurrent_loads)
         if self.config.offload_address:
             from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
 
@@ -168,6 +183,17 @@ class KVBridgeWorker(WorkerConnector):
             self._state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:
             self._state.stores[store.request_id] = self._pool.submit(self._store, store)
+
+    @property
+    def seal_layout(self) -> KVLayout | None:
+        """The bound layout of this engine's seal table, for its handshake identity."""
+        return None if self._seal_memory is None else self._seal_memory.layout
+
+    def listen_for_releases(self, release: Callable[[LeaseId], object]) -> None:
+        """Release leases that readers give back by notification (the owner's lease table's
+        ``release``); stopped by :meth:`close`."""
+        if self._release_listener is None:
+            self._release_listener = ReleaseListener(self.transport, release)
 
     def offload_lookup(self, hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``hashes`` the offload daemon holds (0 without one, or on error)."""
@@ -207,6 +233,8 @@ class KVBridgeWorker(WorkerConnector):
         return self._state.results.pop(request_id, None)
 
     def close(self) -> None:
+        if self._release_listener is not None:
+            self._release_listener.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self.offload is not None:
             self.offload.close()
@@ -217,6 +245,12 @@ class KVBridgeWorker(WorkerConnector):
         for staging in self._staging.values():
             self.transport.unregister(staging.memory)
         self._staging.clear()
+        if self._seal_reader is not None:
+            self._seal_reader.close()
+            self._seal_reader = None
+        if self._seal_memory is not None:
+            self.transport.unregister(self._seal_memory)
+            self._seal_memory = None
 
     # ----- one store / load, on a pool thread ----------------------------------------------
     def _store(self, store: BlockStore) -> None:
@@ -272,9 +306,12 @@ class KVBridgeWorker(WorkerConnector):
         peer: _Peer | None = None
         try:
             peer = self._peer(load)
-            lease, remote = self._owner_blocks(peer, load, lease, local)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
+            sealed = self._load_sealed(peer, load, local, remote, t0)
+            if sealed is not None:
+                return sealed
+            lease, remote = self._owner_blocks(peer, load, lease, local)
             moved: dict[str, int] = {}
             nbytes = 0
             n = len(remote.get("self", ()))
@@ -394,14 +431,58 @@ class KVBridgeWorker(WorkerConnector):
                 link = self.transport.connect(
                     hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
                 )
+                seal_link = None
+                if hs.peer.seal_layout is not None and self._seal_reader is not None:
+                    try:
+                        seal_link = self._seal_reader.connect(
+                            hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.seal_layout
+                        )
+                    except KVBridgeError as exc:  # no fast path with this peer, still correct
+                        log.warning("no seal link to %s: %s", engine, exc)
             except BaseException:
                 client.close()
                 raise
-            peer = self._peers[engine] = _Peer(client, link, staging)
+            peer = self._peers[engine] = _Peer(client, link, staging, seal_link)
             log.info(
                 "connected to %s at %s (%s)", engine, load.remote_address, hs.negotiation.mode.value
             )
             return peer
+
+    def _load_sealed(
+        self,
+        peer: _Peer,
+        load: BlockLoad,
+        local: Mapping[str, list[BlockId]],
+        remote: Mapping[str, list[BlockId]],
+        t0: float,
+    ) -> LoadResult | None:
+        """The load without a control RPC: READ the claimed ids, then the lease's seal; a
+        seal that holds proves them (see :mod:`kvbridge.connector.control.seal`) and the
+        lease goes back by notification. None: no seal to check, or it did not hold (the
+        caller then asks the owner, and reads again what the owner names)."""
+        reader, link = self._seal_reader, peer.seal_link
+        if not load.lease_id or not load.seal or reader is None or link is None:
+            return None
+        if any(len(remote[g]) != len(local[g]) for g in local):
+            return None
+        nbytes = sum(self._read(peer, g, local[g], remote[g]) for g in local)
+        if not reader.holds(link, load.lease_id, load.seal, self.config.load_timeout_s):
+            log.info(
+                "request %s: the lease's seal does not hold; asking its owner", load.request_id
+            )
+            return None
+        reader.release(link, load.lease_id)
+        moved = {g: len(ids) for g, ids in local.items()}
+        return LoadResult(
+            load.request_id,
+            sum(moved.values()),
+            sum(moved.values()),
+            (),
+            (time.perf_counter() - t0) * 1e3,
+            "",
+            moved,
+            nbytes,
+        )
 
     def _owner_blocks(
         self,
@@ -470,10 +551,13 @@ class KVBridgeWorker(WorkerConnector):
         self._drop(peer)
 
     def _drop(self, peer: _Peer) -> None:
-        try:
-            self.transport.disconnect(peer.link)
-        except KVBridgeError as exc:
-            log.debug("disconnect: %s", exc)
+        for link in (peer.seal_link, peer.link):
+            if link is None:
+                continue
+            try:
+                self.transport.disconnect(link)
+            except KVBridgeError as exc:
+                log.debug("disconnect: %s", exc)
         peer.client.close()
 
 

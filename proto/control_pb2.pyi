@@ -92,6 +92,7 @@ class PeerInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     AGENT_METADATA_FIELD_NUMBER: _builtins.int
     CONTROL_ADDRESS_FIELD_NUMBER: _builtins.int
+    SEAL_LAYOUT_FIELD_NUMBER: _builtins.int
     protocol_version: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
@@ -103,6 +104,8 @@ class PeerInfo(_message.Message):
     """NIXL agent metadata (get_agent_metadata())"""
     control_address: _builtins.str
     """where this peer's own PeerControl listens; may be empty"""
+    seal_layout: _builtins.bytes
+    """its lease seal table's bound layout (kvbridge.connector.control.seal); may be empty"""
     def __init__(
         self,
         *,
@@ -114,10 +117,11 @@ class PeerInfo(_message.Message):
         layout: _builtins.bytes = ...,
         agent_metadata: _builtins.bytes = ...,
         control_address: _builtins.str = ...,
+        seal_layout: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "control_address", b"control_address", "engine_id", b"engine_id", "layout", b"layout", "protocol_version", b"protocol_version", "role", b"role", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_metadata", b"agent_metadata", "control_address", b"control_address", "engine_id", b"engine_id", "layout", b"layout", "protocol_version", b"protocol_version", "role", b"role", "seal_layout", b"seal_layout", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvbridge.connector.control.seal import SealTable, seal_digest
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -95,6 +96,7 @@ class LeaseTable:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_leases: int = 1 << 16,
+        seal: SealTable | None = None,
     ) -> None:
         if max_leases < 1:
             raise ConfigError(f"max_leases must be >= 1, got {max_leases}")
@@ -105,6 +107,9 @@ class LeaseTable:
         self._leases: dict[LeaseId, Lease] = {}
         self._by_request: dict[RequestId, LeaseId] = {}
         self._deadlines: list[tuple[float, LeaseId]] = []  # heap; stale entries are skipped
+        self.seal = seal
+        """Where each lease's seal is published while it is held (see :mod:`.seal`)."""
+        self._sealed_as: dict[LeaseId, str] = {}
 
     @property
     def owner(self) -> BlockOwner:
@@ -128,8 +133,13 @@ class LeaseTable:
         ttl_s: float,
         hashes: GroupHashes | None = None,
         request_id: RequestId | None = None,
+        seal_as: str | None = None,
     ) -> Lease:
         """Put already-pinned ``blocks`` under a new lease; the table now owns the pin.
+
+        With a seal table, the lease's seal over ``blocks`` and ``hashes`` is
+        published under ``seal_as`` (the id the reader knows the lease by;
+        default the lease id) until the lease ends.
 
         If this raises (table full, request already leased) the caller still
         owns the pin and must unpin.
@@ -156,6 +166,10 @@ class LeaseTable:
             if request_id is not None:
                 self._by_request[request_id] = lease.lease_id
             heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
+            if self.seal is not None:
+                key = seal_as or lease.lease_id
+                if self.seal.publish(key, seal_digest(lease.blocks, lease.hashes)):
+                    self._sealed_as[lease.lease_id] = key
         log.debug("lease %s: %d blocks, ttl %.3gs", lease.lease_id, lease.num_blocks, ttl_s)
         return lease
 
@@ -239,6 +253,11 @@ class LeaseTable:
 
     def _unpin(self, lease: Lease, why: str) -> None:
         log.debug("lease %s %s: unpinning %d blocks", lease.lease_id, why, lease.num_blocks)
+        if self.seal is not None:  # the seal goes before the pin: no reader trusts a reuse
+            with self._lock:
+                key = self._sealed_as.pop(lease.lease_id, None)
+            if key is not None:
+                self.seal.retract(key)
         try:
             self._owner.unpin(lease.blocks)
         except Exception:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvbridge.connector.control.seal import is_seal_layout
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto.errors import ConfigError, VersionMismatchError, WireError
 from kvbridge.proto.layout import KVLayout
@@ -113,6 +114,8 @@ class PeerInfo:
     agent_metadata: bytes = b""
     control_address: str = ""
     protocol_version: int = PROTOCOL_VERSION
+    seal_layout: KVLayout | None = None
+    """The peer's lease seal table (registered memory), if it publishes seals."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +204,7 @@ def peer_to_pb(peer: PeerInfo) -> pb.PeerInfo:
         layout=peer.layout.to_bytes(),
         agent_metadata=peer.agent_metadata,
         control_address=peer.control_address,
+        seal_layout=b"" if peer.seal_layout is None else peer.seal_layout.to_bytes(),
     )
 
 
@@ -239,6 +243,11 @@ def peer_from_pb(msg: pb.PeerInfo, limits: ControlLimits) -> PeerInfo:
             f"peer {engine_id}: tp rank/size {msg.tp_rank}/{msg.tp_size} disagree with its "
             f"layout's {layout.tp_rank}/{layout.tp_size}"
         )
+    seal = None
+    if msg.seal_layout:
+        seal = KVLayout.from_bytes(msg.seal_layout, max_bytes=limits.max_layout_bytes)
+        if not is_seal_layout(seal):
+            raise WireError(f"peer {engine_id}: its seal_layout is not a seal table's layout")
     return PeerInfo(
         engine_id=engine_id,
         role=role,
@@ -246,6 +255,7 @@ def peer_from_pb(msg: pb.PeerInfo, limits: ControlLimits) -> PeerInfo:
         agent_metadata=bytes(msg.agent_metadata),
         control_address=msg.control_address,
         protocol_version=msg.protocol_version,
+        seal_layout=seal,
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.control.leases import BlockOwner, LeaseTable
+from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.scheduler import LeaseIssuer
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
@@ -24,10 +25,10 @@ __all__ = ["EngineBlockOwner"]
 class EngineBlockOwner(BlockOwner, LeaseIssuer):
     """Pins and unpins blocks in ``engine``'s pools for leases in ``leases``."""
 
-    def __init__(self, engine: Engine, lease_ttl_s: float) -> None:
+    def __init__(self, engine: Engine, lease_ttl_s: float, seal: SealTable | None = None) -> None:
         self._engine = engine
         self._ttl_s = lease_ttl_s
-        self.leases = LeaseTable(self)
+        self.leases = LeaseTable(self, seal=seal)
 
     def num_blocks(self, group: str) -> int:
         pool = self._engine.pools.get(group)

@@ -100,7 +100,8 @@ class Node:
             connector_scheduler=self.scheduler_connector,
             connector_worker=self.worker_connector,
         )
-        self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s)
+        self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
+        self.worker_connector.listen_for_releases(self.owner.leases.release)
         self.scheduler_connector.attach(
             self.owner,
             self.worker_connector.offload_lookup if cc.offload_address else None,
@@ -147,6 +148,7 @@ class Node:
             role=Role(cc.role),
             layout=layout,
             agent_metadata=self.transport.metadata(),
+            seal_layout=self.worker_connector.seal_layout,
         )
 
     def _client(self, address: str) -> ControlClient:
