@@ -38,6 +38,7 @@ from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
+from kvbridge.worker.serving.metrics import NodeMetrics
 
 __all__ = ["NodeConfig", "Node", "GenerateResult"]
 
@@ -101,6 +102,7 @@ class Node:
             connector_worker=self.worker_connector,
         )
         self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s)
+        self.metrics = NodeMetrics(lambda: len(self.owner.leases))
         self.scheduler_connector.attach(
             self.owner,
             self.worker_connector.offload_lookup if cc.offload_address else None,
@@ -206,6 +208,7 @@ class Node:
     def _finish(self, out: RequestOutput) -> None:
         sub = self._waiting.pop(out.request_id, None)
         load = self.worker_connector.pop_result(out.request_id)
+        self.metrics.observe(out, load)
         if sub is None:
             return
         result = GenerateResult(out)
