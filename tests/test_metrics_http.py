@@ -132,3 +132,18 @@ def test_a_taken_port_is_a_config_error() -> None:
         MetricsServer(
             offload_registry(StatsSource().snapshot), MetricsServerConfig(port=first.port)
         )
+
+
+def test_readme_metrics_table_lists_exactly_the_exposed_families() -> None:
+    import re
+    from pathlib import Path
+
+    from kvbridge.worker.serving.metrics import METRICS as NODE_METRICS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    documented = set()
+    for cell in re.findall(r"^\| (`kvbridge_[^|]*) \|", section, flags=re.M):
+        for name in re.findall(r"`([a-z_]+)(?:\{\w+\})?`", cell):
+            documented.add("kvbridge_offload" + name if name.startswith("_") else name)
+    assert documented == set(METRICS) | set(NODE_METRICS)
