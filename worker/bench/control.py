@@ -16,10 +16,10 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.types import BlockHash
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
 
 __all__ = ["add_parser", "run"]
@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--in-process", action="store_true", help="run the server in this process (GIL-shared)"
     )
-    p.add_argument("--out", type=Path, default=Path("results/bench_control"))
+    add_output_arguments(p, "control")
     p.set_defaults(func=run)
 
 
@@ -180,14 +180,13 @@ def run(args: argparse.Namespace) -> int:
         "token_auth": args.token is not None,
         "server": where,
     }
-    path = write_json(args.out.with_suffix(".json"), {"settings": settings, "rows": rows})
+    json_path, png_path = output_paths(args.out)
+    path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [r["operation"] for r in rows]
     series = {
         "p50": [r["p50_ms"] for r in rows],
         "p99": [r["p99_ms"] for r in rows],
     }
-    png = bar_plot(
-        args.out.with_suffix(".png"), "control plane latency (loopback)", labels, series, "ms"
-    )
+    png = bar_plot(png_path, "control plane latency (loopback)", labels, series, "ms")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     return 0

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, print_table, write_json
 
 __all__ = ["add_parser", "run"]
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=50, help="best of this many runs")
-    p.add_argument("--out", type=Path, default=Path("results/bench_hash"))
+    add_output_arguments(p, "hash")
     p.set_defaults(func=run)
 
 
@@ -54,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
     if target is not None:
         verdict = "meets" if target["best_ms"] <= 1.5 else "misses"
         print(f"sha256, 32k tokens: {target['best_ms']:.3f} ms ({verdict} the 1.5 ms target)")
-    path = write_json(args.out.with_suffix(".json"), {"block_size": args.block_size, "rows": rows})
+    json_path, png_path = output_paths(args.out)
+    path = write_json(json_path, {"block_size": args.block_size, "rows": rows})
     labels = [str(n) for n in args.tokens]
     series = {a: [r["best_ms"] for r in rows if r["algorithm"] == a] for a in HASH_ALGORITHMS}
-    bar_plot(args.out.with_suffix(".png"), "block hashing (best of runs)", labels, series, "ms")
-    print(f"wrote {path} and {args.out.with_suffix('.png')}")
+    bar_plot(png_path, "block hashing (best of runs)", labels, series, "ms")
+    print(f"wrote {path} and {png_path}")
     return 0

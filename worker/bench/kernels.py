@@ -19,30 +19,12 @@ of the memcpy peak for spans of 16 KiB or more.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
-from typing import Any
 
-import torch
-
-from kvbridge.kernels import (
-    convert_blocks,
-    copy_blocks,
-    gather_blocks,
-    scatter_blocks,
-    staging_nbytes,
-)
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.presets import PRESETS, preset_layout
+from kvbridge.proto.presets import PRESETS
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
 
 __all__ = ["add_parser", "run"]
-
-TARGET = 0.8
-_CONVERSIONS = (("block-nhd", "layer-nhd"), ("block-nhd", "block-hnd"), ("layer-nhd", "layer-hnd"))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -55,155 +37,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--repeats", type=int, default=15, help="best of this many interleaved runs")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--out", type=Path, default=Path("results/bench_kernels"))
+    add_output_arguments(p, "kernels")
     p.set_defaults(func=run)
 
 
-@dataclass(frozen=True, slots=True)
-class _Case:
-    op: str
-    src_order: str
-    dst_order: str
-    device: str
-    nbytes: int
-    run: Callable[[], None]
-    baselines: dict[str, Callable[[], None]]
-    target_vs: str
-
-
-def _filled(layout: KVLayout, device: str, seed: int) -> dict[str, torch.Tensor]:
-    """A cache with every byte written (untouched pages would make reads look free)."""
-    cache = layout.allocate(device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for layer in layout.owning_layers("self"):
-        raw = cache[layer.name].view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8, device=device))
-    return cache
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn: Callable[[], None], device: str) -> float:
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0
-
-
-def _cpu_baselines(
-    block_bytes: int, num_blocks: int, src_ids: torch.Tensor, dst_ids: torch.Tensor
-) -> dict[str, Callable[[], None]]:
-    words = block_bytes // 8
-    mat = torch.ones(num_blocks, words, dtype=torch.int64)
-    out = torch.ones(src_ids.numel(), words, dtype=torch.int64)
-    dst = torch.ones(num_blocks, words, dtype=torch.int64)
-    flat_src, flat_out = mat[: src_ids.numel()], out
-
-    def index_select() -> None:
-        torch.index_select(mat, 0, src_ids, out=out)
-
-    def copy() -> None:
-        flat_out.copy_(flat_src)
-
-    def composite() -> None:
-        dst.index_copy_(0, dst_ids, torch.index_select(mat, 0, src_ids, out=out))
-
-    return {"index_select": index_select, "copy_": copy, "index_select+index_copy_": composite}
-
-
-def _cuda_baselines(nbytes: int) -> dict[str, Callable[[], None]]:
-    a = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def d2d() -> None:
-        b.copy_(a)
-
-    def d2h() -> None:
-        host.copy_(a, non_blocking=True)
-
-    return {"memcpy_d2d": d2d, "memcpy_d2h": d2h}
-
-
-def _cases(args: argparse.Namespace, device: str) -> list[_Case]:
-    def layout(order: str) -> KVLayout:
-        return preset_layout(
-            args.preset, block_size=args.block_size, num_blocks=args.num_blocks, order=order
-        )
-
-    gen = torch.Generator().manual_seed(0)
-    n = min(args.moved, args.num_blocks)
-    src_ids = torch.randperm(args.num_blocks, generator=gen)[:n]
-    dst_ids = torch.randperm(args.num_blocks, generator=gen)[:n]
-    mapping = (src_ids, dst_ids)
-    cases: list[_Case] = []
-    for order in args.orders:
-        lay = layout(order)
-        nbytes = n * lay.block_bytes()
-        if device == "cpu":
-            base = _cpu_baselines(lay.block_bytes(), args.num_blocks, src_ids, dst_ids)
-            copy_vs, stage_vs = "index_select", "index_select"
-            staging = torch.empty(staging_nbytes(lay, n), dtype=torch.uint8)
-        else:
-            base = _cuda_baselines(nbytes)
-            copy_vs, stage_vs = "memcpy_d2d", "memcpy_d2h"
-            staging = torch.empty(staging_nbytes(lay, n), dtype=torch.uint8, pin_memory=True)
-        src, dst = _filled(lay, device, 1), _filled(lay, device, 2)
-        staging.fill_(1)
-        copy = partial(copy_blocks, src, dst, lay, mapping)
-        gather = partial(gather_blocks, src, lay, src_ids, staging)
-        scatter = partial(scatter_blocks, staging, dst, lay, dst_ids)
-        cases += [
-            _Case("copy_blocks", order, order, device, nbytes, copy, base, copy_vs),
-            _Case("gather_blocks", order, "staging", device, nbytes, gather, base, stage_vs),
-            _Case("scatter_blocks", "staging", order, device, nbytes, scatter, base, stage_vs),
-        ]
-    for a, b in _CONVERSIONS:
-        la, lb = layout(a), layout(b)
-        src, dst = _filled(la, device, 3), _filled(lb, device, 4)
-        nbytes = n * la.block_bytes()
-        if device == "cpu":
-            base = _cpu_baselines(la.block_bytes(), args.num_blocks, src_ids, dst_ids)
-        else:
-            base = _cuda_baselines(nbytes)
-        convert = partial(convert_blocks, src, la, dst, lb, mapping)
-        vs = "index_select" if device == "cpu" else "memcpy_d2d"
-        cases.append(_Case("convert_blocks", a, b, device, nbytes, convert, base, vs))
-    return cases
-
-
-def _measure(case: _Case, repeats: int) -> dict[str, Any]:
-    case.run()
-    for fn in case.baselines.values():
-        fn()
-    times: dict[str, list[float]] = {"op": [], **{k: [] for k in case.baselines}}
-    for _ in range(repeats):
-        times["op"].append(_time(case.run, case.device))
-        for name, fn in case.baselines.items():
-            times[name].append(_time(fn, case.device))
-    # best of the interleaved runs: on a shared machine interference only ever slows a run down
-    gbps = {k: case.nbytes / min(v) / 1e9 for k, v in times.items()}
-    row: dict[str, Any] = {
-        "op": case.op,
-        "device": case.device,
-        "src": case.src_order,
-        "dst": case.dst_order,
-        "MiB": case.nbytes / 2**20,
-        "GB/s": gbps["op"],
-    }
-    for name in case.baselines:
-        row[f"{name} GB/s"] = gbps[name]
-    row["vs"] = case.target_vs
-    row["ratio"] = gbps["op"] / gbps[case.target_vs]
-    row["meets"] = "yes" if row["ratio"] >= TARGET else "no"
-    return row
-
-
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvbridge.worker.bench.kernel_cases import TARGET, cases, measure
+
     if args.threads:
         torch.set_num_threads(args.threads)
     devices = ["cpu"]
@@ -215,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
         devices = ["cuda"]
     rows = []
     for device in devices:
-        cases = _cases(args, device)
-        for case in progress(cases, desc=f"kernels on {device}", total=len(cases)):
-            rows.append(_measure(case, args.repeats))
+        todo = cases(args, device)
+        for case in progress(todo, desc=f"kernels on {device}", total=len(todo)):
+            rows.append(measure(case, args.repeats))
     columns = ["op", "device", "src", "dst", "MiB", "GB/s"]
     columns += sorted({k for r in rows for k in r if k.endswith("GB/s") and k != "GB/s"})
     columns += ["vs", "ratio", "meets"]
@@ -226,14 +68,15 @@ def run(args: argparse.Namespace) -> int:
         f"threads {torch.get_num_threads()}; target: >= {TARGET:.0%} of the baseline in 'vs' "
         "(copy/convert are index_select + index_copy_ on CPU: two passes)"
     )
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "out")}
+    settings = settings_of(args)
     settings["threads"] = torch.get_num_threads()
-    path = write_json(args.out.with_suffix(".json"), {"settings": settings, "rows": rows})
+    json_path, png_path = output_paths(args.out)
+    path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [f"{r['op']}\n{r['src']}->{r['dst']} {r['device']}" for r in rows]
     series = {
         "kvbridge": [r["GB/s"] for r in rows],
         "baseline (vs)": [r[f"{r['vs']} GB/s"] for r in rows],
     }
-    bar_plot(args.out.with_suffix(".png"), f"block kernels, {args.preset}", labels, series, "GB/s")
-    print(f"wrote {path} and {args.out.with_suffix('.png')}")
+    bar_plot(png_path, f"block kernels, {args.preset}", labels, series, "GB/s")
+    print(f"wrote {path} and {png_path}")
     return 0

@@ -19,12 +19,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.presets import preset_layout
 from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
 
 __all__ = ["add_parser", "run"]
@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--lookup-hashes", type=int, default=10_000)
     p.add_argument("--lookup-repeats", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="one preset, 64 MiB: well under a minute")
-    p.add_argument("--out", type=Path, default=Path("results/bench_offload"))
+    add_output_arguments(p, "offload")
     p.set_defaults(func=run)
 
 
@@ -186,13 +186,14 @@ def run(args: argparse.Namespace) -> int:
     worst = max(r["lookup_p50_ms"] for r in rows)
     verdict = "meets" if worst <= 5 else "misses"
     print(f"{args.lookup_hashes}-hash lookup p50 <= {worst:.2f} ms ({verdict} the 5 ms target)")
-    settings = {k: v for k, v in vars(args).items() if k != "func"}
-    path = write_json(args.out.with_suffix(".json"), {"settings": settings, "rows": rows})
+    settings = settings_of(args)
+    json_path, png_path = output_paths(args.out)
+    path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [f"{r['preset']}/{r['block_size']}" for r in rows]
     series = {k: [r[f"{k}_gbps"] for r in rows] for k in ("memcpy", "store", "load")}
-    bar_plot(args.out.with_suffix(".png"), "offload daemon vs memcpy (best of runs)", labels,
+    bar_plot(png_path, "offload daemon vs memcpy (best of runs)", labels,
              series, "GB/s")  # fmt: skip
-    print(f"wrote {path} and {args.out.with_suffix('.png')}")
+    print(f"wrote {path} and {png_path}")
     return 0
 
 

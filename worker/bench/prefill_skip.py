@@ -20,11 +20,11 @@ import argparse
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.presets import PresetShape, make_layout
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
 
 __all__ = ["add_parser", "run"]
@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--repeats", type=int, default=1, help="runs per mode; best is kept")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
-    p.add_argument("--out", type=Path, default=Path("results/bench_prefill_skip"))
+    add_output_arguments(p, "prefill-skip")
     p.set_defaults(func=run)
 
 
@@ -184,14 +184,11 @@ def run(args: argparse.Namespace) -> int:
         byte_rows,
         ["model", "sharing", "owning_layers", "blocks", "block_KiB", "MiB_per_request"],
     )
+    json_path, png_path = output_paths(args.out)
     path = write_json(
-        args.out.with_suffix(".json"),
+        json_path,
         {
-            "settings": {
-                k: str(v) if isinstance(v, Path) else v
-                for k, v in vars(args).items()
-                if k != "func"
-            },
+            "settings": settings_of(args),
             "torch_threads": torch.get_num_threads(),
             "timing": rows,
             "same_next_token": same_token,
@@ -200,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         },
     )
     png = bar_plot(
-        args.out.with_suffix(".png"),
+        png_path,
         f"prefill of {args.tokens} tokens, {args.layers} layers, last {tail_layers} share KV",
         [f"tail group ({tail_layers} layers)", "whole prefill"],
         {

@@ -75,7 +75,13 @@ def bar_plot(
 
 
 def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """tqdm when installed and stderr is a terminal-ish stream, else a plain counter on stderr."""
+    """A progress bar on stderr (tqdm when installed, else a counter); nothing at all when
+    stderr is not a terminal, so logs and CI output get no carriage-return noise."""
+    import sys
+
+    if not sys.stderr.isatty():
+        yield from items
+        return
     try:
         from tqdm import tqdm
 
@@ -83,8 +89,6 @@ def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterato
         return
     except ImportError:
         pass
-    import sys
-
     for i, item in enumerate(items, 1):
         print(f"\r{desc}: {i}/{total if total is not None else '?'}", end="", file=sys.stderr)
         yield item

@@ -22,13 +22,13 @@ import multiprocessing as mp
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.presets import preset_layout
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
 
 __all__ = ["add_parser", "run"]
@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--target-progress-us", type=float, default=500.0, help="target's progress poll interval"
     )
     p.add_argument("--quick", action="store_true", help="small sizes, default transport: < 1 min")
-    p.add_argument("--out", type=Path, default=Path("results/bench_transfer"))
+    add_output_arguments(p, "transfer")
     p.set_defaults(func=run)
 
 
@@ -310,9 +310,10 @@ def run(args: argparse.Namespace) -> int:
     if backends:
         print()
         print_table(backends, list(backends[0]))
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "out")}
+    settings = settings_of(args)
+    json_path, png_path = output_paths(args.out)
     path = write_json(
-        args.out.with_suffix(".json"),
+        json_path,
         {
             "settings": settings,
             "seconds": time.monotonic() - t0,
@@ -332,6 +333,6 @@ def run(args: argparse.Namespace) -> int:
         "raw (same backend)": [r["raw_gbps"] for r in rows if r["layout"] == "block-outermost"],
     }
     title = f"READ between two processes ({', '.join(args.backends)})"
-    bar_plot(args.out.with_suffix(".png"), title, labels, series, "GB/s")
-    print(f"wrote {path} and {args.out.with_suffix('.png')} in {time.monotonic() - t0:.0f} s")
+    bar_plot(png_path, title, labels, series, "GB/s")
+    print(f"wrote {path} and {png_path} in {time.monotonic() - t0:.0f} s")
     return 0

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
     from kvbridge.proto.layout import parse_order
     from kvbridge.proto.presets import preset_layout
-    from kvbridge.worker.offload.metrics import MetricsServer
+    from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
+    from kvbridge.worker.offload.metrics import offload_registry
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     layout = None
@@ -112,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
     )
+    metrics_config = (
+        None
+        if args.metrics_port is None
+        else MetricsServerConfig(host=args.host, port=args.metrics_port)
+    )
     instance = new_instance()
     stop = threading.Event()
 
@@ -125,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
             NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
             serve(transport, config, instance=instance) as server,
         ):
-            if args.metrics_port is not None:
-                metrics = MetricsServer(server.handlers.snapshot, args.host, args.metrics_port)
+            if metrics_config is not None:
+                metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
             print(
                 f"kvbridge offload: daemon {instance} listening on {server.address}, "
                 f"capacity {config.capacity_bytes} bytes"

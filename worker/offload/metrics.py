@@ -1,111 +1,94 @@
-"""Prometheus text exposition of the offload daemon's counters (``--metrics-port``).
+"""The offload daemon's Prometheus metrics (``kvbridge offload serve --metrics-port``).
 
-Runs in the offload daemon: a stdlib ``http.server`` on its own thread
-serves ``GET /metrics`` in the Prometheus text format (0.0.4), so no new
-dependency is needed. Values come from a snapshot callback at scrape time.
+Runs in the offload daemon. :class:`OffloadCollector` is a prometheus_client
+custom collector: it reads one :class:`OffloadStats` snapshot per scrape, so
+the pool keeps its plain counters and nothing is updated twice.
+:func:`offload_registry` puts it in a registry of its own (never the global
+default one); :class:`~kvbridge.worker.metrics_server.MetricsServer` serves it.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from kvbridge.worker.offload.pool import OffloadStats
 
-__all__ = ["render_metrics", "MetricsServer"]
+__all__ = ["OffloadCollector", "offload_registry", "METRICS"]
 
-log = logging.getLogger(__name__)
+PREFIX = "kvbridge_offload_"
 
-_PREFIX = "kvbridge_offload_"
-# field -> (metric name, type, help)
-_METRICS: dict[str, tuple[str, str, str]] = {
-    "capacity_blocks": ("capacity_blocks", "gauge", "Blocks the host pool holds."),
-    "block_bytes": ("block_bytes", "gauge", "Bytes of one block."),
-    "cached_blocks": ("cached_blocks", "gauge", "Committed blocks (pinned or evictable)."),
-    "pinned_blocks": ("pinned_blocks", "gauge", "Block pins held by loads in progress."),
-    "writing_blocks": ("writing_blocks", "gauge", "Slots held by stores not yet committed."),
-    "hits": ("hits_total", "counter", "Blocks found by lookups and loads."),
-    "misses": ("misses_total", "counter", "Blocks asked for past the cached prefix."),
-    "stored_blocks": ("stored_blocks_total", "counter", "Blocks committed by stores."),
-    "stored_bytes": ("stored_bytes_total", "counter", "Bytes committed by stores."),
-    "loaded_blocks": ("loaded_blocks_total", "counter", "Blocks served by completed loads."),
-    "loaded_bytes": ("loaded_bytes_total", "counter", "Bytes served by completed loads."),
-    "evicted_blocks": ("evicted_blocks_total", "counter", "Blocks evicted (LRU)."),
-    "evicted_bytes": ("evicted_bytes_total", "counter", "Bytes evicted (LRU)."),
-    "aborted_stores": ("aborted_stores_total", "counter", "Stores aborted by workers."),
-    "expired": ("expired_total", "counter", "Stores and loads dropped at expiry."),
+GAUGES: dict[str, tuple[str, str]] = {
+    # OffloadStats field -> (metric name without the prefix, help)
+    "capacity_blocks": ("capacity_blocks", "Blocks the host pool holds."),
+    "block_bytes": ("block_bytes", "Bytes of one block."),
+    "cached_blocks": ("cached_blocks", "Committed blocks (pinned or evictable)."),
+    "pinned_blocks": ("pinned_blocks", "Block pins held by loads in progress."),
+    "writing_blocks": ("writing_blocks", "Slots held by stores not yet committed."),
+}
+COUNTERS: dict[str, tuple[str, str]] = {
+    "hits": ("hits_total", "Blocks found by lookups and loads."),
+    "misses": ("misses_total", "Blocks asked for past the cached prefix."),
+    "stored_blocks": ("stored_blocks_total", "Blocks committed by stores."),
+    "stored_bytes": ("stored_bytes_total", "Bytes committed by stores."),
+    "loaded_blocks": ("loaded_blocks_total", "Blocks served by completed loads."),
+    "loaded_bytes": ("loaded_bytes_total", "Bytes served by completed loads."),
+    "evicted_blocks": ("evicted_blocks_total", "Blocks evicted (LRU)."),
+    "evicted_bytes": ("evicted_bytes_total", "Bytes evicted (LRU)."),
+    "aborted_stores": ("aborted_stores_total", "Stores aborted by workers."),
+    "expired": ("expired_total", "Stores and loads dropped at expiry."),
+}
+SUMMARIES: dict[str, tuple[str, str, str]] = {
+    # operation -> (seconds-sum field, count field, help)
+    "store": ("store_seconds_sum", "store_count", "Prepare-to-commit time of stores."),
+    "load": ("load_seconds_sum", "load_count", "Prepare-to-complete time of loads."),
 }
 
-
-def render_metrics(stats: OffloadStats) -> str:
-    """The Prometheus text format of ``stats``, with occupancy and latency summaries."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float) -> None:
-        lines.append(f"# HELP {_PREFIX}{name} {help_text}")
-        lines.append(f"# TYPE {_PREFIX}{name} {kind}")
-        lines.append(f"{_PREFIX}{name} {value:g}" if isinstance(value, float) else
-                     f"{_PREFIX}{name} {value}")  # fmt: skip
-
-    for field_name, (name, kind, help_text) in _METRICS.items():
-        metric(name, kind, help_text, getattr(stats, field_name))
-    occupancy = stats.cached_blocks / stats.capacity_blocks if stats.capacity_blocks else 0.0
-    metric("occupancy_ratio", "gauge", "Committed blocks over capacity.", float(occupancy))
-    for op, total, count in (
-        ("store", stats.store_seconds_sum, stats.store_count),
-        ("load", stats.load_seconds_sum, stats.load_count),
-    ):
-        name = f"{op}_latency_seconds"
-        lines.append(f"# HELP {_PREFIX}{name} Prepare-to-finish time of {op}s.")
-        lines.append(f"# TYPE {_PREFIX}{name} summary")
-        lines.append(f"{_PREFIX}{name}_sum {total:g}")
-        lines.append(f"{_PREFIX}{name}_count {count}")
-    return "\n".join(lines) + "\n"
+METRICS: tuple[str, ...] = (
+    *(PREFIX + name for name, _ in GAUGES.values()),
+    PREFIX + "occupancy_ratio",
+    *(PREFIX + name for name, _ in COUNTERS.values()),
+    *(f"{PREFIX}{op}_latency_seconds" for op in SUMMARIES),
+)
+"""Every family name the collector exposes (README's Metrics table lists the same)."""
 
 
-class MetricsServer:
-    """``GET /metrics`` on ``host:port`` from a daemon thread; :meth:`close` stops it."""
+class OffloadCollector(Collector):
+    """Metric families from one ``snapshot()`` per scrape (called on the HTTP thread)."""
 
-    def __init__(self, snapshot: Callable[[], OffloadStats], host: str, port: int) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?")[0] not in ("/metrics", "/"):
-                    self.send_error(404, "try /metrics")
-                    return
-                body = render_metrics(snapshot()).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+    def __init__(self, snapshot: Callable[[], OffloadStats]) -> None:
+        self._snapshot = snapshot
 
-            def log_message(self, format: str, *args: object) -> None:
-                log.debug("metrics: " + format, *args)
-
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self.port: int = self._httpd.server_address[1]
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="kvbridge-offload-metrics", daemon=True
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        for field_name, (name, help_text) in GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, help_text, value=getattr(stats, field_name))
+        capacity = stats.capacity_blocks
+        yield GaugeMetricFamily(
+            PREFIX + "occupancy_ratio",
+            "Committed blocks over capacity (0..1).",
+            value=stats.cached_blocks / capacity if capacity else 0.0,
         )
-        self._thread.start()
+        for field_name, (name, help_text) in COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, help_text, value=getattr(stats, field_name))
+        for op, (sum_field, count_field, help_text) in SUMMARIES.items():
+            yield SummaryMetricFamily(
+                f"{PREFIX}{op}_latency_seconds",
+                help_text,
+                count_value=getattr(stats, count_field),
+                sum_value=getattr(stats, sum_field),
+            )
 
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._httpd.shutdown()
-            self._thread.join()
-        self._httpd.server_close()
 
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+def offload_registry(snapshot: Callable[[], OffloadStats]) -> CollectorRegistry:
+    """A registry of its own holding one :class:`OffloadCollector`."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(OffloadCollector(snapshot))
+    return registry

@@ -38,6 +38,7 @@ from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
+from kvbridge.worker.serving.metrics import NodeMetrics
 
 __all__ = ["NodeConfig", "Node", "GenerateResult"]
 
@@ -102,6 +103,7 @@ class Node:
         )
         self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
         self.worker_connector.listen_for_releases(self.owner.leases.release)
+        self.metrics = NodeMetrics(lambda: len(self.owner.leases))
         self.scheduler_connector.attach(
             self.owner,
             self.worker_connector.offload_lookup if cc.offload_address else None,
@@ -208,6 +210,7 @@ class Node:
     def _finish(self, out: RequestOutput) -> None:
         sub = self._waiting.pop(out.request_id, None)
         load = self.worker_connector.pop_result(out.request_id)
+        self.metrics.observe(out, load)
         if sub is None:
             return
         result = GenerateResult(out)

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 
@@ -145,6 +146,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus transfer metrics on this port at /metrics (0: any free port; "
+        "default: off)",
+    )
+    p.add_argument(
         "--ready-file",
         type=Path,
         default=None,
@@ -157,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
+    from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.serving.node import Node, NodeConfig
 
     torch.set_num_threads(args.threads)
@@ -178,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         control_port=args.control_port,
     )
+    metrics_config = (
+        None
+        if args.metrics_port is None
+        else MetricsServerConfig(host=args.host, port=args.metrics_port)
+    )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -185,8 +199,12 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with Node(config) as node:
+    with ExitStack() as stack:
+        node = stack.enter_context(Node(config))
         ready = {"inference": node.address, "control": node.control.address, "engine_id": engine_id}
+        if metrics_config is not None:
+            metrics = stack.enter_context(MetricsServer(node.metrics.registry, metrics_config))
+            ready["metrics"] = metrics.url
         print(json.dumps(ready), flush=True)
         if args.ready_file is not None:
             tmp = args.ready_file.with_suffix(".tmp")

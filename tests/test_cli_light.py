@@ -1,0 +1,38 @@
+"""``kvbridge --help`` and building the parser load no torch, NIXL or gRPC."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "nixl", "nixl_cu12", "grpc", "cupy", "ucxx")
+
+_REPORT = f"import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
+
+
+def loaded_after(code: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\n{_REPORT}"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_building_the_cli_parser_loads_no_heavy_module() -> None:
+    assert loaded_after("from kvbridge.worker.cli import build_parser; build_parser()") == "[]"
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["bench", "--help"], ["serve", "--help"], ["offload", "serve", "--help"]]
+)
+def test_help_loads_no_heavy_module(argv: list[str]) -> None:
+    code = (
+        "from kvbridge.worker.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+    )
+    assert loaded_after(code) == "[]"

@@ -1,0 +1,136 @@
+"""``GET /metrics`` for one prometheus_client registry (offload daemon, serving node).
+
+prometheus_client's WSGI app renders the registry; wsgiref's threading server
+(the one behind ``prometheus_client.start_http_server``) serves it, with two
+additions that function lacks: every connection gets a socket timeout, so an
+idle or slow client frees its thread after ``idle_timeout_s`` instead of
+pinning it until the process exits, and at most ``max_connections`` are served
+at once (more are closed at accept). The registry is the caller's: nothing
+here touches prometheus_client's global default registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from kvbridge.proto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+__all__ = ["MetricsServerConfig", "MetricsServer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsServerConfig:
+    """Where to listen and how long a quiet client may hold a connection."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: pick a free port (read it back from :attr:`MetricsServer.port`)."""
+    idle_timeout_s: float = 10.0
+    max_connections: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics port {self.port} is outside 0..65535")
+        if not self.idle_timeout_s > 0:
+            raise ConfigError(f"metrics idle_timeout_s must be > 0 s, got {self.idle_timeout_s}")
+        if self.max_connections < 1:
+            raise ConfigError(f"metrics max_connections must be >= 1, got {self.max_connections}")
+
+
+class _Handler(WSGIRequestHandler):
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.config.idle_timeout_s)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except TimeoutError:
+            idle = self.server.config.idle_timeout_s
+            log.debug("metrics: closed a connection idle for %ss", idle)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics: " + format, *args)
+
+
+class _Server(ThreadingWSGIServer):
+    def __init__(self, config: MetricsServerConfig) -> None:
+        self.config = config
+        self._slots = threading.BoundedSemaphore(config.max_connections)
+        if ":" in config.host:
+            self.address_family = socket.AF_INET6
+        WSGIServer.__init__(self, (config.host, config.port), _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.warning(
+                "metrics: %d connections open; closing one from %s",
+                self.config.max_connections,
+                client_address,
+            )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class MetricsServer:
+    """Serves ``registry`` from a daemon thread until :meth:`close`."""
+
+    def __init__(self, registry: CollectorRegistry, config: MetricsServerConfig) -> None:
+        try:
+            self._httpd = _Server(config)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {config.host}:{config.port} ({exc}); pick another port"
+            ) from exc
+        self._httpd.set_app(make_wsgi_app(registry))
+        self.host = config.host
+        self.port: int = self._httpd.server_address[1]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="kvbridge-metrics", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+            self._thread.join()
+        self._httpd.server_close()
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
