@@ -50,11 +50,11 @@ if TYPE_CHECKING:
 
     from kvbridge.connector.control.client import ControlClient
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.offload.client import OffloadClient
+    from kvbridge.connector.offload.client import OffloadClient, OffloadStoreResult
     from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["KVBridgeWorker", "LoadResult"]
+__all__ = ["KVBridgeWorker", "LoadResult", "StoreCounts"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,17 @@ class LoadResult:
 
 SEAL_SLOTS = 4096
 """Slots of an engine's lease seal table (64 bytes each): leases held at once, with room."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreCounts:
+    """Offload stores this worker finished, by outcome (a failed store is never a success)."""
+
+    succeeded: int = 0
+    failed: int = 0
+    blocks_stored: int = 0
+    """Blocks the daemon committed (blocks it already held are not counted)."""
+
 
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
@@ -123,9 +134,10 @@ class _Peer:
 @dataclass(slots=True)
 class _State:
     jobs: dict[RequestId, tuple[BlockLoad, Future[LoadResult]]] = field(default_factory=dict)
-    stores: dict[RequestId, Future[None]] = field(default_factory=dict)
+    stores: dict[RequestId, Future[OffloadStoreResult]] = field(default_factory=dict)
     bad: set[BlockId] = field(default_factory=set)
     results: dict[RequestId, LoadResult] = field(default_factory=dict)
+    store_counts: StoreCounts = field(default_factory=StoreCounts)
 
 
 class KVBridgeWorker(WorkerConnector):
@@ -218,9 +230,11 @@ class KVBridgeWorker(WorkerConnector):
             self._state.results[rid] = result
             self._state.bad.update(result.bad_block_ids)
             done.add(rid)
+        # a store that is over, failed or not, is reported once in done_sending: the engine
+        # may free its blocks now (the daemon never publishes a block whose store failed)
         sent = {rid for rid, job in self._state.stores.items() if job.done()}
         for rid in sent:
-            del self._state.stores[rid]
+            self._store_finished(rid, self._state.stores.pop(rid))
         return sent, done
 
     def get_block_ids_with_load_errors(self) -> set[BlockId]:
@@ -231,6 +245,11 @@ class KVBridgeWorker(WorkerConnector):
     def pop_result(self, request_id: RequestId) -> LoadResult | None:
         """The load report of a request (once), for the per-request stats."""
         return self._state.results.pop(request_id, None)
+
+    @property
+    def store_counts(self) -> StoreCounts:
+        """Offload stores reported in ``get_finished`` so far, by outcome."""
+        return self._state.store_counts
 
     def close(self) -> None:
         if self._release_listener is not None:
@@ -253,19 +272,36 @@ class KVBridgeWorker(WorkerConnector):
             self._seal_memory = None
 
     # ----- one store / load, on a pool thread ----------------------------------------------
-    def _store(self, store: BlockStore) -> None:
-        """WRITE a finished request's blocks to the offload daemon (best effort, never raises)."""
+    def _store(self, store: BlockStore) -> OffloadStoreResult:
+        """WRITE a finished request's blocks to the offload daemon (best effort)."""
         assert self.offload is not None
-        result = self.offload.store(list(store.block_ids), list(store.hashes))
-        if result.error:
-            log.info("request %s: offload store failed: %s", store.request_id, result.error)
+        return self.offload.store(list(store.block_ids), list(store.hashes))
+
+    def _store_finished(self, rid: RequestId, job: Future[OffloadStoreResult]) -> None:
+        """Log and count a finished store job; a job that raised counts as failed."""
+        counts = self._state.store_counts
+        if job.cancelled():
+            error = "cancelled before it ran (worker closing)"
+        elif (exc := job.exception()) is not None:
+            error = f"store job raised {exc!r}"
         else:
-            log.debug(
-                "request %s: stored %d blocks, %d already held",
-                store.request_id,
-                result.stored,
-                result.skipped,
-            )
+            result = job.result()
+            error = result.error
+            if not error:
+                self._state.store_counts = replace(
+                    counts,
+                    succeeded=counts.succeeded + 1,
+                    blocks_stored=counts.blocks_stored + result.stored,
+                )
+                log.debug(
+                    "request %s: stored %d blocks, %d already held",
+                    rid,
+                    result.stored,
+                    result.skipped,
+                )
+                return
+        self._state.store_counts = replace(counts, failed=counts.failed + 1)
+        log.warning("request %s: offload store failed: %s", rid, error)
 
     def _load(self, load: BlockLoad) -> LoadResult:
         """Blocks from the offload daemon first, the rest from the remote engine."""

@@ -164,9 +164,13 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     regions: tuple[Region, ...] = ()
+    # Derived values (owning layers, fingerprint), filled on first use. ``__post_init__``
+    # starts every instance with an empty cache, so a copy made by ``dataclasses.replace``
+    # (which passes the original's ``_cache`` on) never reports the original's figures.
     _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_cache", {})
         _check_order(self.order)
         if self.block_size < 1:
             raise LayoutError(f"block_size must be >= 1, got {self.block_size}")
@@ -379,15 +383,15 @@ class KVLayout:
         return negotiate(self, remote)
 
     def with_regions(self, regions: Sequence[Region]) -> KVLayout:
-        return replace(self, regions=tuple(regions), _cache={})
+        return replace(self, regions=tuple(regions))
 
     def with_num_blocks(self, /, **num_blocks: int) -> KVLayout:
         """A copy with other block counts per group, e.g. ``with_num_blocks(self=128)``."""
         groups = tuple(GroupSpec(g.name, num_blocks.get(g.name, g.num_blocks)) for g in self.groups)
-        return replace(self, groups=groups, regions=(), _cache={})
+        return replace(self, groups=groups, regions=())
 
     def with_order(self, order: str | Sequence[str]) -> KVLayout:
-        return replace(self, order=parse_order(order), regions=(), _cache={})
+        return replace(self, order=parse_order(order), regions=())
 
     def to_bytes(self) -> bytes:
         body = self.identity()

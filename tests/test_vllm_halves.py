@@ -18,7 +18,8 @@ from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
-from kvbridge.connector.vllm.worker import NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.worker_side import LoadResult
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -242,3 +243,32 @@ def test_an_unreachable_daemon_is_a_quick_miss_then_not_asked_again() -> None:
         assert lookup._retry_at == retry_at  # inside the backoff: no second call
     finally:
         lookup.close()
+
+
+class ReportingLoader(FakeLoader):
+    """A loader whose loads all finish at once, each with a load report."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: set[RequestId] = set()
+
+    def get_finished(self, _: set[RequestId]) -> tuple[set[RequestId], set[RequestId]]:
+        done, self.finished = self.finished, set()
+        return set(), done
+
+    def pop_result(self, request_id: RequestId) -> LoadResult:  # type: ignore[override]
+        return LoadResult(request_id, 1, 1, (), 0.5)
+
+
+def test_load_reports_kept_by_a_long_running_worker_stay_bounded_newest_kept() -> None:
+    worker, _ = _producer_worker()
+    loader = ReportingLoader()
+    worker.loader = loader  # type: ignore[assignment]
+    total = RESULTS_KEPT + 500
+    for i in range(total):
+        loader.finished.add(RequestId(f"r{i}"))
+        assert worker.get_finished() == (set(), {RequestId(f"r{i}")})
+    assert len(worker.results) == RESULTS_KEPT
+    newest = [RequestId(f"r{i}") for i in range(total - RESULTS_KEPT, total)]
+    assert list(worker.results) == newest
+    assert worker.results[newest[-1]].blocks_moved == 1

@@ -43,6 +43,7 @@ from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
 from kvbridge.proto.errors import (
     AuthError,
+    BlockPoolError,
     ConfigError,
     ControlPlaneError,
     IncompatibleLayoutError,
@@ -228,12 +229,26 @@ class ControlHandlers:
     def _check_pinned(
         self, wanted: dict[str, list[BlockHash]], pinned: dict[str, list[BlockId]]
     ) -> dict[str, list[BlockId]]:
-        """The owner's answer, checked against what was asked (a bad owner is a bug)."""
-        assert set(pinned) <= set(wanted), f"owner pinned groups {set(pinned) - set(wanted)}"
+        """The owner's answer, checked against what was asked before any id goes on the wire.
+
+        A bad answer is an owner bug, but these ids leave the process and a peer READs
+        them, so the check is an error (``python -O`` keeps it), not an assert:
+        :class:`BlockPoolError` answers the peer ``INTERNAL`` and the caller unpins.
+        """
+        extra = set(pinned) - set(wanted)
+        if extra:
+            raise BlockPoolError(f"owner pinned groups {sorted(extra)} that were not asked for")
         for group, ids in pinned.items():
             n = self.owner.num_blocks(group)
-            assert len(ids) <= len(wanted[group]), "owner pinned more blocks than hashes"
-            assert all(0 <= b < n for b in ids), f"owner returned block ids outside 0..{n - 1}"
+            if len(ids) > len(wanted[group]):
+                raise BlockPoolError(
+                    f"owner pinned {len(ids)} {group!r} blocks for {len(wanted[group])} hashes"
+                )
+            for b in ids:
+                if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
+                    raise BlockPoolError(
+                        f"owner returned {group!r} block id {b!r} outside 0..{n - 1}"
+                    )
         return {g: ids for g, ids in pinned.items() if ids}
 
     def _lease_pb(self, lease: Lease) -> pb.Lease:

@@ -7,8 +7,10 @@ background thread of ours (``progress_interval_s``, sleeping between polls,
 stopped by :meth:`NixlTransport.close`) polls notifications, which also
 progresses UCX for peers that READ from us over TCP.
 
-Every agent call is made under one lock, so the agent may be used from the
-caller's thread and the progress thread. ``transfer()`` blocks until done on
+Every agent call and every read or change of the transport's tables (links,
+peers, registrations, a link's handles) is made under one re-entrant lock, so
+the transport may be used from several caller threads and the progress thread;
+nothing iterates a table outside it. ``transfer()`` blocks until done on
 same-host CMA (GIL released); never call it on an asyncio event loop thread
 (see :func:`kvbridge.connector.transport.base.wait_async`).
 
@@ -170,17 +172,18 @@ class NixlTransferHandle(TransferHandle):
         return self._error
 
     def poll(self) -> TransferState:
-        if self._state != "pending":
+        with self._transport._lock:
+            if self._state != "pending":
+                return self._state
+            if time.monotonic() > self._deadline:
+                self._fail(TransferTimeoutError(f"{self._what} did not finish before its deadline"))
+                return self._state
+            status = self._transport._check(self._xfer)
+            if status == "DONE":
+                self._finish()
+            elif status != "PROC":
+                self._fail(TransferError(f"{self._what} failed: {status}"))
             return self._state
-        if time.monotonic() > self._deadline:
-            self._fail(TransferTimeoutError(f"{self._what} did not finish before its deadline"))
-            return self._state
-        status = self._transport._check(self._xfer)
-        if status == "DONE":
-            self._finish()
-        elif status != "PROC":
-            self._fail(TransferError(f"{self._what} failed: {status}"))
-        return self._state
 
     def wait(self, timeout_s: float | None = None) -> None:
         if timeout_s is not None:
@@ -194,28 +197,32 @@ class NixlTransferHandle(TransferHandle):
             raise self._error
 
     def release(self) -> None:
-        if self._state == "pending":
-            self._fail(LinkDownError(f"{self._what} was released before it finished"))
+        with self._transport._lock:
+            if self._state == "pending":
+                self._fail(LinkDownError(f"{self._what} was released before it finished"))
 
     def _finish(self) -> None:
-        self._state = "done"
-        self._release_request()
+        with self._transport._lock:
+            self._state = "done"
+            self._release_request()
 
     def _fail(self, error: TransferError, *, drop_link: bool = True) -> None:
-        if self._state != "pending":
-            return
-        self._state = "failed"
-        self._error = error
-        log.warning("%s", error)
-        if drop_link:
-            # unload the peer before releasing: closing its endpoint cancels what is in flight
-            self._transport._peer_failed(self._link.link.peer_name, str(error))
-        self._release_request()
+        with self._transport._lock:
+            if self._state != "pending":
+                return
+            self._state = "failed"
+            self._error = error
+            log.warning("%s", error)
+            if drop_link:
+                # unload the peer before releasing: closing its endpoint cancels what is in flight
+                self._transport._peer_failed(self._link.link.peer_name, str(error))
+            self._release_request()
 
     def _release_request(self) -> None:
-        self._transport._release_xfer(self._xfer)
-        self._xfer = None
-        self._link.handles.discard(self)
+        with self._transport._lock:
+            self._transport._release_xfer(self._xfer)
+            self._xfer = None
+            self._link.handles.discard(self)
 
 
 class NixlTransport(Transport):
@@ -256,20 +263,21 @@ class NixlTransport(Transport):
         device = bound.regions[0].device
         rows: list[tuple[int, int, int, str]] = []
         for region in bound.regions:
-            key = (region.addr, region.length)
-            if key in self._registered_addrs:
-                raise LayoutError(
-                    f"memory at 0x{region.addr:x} ({region.length} bytes) is already registered; "
-                    "reuse that LocalMemory instead of registering it twice"
-                )
-            if key not in {(r[0], r[1]) for r in rows}:
+            if (region.addr, region.length) not in {(r[0], r[1]) for r in rows}:
                 rows.append((region.addr, region.length, device_id(region.device), ""))
         with self._lock:
+            self._check_open()
+            for addr, length, _, _ in rows:
+                if (addr, length) in self._registered_addrs:
+                    raise LayoutError(
+                        f"memory at 0x{addr:x} ({length} bytes) is already registered; "
+                        "reuse that LocalMemory instead of registering it twice"
+                    )
             reg = self._agent.register_memory(rows, mem_type(device))
-        memory = LocalMemory(self._new_id(), bound, device)
-        for addr, length, _, _ in rows:
-            self._registered_addrs[(addr, length)] = memory.memory_id
-        self._registrations[memory.memory_id] = _Registration(memory, reg, dict(kv_caches))
+            memory = LocalMemory(self._new_id(), bound, device)
+            for addr, length, _, _ in rows:
+                self._registered_addrs[(addr, length)] = memory.memory_id
+            self._registrations[memory.memory_id] = _Registration(memory, reg, dict(kv_caches))
         log.info(
             "registered %d region(s), %d bytes, %s layout on %s",
             len(rows),
@@ -280,28 +288,29 @@ class NixlTransport(Transport):
         return memory
 
     def unregister(self, memory: LocalMemory) -> None:
-        for state in self._links.values():
-            if state.link.local.memory_id == memory.memory_id and state.down is None:
-                raise LayoutError(
-                    f"memory {memory.memory_id} is still used by link {state.link.link_id} "
-                    f"to {state.link.peer_name!r}; disconnect it first"
-                )
-        reg = self._registrations.pop(memory.memory_id, None)
-        if reg is None:
-            return
-        self._registered_addrs = {
-            k: v for k, v in self._registered_addrs.items() if v != memory.memory_id
-        }
         with self._lock:
+            for state in self._links.values():
+                if state.link.local.memory_id == memory.memory_id and state.down is None:
+                    raise LayoutError(
+                        f"memory {memory.memory_id} is still used by link {state.link.link_id} "
+                        f"to {state.link.peer_name!r}; disconnect it first"
+                    )
+            reg = self._registrations.pop(memory.memory_id, None)
+            if reg is None:
+                return
+            self._registered_addrs = {
+                k: v for k, v in self._registered_addrs.items() if v != memory.memory_id
+            }
             self._agent.deregister_memory(reg.reg_descs)
 
     def registered_regions(self, memory: LocalMemory) -> int:
         """How many regions ``memory`` registered (aliased layers are not counted)."""
-        return sum(1 for v in self._registered_addrs.values() if v == memory.memory_id)
+        with self._lock:
+            return sum(1 for v in self._registered_addrs.values() if v == memory.memory_id)
 
     def metadata(self) -> bytes:
-        self._check_open()
         with self._lock:
+            self._check_open()
             md: bytes = self._agent.get_agent_metadata()
         return md
 
@@ -314,8 +323,9 @@ class NixlTransport(Transport):
         local: LocalMemory,
     ) -> PeerLink:
         self._check_open()
-        if local.memory_id not in self._registrations:
-            raise LayoutError(f"local memory {local.memory_id} is not registered here")
+        with self._lock:
+            if local.memory_id not in self._registrations:
+                raise LayoutError(f"local memory {local.memory_id} is not registered here")
         negotiation = negotiate(local.layout, remote_layout)
         if negotiation.mode in (TransferMode.INCOMPATIBLE, TransferMode.REARRANGE):
             raise IncompatibleLayoutError(
@@ -339,11 +349,15 @@ class NixlTransport(Transport):
         remote_tables = {
             g.name: build(remote_layout, g.name, per_span) for g in remote_layout.groups
         }
-        self._load_peer(peer_name, peer_metadata)
-        t0 = time.perf_counter()
-        dlists: dict[str, tuple[Any, Any]] = {}
-        try:
-            with self._lock:
+        with self._lock:
+            # checked again under the lock: close() or unregister() may have run meanwhile
+            self._check_open()
+            if local.memory_id not in self._registrations:
+                raise LayoutError(f"local memory {local.memory_id} was unregistered meanwhile")
+            self._load_peer(peer_name, peer_metadata)
+            t0 = time.perf_counter()
+            dlists: dict[str, tuple[Any, Any]] = {}
+            try:
                 for group, table in local_tables.items():
                     lh = self._agent.prep_xfer_dlist(
                         "NIXL_INIT_AGENT", table, mem_type(local.device)
@@ -351,23 +365,24 @@ class NixlTransport(Transport):
                     dev = remote_layout.regions[0].device
                     rh = self._agent.prep_xfer_dlist(peer_name, remote_tables[group], mem_type(dev))
                     dlists[group] = (lh, rh)
-        except Exception as exc:
-            self._release_dlists(dlists)
-            raise PeerError(
-                f"could not prepare descriptors for {peer_name!r}: {exc!r}; does its metadata "
-                "include the memory in its layout (register before exporting metadata)?"
-            ) from exc
-        prep_s = time.perf_counter() - t0
-        link = PeerLink(
-            link_id=self._new_id(),
-            peer_name=peer_name,
-            local=local,
-            remote_layout=remote_layout,
-            mode=negotiation.mode,
-            descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
-            prep_s=prep_s,
-        )
-        self._links[link.link_id] = _LinkState(link, strided, dlists)
+            except Exception as exc:
+                self._release_dlists(dlists)
+                raise PeerError(
+                    f"could not prepare descriptors for {peer_name!r}: {exc!r}; does its "
+                    "metadata include the memory in its layout (register before exporting "
+                    "metadata)?"
+                ) from exc
+            prep_s = time.perf_counter() - t0
+            link = PeerLink(
+                link_id=self._new_id(),
+                peer_name=peer_name,
+                local=local,
+                remote_layout=remote_layout,
+                mode=negotiation.mode,
+                descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
+                prep_s=prep_s,
+            )
+            self._links[link.link_id] = _LinkState(link, strided, dlists)
         log.info(
             "linked to %s: %s, %d descriptor(s) per block, %s lists prepped in %.1f ms",
             peer_name,
@@ -379,12 +394,13 @@ class NixlTransport(Transport):
         return link
 
     def disconnect(self, link: PeerLink) -> None:
-        state = self._links.pop(link.link_id, None)
-        if state is None:
-            return
-        self._drop_link(state, "disconnected")
-        if not any(s.link.peer_name == link.peer_name for s in self._links.values()):
-            self._unload_peer(link.peer_name)
+        with self._lock:
+            state = self._links.pop(link.link_id, None)
+            if state is None:
+                return
+            self._drop_link(state, "disconnected")
+            if not any(s.link.peer_name == link.peer_name for s in self._links.values()):
+                self._unload_peer(link.peer_name)
 
     # ----- transfers -----------------------------------------------------------------------
     def read_blocks(
@@ -434,7 +450,6 @@ class NixlTransport(Transport):
                 self.send_notification(link, notify)
             handle._state = "done"
             return handle
-        local_h, remote_h = state.dlists[group]
         local_idx, remote_idx = request_indices(
             link.local.layout,
             link.remote_layout,
@@ -444,31 +459,35 @@ class NixlTransport(Transport):
             per_span=per_span,
             strided=state.strided,
         )
-        try:
-            with self._lock:
+        with self._lock:
+            # checked again under the lock: another thread may have dropped the link (and
+            # released its prepped lists) since the check above
+            self._live_link(link)
+            local_h, remote_h = state.dlists[group]
+            try:
                 handle._xfer = self._agent.make_prepped_xfer(
                     op, local_h, local_idx, remote_h, remote_idx, notify or b""
                 )
                 state.handles.add(handle)
                 status = self._agent.transfer(handle._xfer)
-        except Exception as exc:
-            kind = LinkDownError if "Disconnect" in type(exc).__name__ else TransferError
-            handle._fail(kind(f"{what} could not be posted: {exc!r}"))
-            return handle
-        if status == "DONE":
-            handle._finish()
-        elif status != "PROC":
-            handle._fail(TransferError(f"{what} failed when posted: {status}"))
+            except Exception as exc:
+                kind = LinkDownError if "Disconnect" in type(exc).__name__ else TransferError
+                handle._fail(kind(f"{what} could not be posted: {exc!r}"))
+                return handle
+            if status == "DONE":
+                handle._finish()
+            elif status != "PROC":
+                handle._fail(TransferError(f"{what} failed when posted: {status}"))
         return handle
 
     # ----- notifications -------------------------------------------------------------------
     def send_notification(self, link: PeerLink, message: bytes) -> None:
-        self._live_link(link)
-        try:
-            with self._lock:
+        with self._lock:
+            self._live_link(link)
+            try:
                 self._agent.send_notif(link.peer_name, message)
-        except Exception as exc:
-            raise PeerError(f"notification to {link.peer_name!r} failed: {exc!r}") from exc
+            except Exception as exc:
+                raise PeerError(f"notification to {link.peer_name!r} failed: {exc!r}") from exc
 
     def poll_notifications(self) -> dict[str, list[bytes]]:
         self._check_open()
@@ -479,26 +498,29 @@ class NixlTransport(Transport):
 
     # ----- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            # from here every other call raises "closed"; one already inside holds the lock
+            self._closed = True
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-        for link_id in list(self._links):
-            state = self._links.pop(link_id)
-            self._drop_link(state, "transport closed")
-        for peer in list(self._peers):
-            self._unload_peer(peer)
-        for memory_id in list(self._registrations):
-            self.unregister(self._registrations[memory_id].memory)
-        for xfer in self._leaked:
-            try:
-                xfer.release()
-            except Exception as exc:
-                log.warning("a transfer request could not be released at close: %r", exc)
-        self._leaked.clear()
-        self._agent = None
+            self._thread.join()  # not under the lock: the progress loop takes it
+        with self._lock:
+            for state in list(self._links.values()):
+                self._drop_link(state, "transport closed")
+            self._links.clear()
+            for peer in list(self._peers):
+                self._unload_peer(peer)
+            for reg in list(self._registrations.values()):
+                self.unregister(reg.memory)
+            for xfer in self._leaked:
+                try:
+                    xfer.release()
+                except Exception as exc:
+                    log.warning("a transfer request could not be released at close: %r", exc)
+            self._leaked.clear()
+            self._agent = None
         log.info("NIXL transport %s closed", self._config.name)
 
     def __enter__(self) -> NixlTransport:
@@ -506,66 +528,71 @@ class NixlTransport(Transport):
 
     # ----- internals -----------------------------------------------------------------------
     def _new_id(self) -> int:
-        self._next_id += 1
-        return self._next_id
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
 
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"NIXL transport {self._config.name!r} is closed")
 
     def _live_link(self, link: PeerLink) -> _LinkState:
-        self._check_open()
-        state = self._links.get(link.link_id)
-        if state is None:
-            raise LinkDownError(f"link {link.link_id} to {link.peer_name!r} was disconnected")
-        if state.down is not None:
-            raise LinkDownError(
-                f"link {link.link_id} to {link.peer_name!r} is down ({state.down}); "
-                "connect again with the peer's fresh metadata"
-            )
-        return state
+        with self._lock:
+            self._check_open()
+            state = self._links.get(link.link_id)
+            if state is None:
+                raise LinkDownError(f"link {link.link_id} to {link.peer_name!r} was disconnected")
+            if state.down is not None:
+                raise LinkDownError(
+                    f"link {link.link_id} to {link.peer_name!r} is down ({state.down}); "
+                    "connect again with the peer's fresh metadata"
+                )
+            return state
 
     def _load_peer(self, peer_name: str, peer_metadata: bytes) -> None:
-        known = self._peers.get(peer_name)
-        if known == peer_metadata:
-            return
-        if known is not None:
-            self._peer_failed(peer_name, "peer reconnected with new metadata")
-        try:
-            with self._lock:
+        with self._lock:
+            known = self._peers.get(peer_name)
+            if known == peer_metadata:
+                return
+            if known is not None:
+                self._peer_failed(peer_name, "peer reconnected with new metadata")
+            try:
                 loaded = self._agent.add_remote_agent(peer_metadata)
-        except Exception as exc:
-            raise PeerError(f"could not load metadata of {peer_name!r}: {exc!r}") from exc
-        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        if name != peer_name:
-            with self._lock:
+            except Exception as exc:
+                raise PeerError(f"could not load metadata of {peer_name!r}: {exc!r}") from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer_name:
                 self._agent.remove_remote_agent(name)
-            raise PeerError(f"metadata is of agent {name!r}, expected {peer_name!r}")
-        self._peers[peer_name] = peer_metadata
+                raise PeerError(f"metadata is of agent {name!r}, expected {peer_name!r}")
+            self._peers[peer_name] = peer_metadata
 
     def _unload_peer(self, peer_name: str) -> None:
-        if self._peers.pop(peer_name, None) is None:
-            return
-        try:
-            with self._lock:
+        with self._lock:
+            if self._peers.pop(peer_name, None) is None:
+                return
+            try:
                 self._agent.remove_remote_agent(peer_name)
-        except Exception as exc:
-            log.warning("removing peer %s: %r", peer_name, exc)
+            except Exception as exc:
+                log.warning("removing peer %s: %r", peer_name, exc)
 
     def _peer_failed(self, peer_name: str, reason: str) -> None:
         """Unload ``peer_name``, then fail every link to it: handles released, lists dropped."""
-        self._unload_peer(peer_name)
-        for state in self._links.values():
-            if state.link.peer_name == peer_name and state.down is None:
-                self._drop_link(state, reason)
+        with self._lock:
+            self._unload_peer(peer_name)
+            for state in list(self._links.values()):
+                if state.link.peer_name == peer_name and state.down is None:
+                    self._drop_link(state, reason)
 
     def _drop_link(self, state: _LinkState, reason: str) -> None:
-        state.down = reason
-        for handle in list(state.handles):
-            handle._fail(LinkDownError(f"{handle._what}: link down ({reason})"), drop_link=False)
-            handle._release_request()
-        self._release_dlists(state.dlists)
-        state.dlists = {}
+        with self._lock:
+            state.down = reason
+            for handle in list(state.handles):
+                handle._fail(
+                    LinkDownError(f"{handle._what}: link down ({reason})"), drop_link=False
+                )
+                handle._release_request()
+            self._release_dlists(state.dlists)
+            state.dlists = {}
 
     def _release_dlists(self, dlists: Mapping[str, tuple[Any, Any]]) -> None:
         with self._lock:
@@ -579,12 +606,12 @@ class NixlTransport(Transport):
     def _release_xfer(self, xfer: Any) -> None:
         if xfer is None:
             return
-        try:
-            with self._lock:
+        with self._lock:
+            try:
                 xfer.release()
-        except Exception as exc:
-            log.debug("transfer request not released yet (%r); retrying at close", exc)
-            self._leaked.append(xfer)
+            except Exception as exc:
+                log.debug("transfer request not released yet (%r); retrying at close", exc)
+                self._leaked.append(xfer)
 
     def _check(self, xfer: Any) -> str:
         try:

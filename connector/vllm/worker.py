@@ -54,6 +54,9 @@ __all__ = ["VllmWorker", "WorkerSettings", "HeldRequests", "NamedLeases"]
 
 log = logging.getLogger(__name__)
 
+RESULTS_KEPT = 1024
+"""Load reports :attr:`VllmWorker.results` keeps (the newest; older ones are dropped)."""
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
@@ -80,6 +83,8 @@ class VllmWorker:
         self.leases: NamedLeases | None = None
         self.control: ControlServer | None = None
         self.results: dict[RequestId, LoadResult] = {}
+        """The newest :data:`RESULTS_KEPT` load reports, oldest first, for stats; vLLM itself
+        never reads them, so a long-running worker keeps a window, not every request."""
         self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
@@ -169,8 +174,14 @@ class VllmWorker:
             for rid in receiving:
                 result = self.loader.pop_result(rid)
                 if result is not None:
-                    self.results[rid] = result
+                    self._keep_result(rid, result)
         return self._sends.done([*released, *stored]), receiving
+
+    def _keep_result(self, rid: RequestId, result: LoadResult) -> None:
+        self.results.pop(rid, None)  # a reused request id moves to the newest end
+        self.results[rid] = result
+        while len(self.results) > RESULTS_KEPT:
+            del self.results[next(iter(self.results))]
 
     @property
     def pending_sends(self) -> int:

@@ -27,6 +27,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.client import ControlClient
 from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.types import PeerInfo, Role
+from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.scheduler import KVBridgeScheduler
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.connector.worker_side import KVBridgeWorker
@@ -104,10 +105,12 @@ class Node:
         self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
         self.worker_connector.listen_for_releases(self.owner.leases.release)
         self.metrics = NodeMetrics(lambda: len(self.owner.leases))
-        self.scheduler_connector.attach(
-            self.owner,
-            self.worker_connector.offload_lookup if cc.offload_address else None,
+        # the scheduler asks the daemon on its own thread: a bounded lookup-only client (as
+        # vLLM's scheduler uses), so a hung daemon costs one short deadline, then a backoff
+        self.offload_lookup = (
+            OffloadLookup(OffloadLookupConfig(cc.offload_address)) if cc.offload_address else None
         )
+        self.scheduler_connector.attach(self.owner, self.offload_lookup)
         assert self.worker_connector.memory is not None
         self.layout = self.worker_connector.memory.layout
         self.control: ControlServer = serve(
@@ -257,6 +260,8 @@ class Node:
         self._fail_all("server shutting down")
         self.control.close()
         self.worker_connector.close()
+        if self.offload_lookup is not None:
+            self.offload_lookup.close()
         self.transport.close()
 
     def __enter__(self) -> Node:

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.proto import codec
-from kvbridge.proto.errors import WireError
+from kvbridge.proto.errors import LayoutError, WireError
 from kvbridge.proto.layout import KVLayout
 
 __all__ = [
@@ -63,14 +63,23 @@ _MAX_ADDRESS = 1 << 16
 
 def data_tag(xfer: int, index: int) -> int:
     """Tag of data message ``index`` of transfer ``xfer`` (ids of the receiving process)."""
-    assert 0 < xfer < MAX_XFER and 0 <= index < MAX_MESSAGES
+    # raised, not asserted: ``xfer`` may be a peer's id, and a value outside its bits would
+    # turn the tag into another kind of message under ``python -O``
+    _check_tag_field("transfer id", xfer, 1, MAX_XFER - 1)
+    _check_tag_field("message index", index, 0, MAX_MESSAGES - 1)
     return DATA | (xfer << _INDEX_BITS) | index
 
 
 def reply_tag(xfer: int, step: int) -> int:
     """Tag of reply ``step`` (0: accepted/go, 1: done) to the initiator's transfer ``xfer``."""
-    assert 0 < xfer < MAX_XFER and 0 <= step < 256
+    _check_tag_field("transfer id", xfer, 1, MAX_XFER - 1)
+    _check_tag_field("reply step", step, 0, 255)
     return REPLY | (xfer << 8) | step
+
+
+def _check_tag_field(name: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise WireError(f"{name} {value} is outside {lo}..{hi} and cannot be put in a tag")
 
 
 def encode(body: Mapping[str, Any]) -> bytes:
@@ -152,7 +161,11 @@ def plan_runs(
     remote bytes, so sequential block ids become a few large messages.
     """
     length = int(local_table[0, 1])
-    assert length == int(remote_table[0, 1]), "negotiation pairs equal descriptor lengths"
+    if length != int(remote_table[0, 1]):  # the remote table comes from the peer's layout
+        raise LayoutError(
+            f"local descriptors are {length} bytes, the peer's {int(remote_table[0, 1])}: "
+            "the negotiated mode should have made them equal; reconnect"
+        )
     la = local_table[local_rows, 0]
     ra = remote_table[remote_rows, 0]
     rows = remote_rows.astype(np.int64)
