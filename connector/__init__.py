@@ -1,13 +1,15 @@
 """The engine-side connector: everything kvbridge runs inside an inference engine.
 
-``base`` (the two seams), ``planner`` (which blocks to load, hand over, store),
-``scheduler`` and ``worker_side`` (the reference engine's halves), ``control``
-(leases and the peer control plane), ``transport`` (the data plane), ``offload``
-(clients of the offload daemon) and ``vllm`` (the vLLM adapter).
+``base`` (the two seams), ``scheduler`` (the one planner both engines use),
+``worker_side`` and ``remote_load`` (the worker half), ``seal_check`` (the
+no-RPC load), ``control`` (leases, seals and the peer control plane),
+``transport`` (the data plane), ``offload`` (clients of the offload daemon)
+and ``vllm`` (the vLLM adapter).
 """
 
 from kvbridge.connector.base import (
     BlockLoad,
+    LoadResult,
     RequestView,
     SchedulerConnector,
     StepMetadata,
@@ -20,6 +22,7 @@ __all__ = [
     "BlockLoad",
     "ConnectorConfig",
     "KVTransferParams",
+    "LoadResult",
     "RequestView",
     "SchedulerConnector",
     "StepMetadata",

@@ -50,6 +50,7 @@ __all__ = [
     "StepMetadata",
     "BlockLoad",
     "BlockStore",
+    "LoadResult",
 ]
 
 
@@ -104,6 +105,24 @@ class BlockStore:
     request_id: RequestId
     block_ids: Sequence[BlockId]
     hashes: Sequence[BlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """What one request's load did; kept for the engine's per-request report."""
+
+    request_id: RequestId
+    blocks_requested: int
+    blocks_moved: int
+    bad_block_ids: tuple[BlockId, ...]
+    transfer_ms: float
+    error: str = ""
+    moved_by_group: Mapping[str, int] = field(default_factory=dict)
+    """Blocks read per group (``self``, ``cross``)."""
+    bytes_moved: int = 0
+    """Bytes the transport read: only layers that own KV ever move."""
+    blocks_offloaded: int = 0
+    """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.connector.worker_side import LoadResult
+from kvbridge.connector.base import LoadResult
 from kvbridge.proto import codec
 from kvbridge.proto.types import BlockId, RequestId
 from kvbridge.worker.engine import RequestOutput

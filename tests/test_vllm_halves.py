@@ -13,13 +13,12 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata
+from kvbridge.connector.base import BlockLoad, BlockStore, LoadResult, StepMetadata
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
 from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
-from kvbridge.connector.worker_side import LoadResult
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 

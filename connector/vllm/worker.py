@@ -45,10 +45,11 @@ from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestI
 if TYPE_CHECKING:
     import torch
 
+    from kvbridge.connector.base import LoadResult
     from kvbridge.connector.control.client import ControlClient
     from kvbridge.connector.control.server import ControlServer
     from kvbridge.connector.transport.nixl import NixlTransport
-    from kvbridge.connector.worker_side import KVBridgeWorker, LoadResult
+    from kvbridge.connector.worker_side import KVBridgeWorker
 
 __all__ = ["VllmWorker", "WorkerSettings", "HeldRequests", "NamedLeases"]
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
-    from kvbridge.connector.worker_side import LoadResult
+    from kvbridge.connector.base import LoadResult
     from kvbridge.worker.engine import RequestOutput
 
 __all__ = ["NodeMetrics", "LOAD_FAILURE_REASONS", "failure_reason", "METRICS"]
