@@ -123,6 +123,11 @@ class LoadResult:
     """Bytes the transport read: only layers that own KV ever move."""
     blocks_offloaded: int = 0
     """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
+    descriptors: int = 0
+    """Transport descriptors the peer READs used (the seal check's not counted)."""
+    path: str = ""
+    """How the peer's blocks were proven: ``sealed`` (no control RPC), ``owner`` (the owner
+    named them over the control plane), or ``""`` (nothing read from a peer)."""
 
 
 @dataclass(frozen=True, slots=True)

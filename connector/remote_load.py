@@ -147,10 +147,10 @@ class RemoteLoader:
                 return sealed
             lease, remote = self._owner_blocks(peer, load, lease, local)
             moved: dict[str, int] = {}
-            nbytes = 0
+            reads: list[tuple[int, int]] = []
             n = len(remote.get("self", ()))
             if n:
-                nbytes += self._read(peer, "self", local_self[:n], remote["self"][:n])
+                reads.append(self._read(peer, "self", local_self[:n], remote["self"][:n]))
             moved["self"] = n
             bad, error = (
                 local_self[n:],
@@ -158,7 +158,7 @@ class RemoteLoader:
             )
             if "cross" in groups:
                 if len(remote["cross"]) == len(local["cross"]):
-                    nbytes += self._read(peer, "cross", local["cross"], remote["cross"])
+                    reads.append(self._read(peer, "cross", local["cross"], remote["cross"]))
                     moved["cross"] = len(local["cross"])
                 else:  # all or nothing: the engine recomputes the whole request
                     bad, error = local_self, "cross blocks no longer held by the peer"
@@ -177,7 +177,9 @@ class RemoteLoader:
                 ms,
                 error,
                 moved,
-                nbytes,
+                sum(r[0] for r in reads),
+                descriptors=sum(r[1] for r in reads),
+                path="owner",
             )
         except Exception as exc:
             if isinstance(exc, KVBridgeError):
@@ -199,16 +201,18 @@ class RemoteLoader:
                 str(exc) or repr(exc),
             )
 
-    def _read(self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]) -> int:
+    def _read(
+        self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]
+    ) -> tuple[int, int]:
         """READ ``remote`` into ``local`` (through the staging cache if the orders differ);
-        returns the bytes read."""
+        returns ``(bytes, descriptors)`` read."""
         staging = peer.staging
         if staging is None:
             return self._read_into(peer, group, local, remote)
         assert self.memory is not None
         slots = staging.take(group, len(remote))  # OutOfBlocksError: the request recomputes
         try:
-            nbytes = self._read_into(peer, group, slots, remote)
+            read = self._read_into(peer, group, slots, remote)
             convert_blocks(
                 staging.caches,
                 staging.memory.layout,
@@ -219,17 +223,17 @@ class RemoteLoader:
             )
         finally:
             staging.give_back(group, slots)
-        return nbytes
+        return read
 
     def _read_into(
         self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> int:
+    ) -> tuple[int, int]:
         handle = self.transport.read_blocks(
             peer.link, group, local, remote, timeout_s=self.config.load_timeout_s
         )
         try:
             handle.wait(self.config.load_timeout_s)
-            return handle.nbytes
+            return handle.nbytes, handle.num_descriptors
         finally:
             handle.release()
 
@@ -299,7 +303,7 @@ class RemoteLoader:
             return None
         if any(len(remote[g]) != len(local[g]) for g in local):
             return None
-        nbytes = sum(self._read(peer, g, local[g], remote[g]) for g in local)
+        reads = [self._read(peer, g, local[g], remote[g]) for g in local]
         if not reader.holds(link, load.lease_id, load.seal, self.config.load_timeout_s):
             log.info(
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
@@ -315,7 +319,9 @@ class RemoteLoader:
             (time.perf_counter() - t0) * 1e3,
             "",
             moved,
-            nbytes,
+            sum(r[0] for r in reads),
+            descriptors=sum(r[1] for r in reads),
+            path="sealed",
         )
 
     def _owner_blocks(

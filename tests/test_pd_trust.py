@@ -11,12 +11,14 @@ import argparse
 import random
 import threading
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.proto import codec
 from kvbridge.worker.engine import Engine, EngineConfig
@@ -50,10 +52,10 @@ class Pair:
             startup_timeout=90.0,
         )
         self._stack = ExitStack()
-        _, pinfo = self._stack.enter_context(
+        self.prefill_proc, pinfo = self._stack.enter_context(
             start_node("prefill", args, "block-nhd", tmp, None, prefill_extra)
         )
-        _, dinfo = self._stack.enter_context(
+        self.decode_proc, dinfo = self._stack.enter_context(
             start_node("decode", args, "block-nhd", tmp, None, decode_extra)
         )
         self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
@@ -61,6 +63,7 @@ class Pair:
         self.decode = EngineClient(dinfo["inference"], timeout_s=60)
         self._stack.callback(self.decode.close)
         self.router = Router(self.prefill, self.decode)
+        self.decode_metrics = str(dinfo.get("metrics", ""))
 
     def close(self) -> None:
         self._stack.close()
@@ -125,5 +128,46 @@ def test_a_decode_stalled_past_the_lease_while_prefill_reuses_the_blocks_recompu
         # nothing of the lapsed read was cached: an honest request is right too
         assert pair.router.generate(prompt, MAX_TOKENS, "s-again").tokens == expected
         assert check_no_leaks({"prefill": pair.prefill, "decode": pair.decode}) == []
+    finally:
+        pair.close()
+
+
+def _loads_by_path(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        sample.labels["path"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvbridge_loads_total"
+    }
+
+
+def test_honest_loads_are_proven_by_the_seal_and_forged_ids_by_the_owner(tmp_path: Path) -> None:
+    prompts = [_prompt(10 + i, BS * (1 + i % 6) + i) for i in range(6)]
+    a, b = _prompt(20, 4 * BS + 3), _prompt(21, 4 * BS + 3)
+    expected = reference([*prompts, a, b])
+    extra = ["--metrics-port", "0"]
+    pair = Pair(tmp_path, [], extra, num_blocks=256)
+    try:
+        for i, prompt in enumerate(prompts):  # 1 to 6 blocks each
+            assert pair.router.generate(prompt, MAX_TOKENS, f"h{i}").tokens == expected[i]
+        assert _loads_by_path(pair.decode_metrics) == {"sealed": 6.0, "owner": 0.0}
+        # swapped ids: the seal does not hold, the owner names a's blocks
+        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
+        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
+        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+        params["block_ids"] = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")[
+            "block_ids"
+        ]
+        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
+        assert list(first_a.token_ids) + list(rest.token_ids) == expected[6]
+        assert _loads_by_path(pair.decode_metrics) == {"sealed": 6.0, "owner": 1.0}
+        # leases given back by notification (and by the owner path's release): only b's is left
+        deadline = time.monotonic() + 10
+        while pair.prefill.stats().active_leases > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pair.prefill.stats().active_leases == 1
+        assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()

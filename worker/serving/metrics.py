@@ -29,9 +29,15 @@ BLOCK_SOURCES = ("moved", "local_hit", "recomputed", "offload")
 """``kvbridge_blocks_total{source}``: read from the peer (every group), found in this
 engine's prefix cache, recomputed after a failed load, loaded from the offload daemon."""
 
+LOAD_PATHS = ("sealed", "owner")
+"""``kvbridge_loads_total{path}``: proven by the lease's seal (no control RPC), or named by
+the owner over the control plane."""
+
 # (substring of the load error, reason); the first match wins
 _REASONS: tuple[tuple[str, str], ...] = (
     ("lease expired", "lease_expired"),
+    ("lease lapsed", "lease_expired"),
+    ("holds other", "mismatch"),
     ("cross blocks", "cross_blocks_gone"),
     ("deadline", "timeout"),
     ("timed out", "timeout"),
@@ -49,6 +55,8 @@ METRICS = (
     "kvbridge_transfer_bytes_total",
     "kvbridge_blocks_total",
     "kvbridge_load_failures_total",
+    "kvbridge_transfer_descriptors_total",
+    "kvbridge_loads_total",
     "kvbridge_leases_held",
 )
 """Every family name a node exposes (README's Metrics table lists the same)."""
@@ -89,6 +97,18 @@ class NodeMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.descriptors = Counter(
+            "kvbridge_transfer_descriptors",
+            "Transport descriptors of the peer READs of KV loads.",
+            registry=self.registry,
+        )
+        self.loads = Counter(
+            "kvbridge_loads",
+            "Loads from a peer by how the blocks were proven: sealed (no control RPC) or "
+            "owner (the owner named them over the control plane).",
+            ["path"],
+            registry=self.registry,
+        )
         self.leases_held = Gauge(
             "kvbridge_leases_held",
             "Leases this node holds on its blocks for peers that read them.",
@@ -99,6 +119,8 @@ class NodeMetrics:
             self.blocks.labels(source)
         for reason in LOAD_FAILURE_REASONS:
             self.load_failures.labels(reason)
+        for path in LOAD_PATHS:
+            self.loads.labels(path)
 
     def observe(self, output: RequestOutput, load: LoadResult | None) -> None:
         """Count one finished request (``load`` is None when nothing was loaded for it)."""
@@ -110,5 +132,8 @@ class NodeMetrics:
         self.transfer_bytes.inc(load.bytes_moved)
         self.blocks.labels("moved").inc(load.blocks_moved)
         self.blocks.labels("offload").inc(load.blocks_offloaded)
+        self.descriptors.inc(load.descriptors)
+        if load.path in LOAD_PATHS:
+            self.loads.labels(load.path).inc()
         if load.error:
             self.load_failures.labels(failure_reason(load.error)).inc()
