@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.proto.layout import KVLayout
@@ -110,7 +111,8 @@ class VllmWorker:
         self.layout = self.loader.memory.layout
         if self.config.produces:
             self.held.blocks_per_group = {g.name: g.num_blocks for g in layout.groups}
-            self.leases = NamedLeases(self.held)
+            self.leases = NamedLeases(self.held, self.loader.seal)
+            self.loader.listen_for_releases(self.leases.release)
             self.control = serve(
                 self._peer_info(self.layout),
                 self.leases,
@@ -133,6 +135,7 @@ class VllmWorker:
             layout=layout,
             agent_metadata=self.transport.metadata(),
             control_address=self.config.control_address,
+            seal_layout=None if self.loader is None else self.loader.seal_layout,
         )
 
     def _client(self, address: str) -> ControlClient:
@@ -295,8 +298,8 @@ class NamedLeases(LeaseTable):
     """A lease table whose leases for finished requests also answer to the id the scheduler
     chose (decode peers heartbeat and release by that id)."""
 
-    def __init__(self, held: HeldRequests) -> None:
-        super().__init__(held)
+    def __init__(self, held: HeldRequests, seal: SealTable | None = None) -> None:
+        super().__init__(held, seal=seal)
         self._names: dict[LeaseId, LeaseId] = {}
         self._name_of: dict[RequestId, LeaseId] = {}
         self._names_lock = threading.Lock()
@@ -307,6 +310,7 @@ class NamedLeases(LeaseTable):
             ttl_s=order.ttl_s,
             hashes={"self": order.block_hashes},
             request_id=order.request_id,
+            seal_as=order.lease_id,
         )
         with self._names_lock:
             self._names[order.lease_id] = lease.lease_id
