@@ -1,8 +1,8 @@
 """The engine-side connector: everything kvbridge runs inside an inference engine.
 
 ``base`` (the two seams), ``scheduler`` (the one planner both engines use),
-``worker_side`` and ``remote_load`` (the worker half), ``seal_check`` (the
-no-RPC load), ``control`` (leases, seals and the peer control plane),
+``worker_side`` and ``remote_load`` (the worker half), ``control`` (leases,
+lease seals and the peer control plane),
 ``transport`` (the data plane), ``offload`` (clients of the offload daemon)
 and ``vllm`` (the vLLM adapter).
 """

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.seal_check import SealReader
+from kvbridge.connector.control.seal import SealReader
 from kvbridge.kernels import BlockMapping, convert_blocks
 from kvbridge.proto.errors import KVBridgeError, LeaseError, OutOfBlocksError, WireError
 from kvbridge.proto.negotiate import TransferMode

@@ -30,9 +30,8 @@ from kvbridge.connector.base import (
     WorkerConnector,
 )
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import SealTable
+from kvbridge.connector.control.seal import ReleaseListener, SealTable
 from kvbridge.connector.remote_load import ClientFactory, RemoteLoader
-from kvbridge.connector.seal_check import ReleaseListener
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
