@@ -14,6 +14,14 @@ A store's slots are invisible to Lookup/PrepareLoad until CommitStore. Calls
 that hand out slots name the daemon instance from the handshake, so a worker
 never writes into, or reads from, a restarted daemon through a stale link.
 
+Trust: with a token, every call carries it (metadata "kvbridge-token") or is
+refused UNAUTHENTICATED. The handshake names the worker's NIXL agent and
+answers a session id (a secret) that every later call except Lookup and
+Stats carries: a store belongs to the session that prepared it, and
+CommitStore succeeds only for that session, after the daemon received the
+notification STORE_NOTIFY_PREFIX + store_id that the worker's WRITE carries
+(NIXL delivers it once the WRITE completed) from that worker's agent.
+
 Regenerate the committed stubs with `python -m kvbridge.proto.generate`.
 """
 
