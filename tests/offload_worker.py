@@ -38,6 +38,7 @@ class Worker:
         order: str,
         seed: int,
         token: str | None = None,
+        root_cert: bytes | None = None,
     ) -> dict[str, Any]:
         self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
         self.kv = self.layout.allocate()
@@ -51,6 +52,7 @@ class Worker:
             ttl_s=30.0,
             reconnect_backoff_s=0.2,
             token=token,
+            root_cert=root_cert,
         )
         self.client = OffloadClient(config, self.transport, self.memory)
         return {}

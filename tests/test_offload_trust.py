@@ -10,24 +10,28 @@ commit for slots nobody wrote, bytes that are not protobuf.
 from __future__ import annotations
 
 import hashlib
+import shutil
+import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
-from offload_harness import DaemonProc
+from offload_harness import DaemonProc, WorkerProc
 
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
+from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport.base import LocalMemory
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import EngineId
+from kvbridge.proto.types import BlockHash, EngineId
 from kvbridge.worker.engine.config import EngineConfig
 from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.server import OffloadServer, serve
@@ -146,6 +150,66 @@ def test_without_the_token_a_caller_learns_nothing_and_cannot_fix_the_pool_layou
             if c is not None:
                 c.close()
         daemon.stop()
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.slow
+def test_a_worker_with_token_and_tls_stores_and_loads_over_nixl(
+    tls_files: tuple[Path, Path],
+) -> None:
+    cert, key = tls_files
+    worker = WorkerProc("offload-tls")  # starts while the daemon starts
+    daemon: DaemonProc | None = None
+    lookups: list[OffloadLookup] = []
+    try:
+        daemon = DaemonProc(
+            "--capacity", f"{32 * TINY_BLOCK}B", "--token", TOKEN,
+            "--tls-cert", str(cert), "--tls-key", str(key),
+        )  # fmt: skip
+        worker.wait_ready()
+        worker.call(
+            "setup", address=daemon.address, preset="tiny", num_blocks=16, order="block-nhd",
+            seed=5, token=TOKEN, root_cert=cert.read_bytes(),
+        )  # fmt: skip
+        hs = hashes("tls", 4)
+        stored = worker.call("store", ids=[0, 1, 2, 3], hashes=hs)
+        assert (stored["stored"], stored["error"]) == (4, "")
+        original = worker.call("blocks", ids=[0, 1, 2, 3])["blocks"]
+        worker.call("scramble", ids=[0, 1, 2, 3])
+        assert worker.call("load", ids=[0, 1, 2, 3], hashes=hs) == {"ok": True, "loaded": 4,
+                                                                   "error": ""}  # fmt: skip
+        assert worker.call("blocks", ids=[0, 1, 2, 3])["blocks"] == original
+
+        def lookup(**kw: Any) -> int:
+            lookups.append(OffloadLookup(OffloadLookupConfig(daemon.address, **kw)))
+            return lookups[-1].lookup([*map(BlockHash, hs)])
+
+        assert lookup(token=TOKEN, root_cert=cert.read_bytes()) == 4
+        assert lookup(token=TOKEN) == 0  # plaintext to a TLS port: a miss
+        assert lookup(root_cert=cert.read_bytes()) == 0  # no token: a miss
+        worker.call("close")
+    finally:
+        for item in lookups:
+            item.close()
+        worker.stop()
+        if daemon is not None:
+            daemon.stop()
 
 
 # ------------------------------------------------------------------ commit needs the WRITE
