@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
 from kvbridge.connector.transport.base import LocalMemory, PeerLink, TransferHandle
 from kvbridge.proto.layout import KVLayout
@@ -76,6 +77,9 @@ class WorkerTransport:
 
     def metadata(self) -> bytes:
         return b"worker-metadata"
+
+    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
+        return LocalMemory(7, layout.bind(kv), "cpu")
 
     def connect(self, peer: str, md: bytes, remote: KVLayout, local: LocalMemory) -> PeerLink:
         return PeerLink(1, peer, local, remote, negotiate(local.layout, remote).mode, 1, 0.0)
@@ -161,3 +165,25 @@ def test_a_bug_in_the_client_propagates_instead_of_becoming_a_miss(
         monkeypatch.setattr(client, "_call", broken)
         with pytest.raises(TypeError, match="a bug"):
             client.lookup(names(1))
+
+
+def test_the_engines_worker_connector_sends_its_token_to_the_daemon(
+    daemon: tuple[OffloadServer, DaemonTransport],
+) -> None:
+    from kvbridge.connector.worker_side import KVBridgeWorker
+
+    server, transport = daemon
+    config = ConnectorConfig("w", token="t0ken", offload_address=server.address)
+
+    def unused(*args: Any) -> Any:
+        raise AssertionError("no peer is involved")
+
+    worker = KVBridgeWorker(config, WorkerTransport(transport), unused, unused)  # type: ignore[arg-type]
+    try:
+        layout = preset_layout("tiny", num_blocks=8)
+        worker.register_kv_caches(layout.allocate(), layout)
+        assert worker.offload is not None
+        assert worker.offload.store([BlockId(0), BlockId(1)], names(2)).stored == 2
+        assert worker.offload_lookup(names(3)) == 2
+    finally:
+        worker.close()

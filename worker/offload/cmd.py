@@ -160,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout,
     )
+    if config.token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "offload daemon on %s without --token: anyone who reaches the port may store "
+            "and load blocks (set --token or $KVBRIDGE_TOKEN)",
+            args.host,
+        )
     instance = new_instance()
     stop = threading.Event()
 
