@@ -114,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--max-pinned-per-writer",
         type=int,
         default=None,
-        help="blocks one worker may keep pinned by loads (default: half the pool)",
+        help="blocks one worker may keep pinned by loads (default: the whole pool)",
     )
     p.add_argument(
         "--max-sessions", type=int, default=256, help="worker sessions kept (default 256)"

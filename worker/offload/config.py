@@ -49,7 +49,8 @@ class OffloadConfig:
     max_stores_per_writer: int = 64
     """Prepared, not yet committed stores one worker may hold."""
     max_pinned_per_writer: int | None = None
-    """Blocks one worker may keep pinned by loads; None: half the pool."""
+    """Blocks one worker may keep pinned by loads; None: the whole pool (a lone worker may
+    load all of it; with many workers, cap it so none can pin the others' room away)."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:

@@ -237,7 +237,7 @@ class OffloadHandlers:
             layout.block_bytes(GROUP),
             max_pending=self.config.max_pending,
             max_stores_per_writer=self.config.max_stores_per_writer,
-            max_pinned_per_writer=self.config.max_pinned_per_writer or max(1, num_blocks // 2),
+            max_pinned_per_writer=self.config.max_pinned_per_writer,
         )
         self._state = _Pool(info, memory, caches, pool)
         log.info(
