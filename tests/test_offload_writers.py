@@ -52,6 +52,17 @@ def test_only_a_stores_own_writer_and_well_formed_notifications_mark_it() -> Non
     assert marked == [("s" * 32, "agent-a")]
 
 
+def test_a_worker_that_reconnects_in_a_loop_drops_only_its_own_sessions() -> None:
+    sessions = Sessions(max_sessions=4, per_agent=2)
+    other = sessions.open("steady")
+    flapping = [sessions.open("flapping") for _ in range(10)]
+    assert len(sessions) == 3
+    assert sessions.agent(other) == "steady"
+    assert [sessions.agent(s) for s in flapping[-2:]] == ["flapping", "flapping"]
+    with pytest.raises(ControlPlaneError):
+        sessions.agent(flapping[-3])
+
+
 @pytest.mark.parametrize("name", ["", "x" * 129, "tab\there", "é"])
 def test_a_bad_agent_name_is_refused_naming_the_rule(name: str) -> None:
     with pytest.raises(WireError, match="NIXL agent name"):

@@ -48,28 +48,48 @@ def check_agent_name(name: str) -> str:
 
 
 class Sessions:
-    """Session id -> the agent name it was opened for; at most ``max_sessions``."""
+    """Session id -> the agent name it was opened for; at most ``max_sessions`` in all and
+    ``per_agent`` per agent (a worker that reconnects in a loop drops its own old sessions,
+    never another worker's)."""
 
-    def __init__(self, max_sessions: int) -> None:
-        if max_sessions < 1:
-            raise ConfigError(f"max_sessions must be >= 1, got {max_sessions}")
+    def __init__(self, max_sessions: int, per_agent: int = 4) -> None:
+        if max_sessions < 1 or per_agent < 1:
+            raise ConfigError(
+                f"max_sessions ({max_sessions}) and per_agent ({per_agent}) must be >= 1"
+            )
         self._max = max_sessions
+        self._per_agent = per_agent
         self._lock = threading.Lock()
         self._agents: OrderedDict[str, str] = OrderedDict()  # least recently used first
+        self._count: dict[str, int] = {}
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._agents)
 
     def open(self, agent: str) -> str:
-        """A new session for ``agent`` (a checked name); drops the least recently used."""
+        """A new session for ``agent`` (a checked name); drops the least recently used one
+        of that agent if it has ``per_agent``, else of anyone if the table is full."""
         session = secrets.token_hex(16)
         with self._lock:
+            if self._count.get(agent, 0) >= self._per_agent:
+                oldest = next(s for s, a in self._agents.items() if a == agent)
+                self._drop(oldest)
             while len(self._agents) >= self._max:
-                _, name = self._agents.popitem(last=False)
+                name = self._drop(next(iter(self._agents)))
                 log.info("session of %s dropped (more than %d sessions)", name, self._max)
             self._agents[session] = agent
+            self._count[agent] = self._count.get(agent, 0) + 1
         return session
+
+    def _drop(self, session: str) -> str:
+        agent = self._agents.pop(session)
+        left = self._count[agent] - 1
+        if left:
+            self._count[agent] = left
+        else:
+            del self._count[agent]
+        return agent
 
     def agent(self, session: str) -> str:
         """The agent that ``session`` names; FAILED_PRECONDITION if unknown (handshake again)."""
