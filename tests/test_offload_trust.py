@@ -336,11 +336,11 @@ def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
             assert len(w("PrepareStore", req).slots) == 4
             pool = srv.handlers.pool
             assert pool is not None
-            deadline = threading.Event()
+            tick = threading.Event()  # never set: a 50 ms wait between looks
             for _ in range(200):  # the reaper, not a call of ours, expires it
                 if pool.stats().writing_blocks == 0:
                     break
-                deadline.wait(0.05)
+                tick.wait(0.05)
             assert pool.stats().writing_blocks == 0 and pool.stats().expired == 1
             assert pool.pending_of("dead-writer") == (0, 0)
             assert len(w.prepare_store(hashes("y", 4)).slots) == 4
