@@ -118,6 +118,7 @@ class KVBridgeWorker(WorkerConnector):
                 OffloadClientConfig(
                     address=self.config.offload_address,
                     engine_id=self.config.engine_id,
+                    token=self.config.token,
                     transfer_timeout_s=timeout,
                     ttl_s=max(2 * timeout, self.config.lease_ttl_s),
                 ),

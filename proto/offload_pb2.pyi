@@ -14,6 +14,15 @@ A store's slots are invisible to Lookup/PrepareLoad until CommitStore. Calls
 that hand out slots name the daemon instance from the handshake, so a worker
 never writes into, or reads from, a restarted daemon through a stale link.
 
+Trust: with a token, every call carries it (metadata "kvbridge-token") or is
+refused UNAUTHENTICATED. The handshake names the worker's NIXL agent and
+answers a session id (a secret) that every later call except Lookup and
+Stats carries. Stores and loads belong to the session's agent: only it
+commits, aborts or completes them, and CommitStore succeeds only after the
+daemon received the notification "kvbridge-offload-store:<store_id>" that
+the worker's WRITE carries (NIXL delivers it once the WRITE completed) from
+that agent.
+
 Regenerate the committed stubs with `python -m kvbridge.proto.generate`.
 """
 
@@ -38,16 +47,20 @@ class OffloadHandshakeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PEER_FIELD_NUMBER: _builtins.int
+    AGENT_NAME_FIELD_NUMBER: _builtins.int
+    agent_name: _builtins.str
+    """the worker's NIXL agent name (its WRITE notifications' sender)"""
     @_builtins.property
     def peer(self) -> _control_pb2.PeerInfo: ...
     def __init__(
         self,
         *,
         peer: _control_pb2.PeerInfo | None = ...,
+        agent_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["peer", b"peer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer", b"peer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_name", b"agent_name", "peer", b"peer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -62,11 +75,14 @@ class OffloadHandshakeResponse(_message.Message):
     MODE_REASON_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     CAPACITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     mode: _control_pb2.TransferMode.ValueType
     mode_reason: _builtins.str
     instance: _builtins.str
     """changes on every daemon start"""
     capacity_blocks: _builtins.int
+    session: _builtins.str
+    """this worker's session id: send it with every store and load"""
     @_builtins.property
     def peer(self) -> _control_pb2.PeerInfo:
         """the daemon: engine_id is its NIXL agent name"""
@@ -79,10 +95,11 @@ class OffloadHandshakeResponse(_message.Message):
         mode_reason: _builtins.str = ...,
         instance: _builtins.str = ...,
         capacity_blocks: _builtins.int = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["peer", b"peer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "instance", b"instance", "mode", b"mode", "mode_reason", b"mode_reason", "peer", b"peer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_blocks", b"capacity_blocks", "instance", b"instance", "mode", b"mode", "mode_reason", b"mode_reason", "peer", b"peer", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -141,10 +158,12 @@ class PrepareStoreRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     instance: _builtins.str
     tp_rank: _builtins.int
     ttl_ms: _builtins.int
     """0: the daemon's default; capped by its maximum"""
+    session: _builtins.str
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -154,10 +173,11 @@ class PrepareStoreRequest(_message.Message):
         tp_rank: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         ttl_ms: _builtins.int = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "instance", b"instance", "tp_rank", b"tp_rank", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "instance", b"instance", "session", b"session", "tp_rank", b"tp_rank", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -209,15 +229,19 @@ class CommitStoreRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STORE_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     store_id: _builtins.str
+    session: _builtins.str
+    """the session that prepared the store"""
     def __init__(
         self,
         *,
         store_id: _builtins.str = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["store_id", b"store_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -247,15 +271,18 @@ class AbortStoreRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STORE_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     store_id: _builtins.str
+    session: _builtins.str
     def __init__(
         self,
         *,
         store_id: _builtins.str = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["store_id", b"store_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -289,9 +316,11 @@ class PrepareLoadRequest(_message.Message):
     TP_RANK_FIELD_NUMBER: _builtins.int
     HASHES_FIELD_NUMBER: _builtins.int
     TTL_MS_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     instance: _builtins.str
     tp_rank: _builtins.int
     ttl_ms: _builtins.int
+    session: _builtins.str
     @_builtins.property
     def hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -301,10 +330,11 @@ class PrepareLoadRequest(_message.Message):
         tp_rank: _builtins.int = ...,
         hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         ttl_ms: _builtins.int = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "instance", b"instance", "tp_rank", b"tp_rank", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hashes", b"hashes", "instance", b"instance", "session", b"session", "tp_rank", b"tp_rank", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -344,15 +374,18 @@ class CompleteLoadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LOAD_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
     load_id: _builtins.str
+    session: _builtins.str
     def __init__(
         self,
         *,
         load_id: _builtins.str = ...,
+        session: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_id", b"load_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_id", b"load_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,15 @@ A store's slots are invisible to Lookup/PrepareLoad until CommitStore. Calls
 that hand out slots name the daemon instance from the handshake, so a worker
 never writes into, or reads from, a restarted daemon through a stale link.
 
+Trust: with a token, every call carries it (metadata "kvbridge-token") or is
+refused UNAUTHENTICATED. The handshake names the worker's NIXL agent and
+answers a session id (a secret) that every later call except Lookup and
+Stats carries. Stores and loads belong to the session's agent: only it
+commits, aborts or completes them, and CommitStore succeeds only after the
+daemon received the notification "kvbridge-offload-store:<store_id>" that
+the worker's WRITE carries (NIXL delivers it once the WRITE completed) from
+that agent.
+
 Regenerate the committed stubs with `python -m kvbridge.proto.generate`.
 """
 

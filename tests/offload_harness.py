@@ -56,8 +56,9 @@ class DaemonProc:
                 self.banner = line
                 break
             if not line:
+                log = self.log()  # before stop() closes it
                 self.stop()
-                raise AssertionError(f"offload daemon did not start: {self.log()}")
+                raise AssertionError(f"offload daemon did not start: {log}")
 
     def log(self) -> str:
         self.stderr.seek(0)

@@ -17,6 +17,7 @@ import torch
 from transport_peer import block_bytes, fill, read_frame, write_frame
 
 from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
+from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.presets import preset_layout
@@ -30,7 +31,14 @@ class Worker:
         self.client: OffloadClient | None = None
 
     def op_setup(
-        self, address: str, preset: str, num_blocks: int, order: str, seed: int
+        self,
+        address: str,
+        preset: str,
+        num_blocks: int,
+        order: str,
+        seed: int,
+        token: str | None = None,
+        root_cert: bytes | None = None,
     ) -> dict[str, Any]:
         self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
         self.kv = self.layout.allocate()
@@ -43,6 +51,8 @@ class Worker:
             transfer_timeout_s=15.0,
             ttl_s=30.0,
             reconnect_backoff_s=0.2,
+            token=token,
+            root_cert=root_cert,
         )
         self.client = OffloadClient(config, self.transport, self.memory)
         return {}
@@ -70,12 +80,16 @@ class Worker:
         resp = client._call(
             "PrepareStore",
             pb.PrepareStoreRequest(
-                instance=session.instance, hashes=hashes, ttl_ms=round(ttl_s * 1000)
+                instance=session.instance,
+                hashes=hashes,
+                ttl_ms=round(ttl_s * 1000),
+                session=session.session,
             ),
         )
         local = [ids[i] for i in resp.indices]
-        client._transfer("write", session, local, list(resp.slots))
-        return {"slots": list(resp.slots)}
+        notify = store_notification(resp.store_id)
+        client._transfer("write", session, local, list(resp.slots), notify)
+        return {"slots": list(resp.slots), "store_id": resp.store_id}
 
     def op_blocks(self, ids: list[int]) -> dict[str, Any]:
         return {"blocks": [block_bytes(self.layout, self.kv, "self", b) for b in ids]}

@@ -1,9 +1,10 @@
 """The OffloadStore handlers in process: malformed and out-of-range requests change nothing.
 
-A fake transport stands in for NIXL (the handlers only register the pool and
-export metadata). Hypothesis throws arbitrary requests at every handler; each
-either answers or raises a typed kvbridge error, and a rejected request leaves
-the pool's counters and contents exactly as they were.
+A fake transport stands in for NIXL (the handlers only register the pool,
+export metadata and take in WRITE notifications, which a test hands it).
+Hypothesis throws arbitrary requests at every handler; each either answers
+or raises a typed kvbridge error, and a rejected request leaves the pool's
+counters and contents exactly as they were.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvbridge.connector.control.errors import status_for
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
+from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport.base import LocalMemory
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import KVBridgeError
@@ -34,6 +36,13 @@ class FakeTransport:
     """Registers nothing real; enough for the handlers (which never move data)."""
 
     name = "fake-offload-agent"
+
+    def __init__(self) -> None:
+        self.notifications: dict[str, list[bytes]] = {}
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        out, self.notifications = self.notifications, {}
+        return out
 
     def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
         return LocalMemory(1, layout.bind(kv), "cpu")
@@ -53,15 +62,19 @@ def worker_layout(**kw: Any) -> KVLayout:
 def handlers() -> OffloadHandlers:
     layout = worker_layout()
     config = OffloadConfig(capacity_bytes=BLOCKS * layout.block_bytes())
-    h = OffloadHandlers(FakeTransport(), config, instance="0" * 32)  # type: ignore[arg-type]
+    transport = FakeTransport()
+    h = OffloadHandlers(transport, config, instance="0" * 32)  # type: ignore[arg-type]
     peer = PeerInfo(EngineId("w"), Role.BOTH, layout, b"md")
-    resp = h.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(peer)))
+    resp = h.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(peer), agent_name="w"))
     assert resp.capacity_blocks == BLOCKS
     # some committed content and one pinned load, so there is state to disturb
     hs = [hashlib.sha256(bytes([i])).digest() for i in range(4)]
-    prep = h.prepare_store(pb.PrepareStoreRequest(instance=h.instance, hashes=hs))
-    h.commit_store(pb.CommitStoreRequest(store_id=prep.store_id))
-    h.prepare_load(pb.PrepareLoadRequest(instance=h.instance, hashes=hs[:2]))
+    prep = h.prepare_store(
+        pb.PrepareStoreRequest(instance=h.instance, hashes=hs, session=resp.session)
+    )
+    transport.notifications["w"] = [store_notification(prep.store_id)]
+    h.commit_store(pb.CommitStoreRequest(store_id=prep.store_id, session=resp.session))
+    h.prepare_load(pb.PrepareLoadRequest(instance=h.instance, hashes=hs[:2], session=resp.session))
     return h
 
 
@@ -147,10 +160,10 @@ def test_incompatible_worker_fails_the_handshake_with_the_reason(
     other = preset_layout("small", num_blocks=4)
     peer = PeerInfo(EngineId("w2"), Role.BOTH, other, b"md")
     with pytest.raises(KVBridgeError, match=r"model\.name differs"):
-        handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(peer)))
+        handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(peer), agent_name="w2"))
     hnd = PeerInfo(EngineId("w3"), Role.BOTH, worker_layout(order="block-hnd"), b"md")
     with pytest.raises(KVBridgeError, match="rearrange"):
-        handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(hnd)))
+        handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(hnd), agent_name="w3"))
 
 
 def test_calls_before_any_handshake_are_refused() -> None:

@@ -10,7 +10,9 @@ kvbridge exception.
 ======================================  ======================  =======================
 server raises                           status                  client raises
 ======================================  ======================  =======================
-``WireError``, ``LayoutError``          ``INVALID_ARGUMENT``    ``ControlPlaneError``
+``WireError``, ``LayoutError``,         ``INVALID_ARGUMENT``    ``ControlPlaneError``
+bytes that do not parse
+(:class:`MalformedRequest`)
 ``VersionMismatchError``                ``FAILED_PRECONDITION`` ``VersionMismatchError``
 ``IncompatibleLayoutError``             ``FAILED_PRECONDITION`` ``IncompatibleLayoutError``
 ``LeaseError`` (code ``NOT_FOUND`` or   that code               ``LeaseError``
@@ -48,6 +50,8 @@ __all__ = [
     "error_from_rpc",
     "lease_not_found",
     "call_handler",
+    "MalformedRequest",
+    "lenient_deserializer",
 ]
 
 _log = logging.getLogger(__name__)
@@ -117,13 +121,39 @@ def _code(name: str, default: grpc.StatusCode) -> grpc.StatusCode:
     return code
 
 
+class MalformedRequest:
+    """Stands in for a request whose bytes did not parse (see :func:`lenient_deserializer`)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def lenient_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """``parse``, but bytes it rejects become a :class:`MalformedRequest` instead of an
+    exception (which gRPC would answer ``INTERNAL``), for :func:`call_handler` to refuse."""
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:
+            return MalformedRequest(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+    return deserialize
+
+
 def call_handler(handler: Callable[[Req], Resp], request: Req, context: Any) -> Resp:
     """Run a servicer's handler; map what it raises to a status code and an error kind.
 
     The one place where server-side exceptions become gRPC statuses (every kvbridge
-    servicer calls it); unexpected exceptions are logged and answered INTERNAL.
+    servicer calls it); unexpected exceptions are logged and answered INTERNAL. A
+    request that did not parse (:class:`MalformedRequest`) is answered INVALID_ARGUMENT
+    and never reaches the handler.
     """
     try:
+        if isinstance(request, MalformedRequest):
+            raise WireError(f"malformed request: {request.reason}")
         return handler(request)
     except Exception as exc:
         code, kind, message = status_for(exc)

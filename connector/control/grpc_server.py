@@ -4,10 +4,24 @@ The peer control server expires leases and the offload daemon expires dead
 stores and loads the same way: a daemon thread calls ``reap`` every
 ``reap_interval_s`` while the server runs. :class:`ReapingServer` owns both
 and stops both in ``close()``; the owner then does its own cleanup.
+
+It is also the one place where both servers get the same guards:
+
+- ``token``: :class:`TokenInterceptor` rejects every call without the shared
+  token (metadata :data:`~kvbridge.connector.control.errors.TOKEN_KEY`)
+  before any handler runs; ``credentials`` (:func:`tls_credentials`) serve TLS;
+- malformed request bytes reach the handler as a
+  :class:`~kvbridge.connector.control.errors.MalformedRequest`, which
+  :func:`~kvbridge.connector.control.errors.call_handler` answers
+  ``INVALID_ARGUMENT`` (gRPC itself would answer ``INTERNAL``);
+- idle connections are closed after ``idle_timeout_s``, dead peers are found
+  by keepalive pings, and at most ``max_concurrent_rpcs`` calls run or wait
+  (the rest are refused ``RESOURCE_EXHAUSTED``) on ``max_workers`` threads.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -16,11 +30,63 @@ from typing import Any
 
 import grpc
 
-from kvbridge.proto.errors import ConfigError
+from kvbridge.connector.control.errors import (
+    ERROR_KIND_KEY,
+    TOKEN_KEY,
+    lenient_deserializer,
+    status_for,
+)
+from kvbridge.proto.errors import AuthError, ConfigError
 
-__all__ = ["ReapingServer"]
+__all__ = ["ReapingServer", "TokenInterceptor", "tls_credentials"]
 
 log = logging.getLogger(__name__)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Rejects every call without the shared token before any handler runs (UNAUTHENTICATED,
+    the same answer for every method, so a caller without the token learns nothing)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+        def deny(request: bytes, context: Any) -> None:
+            code, kind, message = status_for(AuthError("missing or wrong kvbridge token"))
+            context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
+            context.abort(code, message)
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                got = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(got, self._token):
+                    return continuation(details)
+        return self._deny
+
+
+class _LenientRequests(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Wraps each unary-unary handler's deserializer with :func:`lenient_deserializer`."""
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None or handler.request_deserializer is None:
+            return handler
+        return grpc.unary_unary_rpc_method_handler(
+            handler.unary_unary,
+            request_deserializer=lenient_deserializer(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+def tls_credentials(cert: bytes | None, key: bytes | None) -> grpc.ServerCredentials | None:
+    """Server TLS credentials from a PEM certificate chain and key; None (plaintext) without."""
+    if (cert is None) != (key is None):
+        raise ConfigError("tls_cert and tls_key go together: give both or neither")
+    if cert is None or key is None:
+        return None
+    return grpc.ssl_server_credentials([(key, cert)])
 
 
 class ReapingServer:
@@ -40,18 +106,31 @@ class ReapingServer:
         interceptors: Sequence[Any] = (),
         max_concurrent_rpcs: int | None = None,
         credentials: grpc.ServerCredentials | None = None,
+        token: str | None = None,
+        idle_timeout_s: float = 300.0,
+        keepalive_s: float = 60.0,
     ) -> None:
+        if idle_timeout_s <= 0 or keepalive_s <= 0:
+            raise ConfigError(
+                f"idle_timeout_s ({idle_timeout_s}) and keepalive_s ({keepalive_s}) must be > 0"
+            )
         self.host = host
         self._reap_fn = reap
         self._interval = reap_interval_s
         self._name = name
+        guards = [] if token is None else [TokenInterceptor(token)]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix=f"kvbridge-{name}"),
-            interceptors=list(interceptors),
+            interceptors=[*guards, *interceptors, _LenientRequests()],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_connection_idle_ms", round(idle_timeout_s * 1000)),
+                ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", round(min(keepalive_s, 20.0) * 1000)),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.max_concurrent_streams", 2 * max_workers),
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )

@@ -12,11 +12,16 @@ in a job pool, like :mod:`kvbridge.connector.worker_side` does):
 - :meth:`OffloadClient.load` — PrepareLoad (pins the cached prefix) → NIXL
   READ into local blocks → CompleteLoad (unpins).
 
-The data moves by NIXL only; gRPC carries ids and hashes. **Nothing raises into
-the engine**: a missing, dead or restarted daemon is a cache miss (``lookup``
-returns 0, ``store``/``load`` return a result with ``error`` set). After a
-failure the client forgets its session and, after ``reconnect_backoff_s``,
-handshakes again on next use. A load whose pin expired before CompleteLoad
+The data moves by NIXL only; gRPC carries ids and hashes. Every call carries
+the shared token (``token``) and the session id the handshake answered; the
+WRITE of a store carries its notification, without which the daemon refuses
+the commit. **A daemon that is unavailable is a cache miss, not an error**: a
+missing, dead, restarted, refusing or misbehaving daemon (RPC, transport and
+typed kvbridge errors) makes ``lookup`` return 0 and ``store``/``load``
+return a result with ``error`` set, logged. Anything else (a bug: a
+``TypeError``, an ``AttributeError``) propagates. After a failure the client
+forgets its session and, after ``reconnect_backoff_s``, handshakes again on
+next use. A load whose pin expired before CompleteLoad
 reports 0 blocks loaded: the engine recomputes rather than decode from
 blocks the daemon may have reused (fail closed).
 """
@@ -27,117 +32,43 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
-from kvbridge.connector.control.types import (
-    ControlLimits,
-    PeerInfo,
-    Role,
-    mode_from_pb,
-    peer_from_pb,
-    peer_to_pb,
+from kvbridge.connector.offload.session import GROUP, Session, checked_slots, handshake
+from kvbridge.connector.offload.types import (
+    OffloadClientConfig,
+    OffloadLoadResult,
+    OffloadStoreResult,
 )
+from kvbridge.connector.offload.wire import call_metadata, open_channel, store_notification
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.errors import (
     ConfigError,
     ControlPlaneError,
-    IncompatibleLayoutError,
     KVBridgeError,
+    LayoutError,
     LeaseError,
+    PeerError,
+    TransferError,
     WireError,
 )
-from kvbridge.proto.negotiate import TransferMode, negotiate
-from kvbridge.proto.types import BlockHash, BlockId, EngineId
+from kvbridge.proto.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
-    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+    from kvbridge.connector.transport.base import LocalMemory, Transport
 
 __all__ = ["OffloadClient", "OffloadClientConfig", "OffloadStoreResult", "OffloadLoadResult"]
 
 log = logging.getLogger(__name__)
 
-GROUP = "self"
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadClientConfig:
-    """How a worker talks to its offload daemon (built once at the edge)."""
-
-    address: str = "127.0.0.1:50060"
-    engine_id: str = "kvbridge-worker"
-    role: Role = Role.BOTH
-    rpc_timeout_s: float = 2.0
-    handshake_timeout_s: float = 60.0
-    """The first handshake may wait while the daemon allocates and registers its pool."""
-    transfer_timeout_s: float = 10.0
-    ttl_s: float = 30.0
-    """How long the daemon keeps a store's slots / a load's pins; > 2x transfer_timeout_s."""
-    reconnect_backoff_s: float = 0.5
-    limits: ControlLimits = field(default_factory=ControlLimits)
-
-    def __post_init__(self) -> None:
-        if not self.address:
-            raise ConfigError("OffloadClientConfig.address must be host:port of the daemon")
-        for knob in ("rpc_timeout_s", "handshake_timeout_s", "transfer_timeout_s", "ttl_s"):
-            if getattr(self, knob) <= 0:
-                raise ConfigError(f"OffloadClientConfig.{knob} must be > 0")
-        if self.ttl_s < 2 * self.transfer_timeout_s:
-            raise ConfigError(
-                f"OffloadClientConfig.ttl_s={self.ttl_s} must be >= 2 x transfer_timeout_s "
-                f"({self.transfer_timeout_s}) so a slot never expires under a transfer"
-            )
-        if self.reconnect_backoff_s < 0:
-            raise ConfigError("OffloadClientConfig.reconnect_backoff_s must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadStoreResult:
-    """What one :meth:`OffloadClient.store` did.
-
-    ``stored``: blocks written and committed; ``skipped``: blocks not written
-    (already held, being written by another worker, or no room);
-    ``evicted``: hashes the daemon dropped to make room. ``error`` is set when
-    the store failed (then ``stored`` is 0 and nothing became visible).
-    """
-
-    stored: int = 0
-    skipped: int = 0
-    evicted: tuple[BlockHash, ...] = ()
-    nbytes: int = 0
-    elapsed_s: float = 0.0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadLoadResult:
-    """What one :meth:`OffloadClient.load` did: ``block_ids[:loaded]`` now hold the blocks
-    of ``hashes[:loaded]``; anything after is untouched or garbage (recompute it)."""
-
-    loaded: int = 0
-    nbytes: int = 0
-    elapsed_s: float = 0.0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return not self.error
-
-
-@dataclass(frozen=True, slots=True)
-class _Session:
-    instance: str
-    daemon: PeerInfo
-    link: PeerLink
+UNAVAILABLE = (ControlPlaneError, TransferError, PeerError, WireError, LayoutError)
+"""What a daemon that is down, restarted, refusing or misbehaving raises (RPC errors arrive
+as ControlPlaneError): a miss. Other exceptions are bugs and propagate."""
 
 
 class OffloadClient:
@@ -150,9 +81,10 @@ class OffloadClient:
         self._transport = transport
         self._local = local
         self._tp_rank = local.layout.tp_rank
+        self._metadata = call_metadata(config.token)
         self._channel, self._stub = self._open_channel()
         self._lock = threading.Lock()
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._retry_at = 0.0
         self._closed = False
 
@@ -173,7 +105,7 @@ class OffloadClient:
             if resp.num_hits > len(hashes):
                 raise WireError(f"Lookup answered {resp.num_hits} hits for {len(hashes)} hashes")
             return int(resp.num_hits)
-        except Exception as exc:
+        except UNAVAILABLE as exc:
             self._failed("lookup", exc)
             return 0
 
@@ -182,8 +114,8 @@ class OffloadClient:
     ) -> OffloadStoreResult:
         """Copy local ``block_ids`` (full blocks named ``hashes``) into the daemon.
 
-        Only blocks the daemon lacks are written. Never raises (except for
-        ``block_ids`` and ``hashes`` of different lengths, a caller bug).
+        Only blocks the daemon lacks are written. An unavailable daemon gives a
+        result with ``error``; caller bugs (lengths that differ) and our own raise.
         """
         _check_lengths(block_ids, hashes)
         if not hashes:
@@ -197,6 +129,7 @@ class OffloadClient:
                 tp_rank=self._tp_rank,
                 hashes=list(hashes),
                 ttl_ms=round(self.config.ttl_s * 1000),
+                session=session.session,
             )
             resp: pb.PrepareStoreResponse = self._call("PrepareStore", req)
             store_id = resp.store_id
@@ -205,12 +138,10 @@ class OffloadClient:
                 return OffloadStoreResult(
                     skipped=len(hashes), evicted=evicted, elapsed_s=time.perf_counter() - t0
                 )
-            indices, slots = self._checked_slots(session, resp.indices, resp.slots, len(hashes))
+            indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
-            self._transfer("write", session, local_ids, slots)
-            commit: pb.CommitStoreResponse = self._call(
-                "CommitStore", pb.CommitStoreRequest(store_id=store_id)
-            )
+            self._transfer("write", session, local_ids, slots, store_notification(store_id))
+            commit = self._commit(session, store_id)
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -220,18 +151,22 @@ class OffloadClient:
                 nbytes=nbytes,
                 elapsed_s=time.perf_counter() - t0,
             )
-        except Exception as exc:
+        except UNAVAILABLE as exc:
             if store_id:
-                self._quietly("AbortStore", pb.AbortStoreRequest(store_id=store_id))
+                self._abort(store_id)
             self._failed("store", exc)
             return OffloadStoreResult(error=_describe(exc), elapsed_s=time.perf_counter() - t0)
+        except BaseException:
+            if store_id:
+                self._abort(store_id)
+            raise
 
     def load(self, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> OffloadLoadResult:
         """Read the daemon's longest cached prefix of ``hashes`` into ``block_ids[:k]``.
 
         Returns ``loaded=k`` only when the READ finished while the daemon still
-        held the pin; otherwise 0 (and ``error``). Never raises (except for a
-        length mismatch, a caller bug).
+        held the pin; otherwise 0 (and ``error``). Caller bugs (a length
+        mismatch) and our own raise.
         """
         _check_lengths(block_ids, hashes)
         if not hashes:
@@ -245,6 +180,7 @@ class OffloadClient:
                 tp_rank=self._tp_rank,
                 hashes=list(hashes),
                 ttl_ms=round(self.config.ttl_s * 1000),
+                session=session.session,
             )
             resp: pb.PrepareLoadResponse = self._call("PrepareLoad", req)
             load_id = resp.load_id
@@ -256,7 +192,7 @@ class OffloadClient:
             session.daemon.layout.check_block_ids(GROUP, slots)
             self._transfer("read", session, list(block_ids[: len(slots)]), slots)
             done: pb.CompleteLoadResponse = self._call(
-                "CompleteLoad", pb.CompleteLoadRequest(load_id=load_id)
+                "CompleteLoad", pb.CompleteLoadRequest(load_id=load_id, session=session.session)
             )
             load_id = ""
             if not done.released:
@@ -266,17 +202,21 @@ class OffloadClient:
                 nbytes=len(slots) * self._local.layout.block_bytes(GROUP),
                 elapsed_s=time.perf_counter() - t0,
             )
-        except Exception as exc:
+        except UNAVAILABLE as exc:
             if load_id:
-                self._quietly("CompleteLoad", pb.CompleteLoadRequest(load_id=load_id))
+                self._complete_quietly(load_id)
             self._failed("load", exc)
             return OffloadLoadResult(error=_describe(exc), elapsed_s=time.perf_counter() - t0)
+        except BaseException:
+            if load_id:
+                self._complete_quietly(load_id)
+            raise
 
     def stats(self) -> dict[str, Any] | None:
         """The daemon's counters as a dict, or None if it cannot be reached."""
         try:
             resp: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
-        except KVBridgeError as exc:
+        except UNAVAILABLE as exc:
             log.debug("offload stats: %s", exc)
             return None
         return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
@@ -307,9 +247,9 @@ class OffloadClient:
 
     def _open_channel(self) -> tuple[grpc.Channel, pb_grpc.OffloadStoreStub]:
         limits = self.config.limits
-        channel = grpc.insecure_channel(
+        channel = open_channel(
             self.config.address,
-            options=[
+            [
                 ("grpc.max_receive_message_length", limits.max_message_bytes),
                 ("grpc.max_send_message_length", limits.max_message_bytes),
                 ("grpc.enable_retries", 0),
@@ -317,10 +257,12 @@ class OffloadClient:
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
+            root_cert=self.config.root_cert,
+            server_name=self.config.server_name,
         )
         return channel, pb_grpc.OffloadStoreStub(channel)
 
-    def _connect(self) -> _Session:
+    def _connect(self) -> Session:
         with self._lock:
             if self._closed:
                 raise ControlPlaneError("the offload client is closed", code="CANCELLED")
@@ -333,68 +275,63 @@ class OffloadClient:
                 self._channel.close()
                 self._channel, self._stub = self._open_channel()
                 self._retry_at = 0.0
-            local = PeerInfo(
-                engine_id=EngineId(self.config.engine_id),
-                role=self.config.role,
-                layout=self._local.layout,
-                agent_metadata=self._transport.metadata(),
-            )
-            req = pb.OffloadHandshakeRequest(peer=peer_to_pb(local))
-            resp: pb.OffloadHandshakeResponse = self._call(
-                "Handshake", req, self.config.handshake_timeout_s
-            )
-            daemon = peer_from_pb(resp.peer, self.config.limits)
-            mode = mode_from_pb(resp.mode)
-            ours = negotiate(self._local.layout, daemon.layout)
-            if ours.mode is not mode or mode is TransferMode.REARRANGE:
-                raise IncompatibleLayoutError(
-                    f"offload daemon negotiated {mode.value}, we computed {ours.mode.value}"
-                )
-            if daemon.role is not Role.OFFLOAD or not resp.instance:
-                raise WireError(f"{self.config.address} is not an offload daemon")
-            link = self._transport.connect(
-                daemon.engine_id, daemon.agent_metadata, daemon.layout, self._local
-            )
-            self._session = _Session(resp.instance, daemon, link)
-            log.info(
-                "offload daemon %s at %s: %s, %d blocks",
-                resp.instance,
-                self.config.address,
-                mode.value,
-                resp.capacity_blocks,
-            )
+            self._session = handshake(self._call, self.config, self._transport, self._local)
             return self._session
 
-    def _checked_slots(
-        self, session: _Session, indices: Sequence[int], slots: Sequence[int], n: int
-    ) -> tuple[list[int], list[int]]:
-        if len(indices) != len(slots) or not slots:
-            raise WireError(f"PrepareStore sent {len(indices)} indices and {len(slots)} slots")
-        if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
-            raise WireError(f"PrepareStore indices are not distinct positions in 0..{n - 1}")
-        if len(set(slots)) != len(slots):
-            raise WireError("PrepareStore gave one slot twice")
-        session.daemon.layout.check_block_ids(GROUP, slots)
-        return list(indices), list(slots)
-
     def _transfer(
-        self, op: str, session: _Session, local_ids: Sequence[int], slots: Sequence[int]
+        self,
+        op: str,
+        session: Session,
+        local_ids: Sequence[int],
+        slots: Sequence[int],
+        notify: bytes | None = None,
     ) -> None:
         post = self._transport.write_blocks if op == "write" else self._transport.read_blocks
         handle = post(
-            session.link, GROUP, local_ids, slots, timeout_s=self.config.transfer_timeout_s
+            session.link,
+            GROUP,
+            local_ids,
+            slots,
+            notify=notify,
+            timeout_s=self.config.transfer_timeout_s,
         )
         try:
             handle.wait()
         finally:
             handle.release()
 
+    def _commit(self, session: Session, store_id: str) -> pb.CommitStoreResponse:
+        """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
+        req = pb.CommitStoreRequest(store_id=store_id, session=session.session)
+        try:
+            resp: pb.CommitStoreResponse = self._call("CommitStore", req)
+        except LeaseError as exc:
+            if exc.code != "FAILED_PRECONDITION":
+                raise
+            log.debug("offload commit refused once, retrying: %s", exc)
+            resp = self._call("CommitStore", req)
+        return resp
+
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         fn = getattr(self._stub, method)
         try:
-            return fn(request, timeout=timeout_s or self.config.rpc_timeout_s)
+            return fn(
+                request, timeout=timeout_s or self.config.rpc_timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(f"{method} {self.config.address}", err) from None
+
+    def _abort(self, store_id: str) -> None:
+        session = self._session
+        if session is not None:
+            req = pb.AbortStoreRequest(store_id=store_id, session=session.session)
+            self._quietly("AbortStore", req)
+
+    def _complete_quietly(self, load_id: str) -> None:
+        session = self._session
+        if session is not None:
+            req = pb.CompleteLoadRequest(load_id=load_id, session=session.session)
+            self._quietly("CompleteLoad", req)
 
     def _quietly(self, method: str, request: Any) -> None:
         try:
@@ -403,8 +340,11 @@ class OffloadClient:
             log.debug("offload %s after a failure: %s", method, exc)
 
     def _failed(self, what: str, exc: Exception) -> None:
-        """Log a failure; unless it was only a lost store/load, forget the session."""
-        if isinstance(exc, LeaseError) and exc.code == "NOT_FOUND":
+        """Log a failure; unless it was only a lost store/load or a full quota, forget the
+        session."""
+        if (isinstance(exc, LeaseError) and exc.code == "NOT_FOUND") or (
+            isinstance(exc, ControlPlaneError) and exc.code == "RESOURCE_EXHAUSTED"
+        ):
             log.info("offload %s: %s", what, exc)
             return
         level = logging.WARNING if self._session is not None else logging.DEBUG

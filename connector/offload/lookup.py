@@ -13,7 +13,9 @@ for long:
   for ``backoff_s`` (a dead daemon costs one deadline per backoff, not one
   per request);
 - before any worker has handshaken, the daemon has no pool and answers
-  ``FAILED_PRECONDITION``: also a miss, logged at debug level.
+  ``FAILED_PRECONDITION``: also a miss, logged at debug level;
+- every call carries the daemon's shared token (``token``), over TLS with
+  ``root_cert`` (:mod:`kvbridge.connector.offload.wire`).
 
 A hit is a hint: the worker's PrepareLoad pins what is really there and the
 load reports what it got; blocks that vanished in between are recomputed.
@@ -43,6 +45,11 @@ class OffloadLookupConfig:
     tp_rank: int = 0
     timeout_s: float = 0.5
     backoff_s: float = 2.0
+    token: str | None = None
+    """The daemon's shared token; None: no auth."""
+    root_cert: bytes | None = None
+    """PEM of the CA of the daemon's TLS certificate; None: plaintext."""
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if not self.address or ":" not in self.address:
@@ -55,24 +62,28 @@ class OffloadLookupConfig:
             raise ConfigError(f"OffloadLookupConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.backoff_s < 0:
             raise ConfigError(f"OffloadLookupConfig.backoff_s must be >= 0, got {self.backoff_s}")
+        if self.token is not None and (not self.token.isascii() or not self.token.isprintable()):
+            raise ConfigError("OffloadLookupConfig.token must be printable ASCII")
 
 
 class OffloadLookup:
     """``lookup(hashes) -> leading hits``; one per scheduler; not thread-safe; close it."""
 
     def __init__(self, config: OffloadLookupConfig) -> None:
-        import grpc
-
+        from kvbridge.connector.offload.wire import call_metadata, open_channel
         from kvbridge.proto import offload_pb2_grpc as pb_grpc
 
         self.config = config
-        self._channel = grpc.insecure_channel(
+        self._metadata = call_metadata(config.token)
+        self._channel = open_channel(
             config.address,
-            options=[
+            [
                 ("grpc.enable_retries", 0),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
+            root_cert=config.root_cert,
+            server_name=config.server_name,
         )
         self._stub: Any = pb_grpc.OffloadStoreStub(self._channel)
         self._retry_at = 0.0
@@ -95,6 +106,7 @@ class OffloadLookup:
                 resp = self._stub.Lookup(
                     pb.LookupRequest(hashes=list(hashes), tp_rank=self.config.tp_rank),
                     timeout=self.config.timeout_s,
+                    metadata=self._metadata,
                 )
             except grpc.RpcError as err:
                 raise error_from_rpc(f"Lookup {self.config.address}", err) from None

@@ -17,7 +17,8 @@ adapter passes plain values.
                          node (default: ``--served-model-name``, i.e. the model path)
 ``hash_seed``            block-hash seed, equal on every node (default ``""``)
 ``hash_algorithm``       ``sha256`` (default) or ``xxh3_128``
-``token``                shared control-plane token
+``token``                shared token of the control plane and of the offload daemon
+                         (``kvbridge offload serve --token``)
 ``lease_ttl_s``          how long prefill holds blocks for decode (default 30)
 ``load_timeout_s``       deadline of one READ (default 10)
 ``max_concurrent_loads`` parallel READs (default 1: see docs/VLLM.md, "Known issues")

@@ -158,8 +158,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             )
 
     def _offload_lookup(self) -> OffloadLookup | None:
-        address = self._cfg.connector.offload_address
-        return OffloadLookup(OffloadLookupConfig(address)) if address else None
+        cc = self._cfg.connector
+        address = cc.offload_address
+        return OffloadLookup(OffloadLookupConfig(address, token=cc.token)) if address else None
 
     # ----- worker side ---------------------------------------------------------------------
     @property

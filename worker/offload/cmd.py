@@ -1,8 +1,10 @@
 """``kvbridge offload serve``: run the per-node CPU offload daemon until Ctrl-C/SIGTERM.
 
 The daemon owns one NIXL agent, a host pool of ``--capacity`` bytes (allocated
-and registered once, in the layout of the first worker that connects unless
-``--preset`` fixes it at start) and the ``OffloadStore`` gRPC service. With
+and registered once, in the layout of the first authenticated worker that
+connects unless ``--model`` fixes it at start) and the ``OffloadStore`` gRPC
+service, which takes the control plane's ``--token`` (default
+``$KVBRIDGE_TOKEN``) and ``--tls-cert``/``--tls-key``. With
 ``--metrics-port`` it also serves Prometheus metrics on ``/metrics``.
 Defaults run on one machine: loopback, a free port, printed on start.
 """
@@ -11,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
-__all__ = ["add_parser", "parse_bytes", "run", "main"]
+if TYPE_CHECKING:
+    from kvbridge.proto.layout import KVLayout
+
+__all__ = ["add_parser", "daemon_layout", "parse_bytes", "run", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +64,6 @@ def parse_bytes(text: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``offload`` (with its ``serve`` subcommand) to the ``kvbridge`` command."""
     from kvbridge.proto.layout import ORDERS
-    from kvbridge.proto.presets import PRESETS
 
     offload = sub.add_parser("offload", help="the per-node CPU offload daemon")
     offload_sub = offload.add_subparsers(dest="offload_command", metavar="SUBCOMMAND")
@@ -76,13 +83,48 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
     )
     p.add_argument(
+        "--model",
         "--preset",
-        choices=sorted(PRESETS),
-        help="allocate the pool at start for this model (default: at the first handshake, "
-        "in that worker's layout)",
+        dest="preset",
+        metavar="NAME",
+        help="allocate the pool at start for this model: a `kvbridge serve --model` name "
+        "(tiny, small, share-tiny, encdec-tiny; with --seed) or a layout preset (llama3-8b, "
+        "encdec-small, kv-share-third, kv-share-every2); default: at the first "
+        "authenticated handshake, in that worker's layout",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --preset")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size with --preset")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size with --model")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the engine's --seed with a `kvbridge serve` model"
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVBRIDGE_TOKEN"),
+        help="shared auth token every call must carry (default: $KVBRIDGE_TOKEN; none)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--max-stores-per-writer",
+        type=int,
+        default=64,
+        help="prepared, uncommitted stores one worker may hold (default 64)",
+    )
+    p.add_argument(
+        "--max-pinned-per-writer",
+        type=int,
+        default=None,
+        help="blocks one worker may keep pinned by loads (default: the whole pool)",
+    )
+    p.add_argument(
+        "--max-sessions", type=int, default=256, help="worker sessions kept (default 256)"
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=300.0,
+        help="close client connections idle this many seconds (default 300)",
+    )
     p.add_argument(
         "--order",
         help=f"pool order: one of {', '.join(ORDERS)} (default: block-outermost with the "
@@ -96,14 +138,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run(args: argparse.Namespace) -> int:
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
     from kvbridge.proto.layout import parse_order
-    from kvbridge.proto.presets import preset_layout
     from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.offload.metrics import offload_registry
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     layout = None
     if args.preset is not None:
-        layout = preset_layout(args.preset, block_size=args.block_size, tp_size=args.tp_size)
+        layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
     config = OffloadConfig(
         capacity_bytes=parse_bytes(args.capacity),
         host=args.host,
@@ -112,12 +153,25 @@ def run(args: argparse.Namespace) -> int:
         order=None if args.order is None else parse_order(args.order),
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
+        token=args.token or None,
+        tls_cert=_read(args.tls_cert, "--tls-cert"),
+        tls_key=_read(args.tls_key, "--tls-key"),
+        max_stores_per_writer=args.max_stores_per_writer,
+        max_pinned_per_writer=args.max_pinned_per_writer,
+        max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout,
     )
     metrics_config = (
         None
         if args.metrics_port is None
         else MetricsServerConfig(host=args.host, port=args.metrics_port)
     )
+    if config.token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "offload daemon on %s without --token: anyone who reaches the port may store "
+            "and load blocks (set --token or $KVBRIDGE_TOKEN)",
+            args.host,
+        )
     instance = new_instance()
     stop = threading.Event()
 
@@ -150,6 +204,34 @@ def run(args: argparse.Namespace) -> int:
             metrics.close()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def daemon_layout(name: str, block_size: int, tp_size: int, seed: int) -> KVLayout:
+    """The pool's template layout for ``--model NAME``: a `kvbridge serve --model` name maps
+    to that engine's layout (its model id includes the seed), else a layout preset."""
+    from kvbridge.proto.errors import ConfigError
+    from kvbridge.proto.presets import PRESETS, preset_layout
+    from kvbridge.worker.engine.config import ENGINE_PRESETS, EngineConfig
+
+    if name in ENGINE_PRESETS:
+        if tp_size != 1:
+            raise ConfigError(f"--tp-size {tp_size}: the reference engine ({name}) runs tp_size 1")
+        return EngineConfig.preset(name, block_size=block_size, seed=seed).layout()
+    if name in PRESETS:
+        return preset_layout(name, block_size=block_size, tp_size=tp_size)
+    names = ", ".join([*ENGINE_PRESETS, *(n for n in PRESETS if n not in ENGINE_PRESETS)])
+    raise ConfigError(f"--model {name!r} is not one of {names}")
+
+
+def _read(path: str | None, flag: str) -> bytes | None:
+    from kvbridge.proto.errors import ConfigError
+
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path!r}: {exc.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

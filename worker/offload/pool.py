@@ -19,6 +19,13 @@ Slot states:
 
 Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head
 slices of a block of the same name.
+
+Every store and load belongs to a **writer** (the daemon's name for an
+authenticated worker session, see :mod:`kvbridge.worker.offload.writers`):
+only that writer commits, aborts or completes it, a store commits only after
+:meth:`HostPool.mark_written` (its WRITE completed), and each writer holds at
+most ``max_stores_per_writer`` prepared stores and ``max_pinned_per_writer``
+pinned blocks.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvbridge.proto.errors import ConfigError, LeaseError
+from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
+from kvbridge.worker.offload.stats import OffloadStats
 
 __all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
 
@@ -65,37 +73,14 @@ class PreparedLoad:
 
 
 @dataclass(slots=True)
-class OffloadStats:
-    """Counters since the daemon started (a snapshot is a copy)."""
-
-    capacity_blocks: int = 0
-    block_bytes: int = 0
-    cached_blocks: int = 0
-    pinned_blocks: int = 0
-    writing_blocks: int = 0
-    hits: int = 0
-    misses: int = 0
-    stored_blocks: int = 0
-    stored_bytes: int = 0
-    loaded_blocks: int = 0
-    loaded_bytes: int = 0
-    evicted_blocks: int = 0
-    evicted_bytes: int = 0
-    aborted_stores: int = 0
-    expired: int = 0
-    store_seconds_sum: float = 0.0
-    store_count: int = 0
-    load_seconds_sum: float = 0.0
-    load_count: int = 0
-
-
-@dataclass(slots=True)
 class _Pending:
     slots: list[BlockId]
     keys: list[BlockHash]
     started: float
     expires_at: float
-    done: set[BlockHash] = field(default_factory=set)
+    writer: str = ""
+    written: bool = False
+    """A store: its writer's WRITE-completion notification arrived."""
 
 
 class HostPool:
@@ -108,11 +93,17 @@ class HostPool:
         *,
         clock: Callable[[], float] = time.monotonic,
         max_pending: int = 4096,
+        max_stores_per_writer: int = 64,
+        max_pinned_per_writer: int | None = None,
     ) -> None:
         if block_bytes < 1:
             raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
         if max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
+        if max_stores_per_writer < 1:
+            raise ConfigError(f"max_stores_per_writer must be >= 1, got {max_stores_per_writer}")
+        if max_pinned_per_writer is not None and max_pinned_per_writer < 1:
+            raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned_per_writer}")
         self._evicted: list[BlockHash] = []
         self._pool = BlockPool(num_blocks, on_evict=lambda h, _b: self._evicted.append(h))
         self._block_bytes = block_bytes
@@ -123,6 +114,10 @@ class HostPool:
         self._stores: dict[str, _Pending] = {}
         self._loads: dict[str, _Pending] = {}
         self._pinned = 0
+        self._max_stores_per_writer = max_stores_per_writer
+        self._max_pinned_per_writer = max_pinned_per_writer or num_blocks
+        self._writer_stores: dict[str, int] = {}  # writer -> prepared stores
+        self._writer_pins: dict[str, int] = {}  # writer -> pinned blocks
         self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
 
     @property
@@ -173,16 +168,39 @@ class HostPool:
             assert len({b for p in self._stores.values() for b in p.slots}) == writing
             assert writing + len({b for p in self._loads.values() for b in p.slots}) <= referenced
             assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
+            stores: dict[str, int] = {}
+            pins: dict[str, int] = {}
+            for p in self._stores.values():
+                stores[p.writer] = stores.get(p.writer, 0) + 1
+            for p in self._loads.values():
+                pins[p.writer] = pins.get(p.writer, 0) + len(p.slots)
+            assert stores == self._writer_stores, (stores, self._writer_stores)
+            assert pins == self._writer_pins, (pins, self._writer_pins)
+
+    def pending_of(self, writer: str) -> tuple[int, int]:
+        """``(prepared stores, pinned blocks)`` that ``writer`` holds now."""
+        with self._lock:
+            return self._writer_stores.get(writer, 0), self._writer_pins.get(writer, 0)
 
     # ---------------------------------------------------------------- mutations
 
-    def prepare_store(self, keys: Sequence[BlockHash], ttl_s: float) -> PreparedStore:
+    def prepare_store(
+        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
+    ) -> PreparedStore:
         """Take slots for the keys neither cached nor being written, in order, while room lasts.
 
         Evicts least recently used unpinned blocks as needed; returns their keys.
+        Raises ``RESOURCE_EXHAUSTED`` when ``writer`` already holds its cap of stores.
         """
         self._expire()
         with self._lock:
+            held = self._writer_stores.get(writer, 0)
+            if held >= self._max_stores_per_writer:
+                raise ControlPlaneError(
+                    f"this worker holds {held} prepared stores, the daemon's "
+                    "max_stores_per_writer: commit or abort some first",
+                    code="RESOURCE_EXHAUSTED",
+                )
             seen: set[BlockHash] = set()
             wanted: list[int] = []
             for i, key in enumerate(keys):
@@ -199,7 +217,8 @@ class HostPool:
             store_id = secrets.token_hex(16)
             now = self._clock()
             chosen = [keys[i] for i in wanted]
-            self._stores[store_id] = _Pending(list(slots), chosen, now, now + ttl_s)
+            self._stores[store_id] = _Pending(list(slots), chosen, now, now + ttl_s, writer)
+            self._writer_stores[writer] = held + 1
             for key in chosen:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
@@ -208,13 +227,36 @@ class HostPool:
             store_id, tuple(wanted), tuple(slots), tuple(k[2:] for k in evicted), ttl_s
         )
 
-    def commit_store(self, store_id: str) -> int:
-        """Publish a store's blocks (they become visible and evictable); returns how many."""
+    def mark_written(self, store_id: str, writer: str) -> bool:
+        """Record that ``writer``'s WRITE into the store completed; False (nothing changes)
+        if the store is unknown or belongs to another writer."""
+        with self._lock:
+            pending = self._stores.get(store_id)
+            if pending is None or pending.writer != writer:
+                return False
+            pending.written = True
+            return True
+
+    def commit_store(self, store_id: str, writer: str = "") -> int:
+        """Publish a store's blocks (they become visible and evictable); returns how many.
+
+        Only ``writer``, the store's own, may commit it, and only once its WRITE was
+        marked done (:meth:`mark_written`); otherwise this raises and changes nothing.
+        """
         self._expire()
         with self._lock:
-            pending = self._stores.pop(store_id, None)
-            if pending is None:
+            pending = self._stores.get(store_id)
+            if pending is None or pending.writer != writer:
                 raise _lease_gone("store", store_id)
+            if not pending.written:
+                err = LeaseError(
+                    f"store {store_id!r} has no completed WRITE yet: WRITE its slots with the "
+                    "store's notification, then commit"
+                )
+                err.code = "FAILED_PRECONDITION"
+                raise err
+            del self._stores[store_id]
+            self._forget_store(pending)
             for slot, key in zip(pending.slots, pending.keys, strict=True):
                 del self._writing[key]
                 cached = self._pool.cache_block(slot, key)
@@ -227,39 +269,61 @@ class HostPool:
             self._stats.store_count += 1
         return n
 
-    def abort_store(self, store_id: str) -> bool:
-        """Free a store's slots unpublished; False if it was unknown or already finished."""
+    def abort_store(self, store_id: str, writer: str = "") -> bool:
+        """Free a store's slots unpublished; False if it was unknown, already finished, or
+        ``writer``'s not."""
         self._expire()
         with self._lock:
-            pending = self._stores.pop(store_id, None)
-            if pending is None:
+            pending = self._stores.get(store_id)
+            if pending is None or pending.writer != writer:
                 return False
+            del self._stores[store_id]
             self._drop_store(pending)
             self._stats.aborted_stores += 1
         return True
 
-    def prepare_load(self, keys: Sequence[BlockHash], ttl_s: float) -> PreparedLoad:
-        """Pin the committed prefix of ``keys`` until :meth:`complete_load` or expiry."""
+    def prepare_load(
+        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
+    ) -> PreparedLoad:
+        """Pin the committed prefix of ``keys`` until :meth:`complete_load` or expiry.
+
+        ``writer`` pins at most ``max_pinned_per_writer`` blocks at once: a longer
+        hit is cut to the room left; none left raises ``RESOURCE_EXHAUSTED``.
+        """
         self._expire()
         with self._lock:
             hits = self._pool.lookup_prefix(keys)
             self._count_lookup(len(hits), len(keys))
             if not hits or len(self._loads) >= self._max_pending:
                 return PreparedLoad("", (), 0.0)
+            held = self._writer_pins.get(writer, 0)
+            room = self._max_pinned_per_writer - held
+            if room <= 0:
+                raise ControlPlaneError(
+                    f"this worker pins {held} blocks, the daemon's max_pinned_per_writer: "
+                    "complete some loads first",
+                    code="RESOURCE_EXHAUSTED",
+                )
+            hits = hits[:room]
             self._pool.touch(hits)
             self._pinned += len(hits)
+            self._writer_pins[writer] = held + len(hits)
             load_id = secrets.token_hex(16)
             now = self._clock()
-            self._loads[load_id] = _Pending(list(hits), list(keys[: len(hits)]), now, now + ttl_s)
+            self._loads[load_id] = _Pending(
+                list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer
+            )
         return PreparedLoad(load_id, tuple(hits), ttl_s)
 
-    def complete_load(self, load_id: str) -> bool:
-        """Unpin a load's blocks (they move to the most recently used end); False if gone."""
+    def complete_load(self, load_id: str, writer: str = "") -> bool:
+        """Unpin a load's blocks (they move to the most recently used end); False if gone
+        or ``writer``'s not."""
         self._expire()
         with self._lock:
-            pending = self._loads.pop(load_id, None)
-            if pending is None:
+            pending = self._loads.get(load_id)
+            if pending is None or pending.writer != writer:
                 return False
+            del self._loads[load_id]
             self._unpin(pending)
             n = len(pending.slots)
             self._stats.loaded_blocks += n
@@ -281,6 +345,8 @@ class HostPool:
                 self._unpin(pending)
             self._stores.clear()
             self._loads.clear()
+            self._writer_stores.clear()
+            self._writer_pins.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -302,14 +368,27 @@ class HostPool:
         for key in pending.keys:
             del self._writing[key]
         self._pool.free(pending.slots)
+        self._forget_store(pending)
+
+    def _forget_store(self, pending: _Pending) -> None:
+        _decrement(self._writer_stores, pending.writer, 1)
 
     def _unpin(self, pending: _Pending) -> None:
         self._pool.free(pending.slots)
         self._pinned -= len(pending.slots)
+        _decrement(self._writer_pins, pending.writer, len(pending.slots))
 
     def _count_lookup(self, hits: int, asked: int) -> None:
         self._stats.hits += hits
         self._stats.misses += asked - hits
+
+
+def _decrement(counts: dict[str, int], writer: str, n: int) -> None:
+    left = counts[writer] - n
+    if left:
+        counts[writer] = left
+    else:
+        del counts[writer]  # no entry per idle writer: the maps stay as small as the work
 
 
 def _lease_gone(what: str, ident: str) -> LeaseError:

@@ -1,0 +1,100 @@
+"""A worker's session with its offload daemon: the handshake and what it proves.
+
+Used by :class:`~kvbridge.connector.offload.client.OffloadClient` (worker
+process). The handshake sends our layout, NIXL metadata and agent name; the
+daemon answers its own, its instance id and our session id. We check the
+answer (it is an offload daemon, we agree on the transfer mode) and link our
+transport to its pool. Slots the daemon hands out later are checked against
+its layout here before they can reach NIXL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.connector.control.types import (
+    PeerInfo,
+    Role,
+    mode_from_pb,
+    peer_from_pb,
+    peer_to_pb,
+)
+from kvbridge.proto import offload_pb2 as pb
+from kvbridge.proto.errors import IncompatibleLayoutError, WireError
+from kvbridge.proto.negotiate import TransferMode, negotiate
+from kvbridge.proto.types import EngineId
+
+if TYPE_CHECKING:
+    from kvbridge.connector.offload.types import OffloadClientConfig
+    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+
+__all__ = ["GROUP", "Session", "checked_slots", "handshake"]
+
+log = logging.getLogger(__name__)
+
+GROUP = "self"
+"""The only group the daemon holds."""
+
+Call = Callable[[str, Any, float | None], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    instance: str
+    """The daemon's instance id (new on every daemon start)."""
+    session: str
+    """Our session id: every store and load call carries it."""
+    daemon: PeerInfo
+    link: PeerLink
+
+
+def handshake(
+    call: Call, config: OffloadClientConfig, transport: Transport, local: LocalMemory
+) -> Session:
+    """Handshake through ``call`` (the client's RPC), check the answer, link to the pool."""
+    info = PeerInfo(
+        engine_id=EngineId(config.engine_id),
+        role=config.role,
+        layout=local.layout,
+        agent_metadata=transport.metadata(),
+    )
+    agent = getattr(transport, "name", None)
+    req = pb.OffloadHandshakeRequest(
+        peer=peer_to_pb(info), agent_name=agent if isinstance(agent, str) else config.engine_id
+    )
+    resp: pb.OffloadHandshakeResponse = call("Handshake", req, config.handshake_timeout_s)
+    daemon = peer_from_pb(resp.peer, config.limits)
+    mode = mode_from_pb(resp.mode)
+    ours = negotiate(local.layout, daemon.layout)
+    if ours.mode is not mode or mode is TransferMode.REARRANGE:
+        raise IncompatibleLayoutError(
+            f"offload daemon negotiated {mode.value}, we computed {ours.mode.value}"
+        )
+    if daemon.role is not Role.OFFLOAD or not resp.instance or not resp.session:
+        raise WireError(f"{config.address} is not an offload daemon")
+    link = transport.connect(daemon.engine_id, daemon.agent_metadata, daemon.layout, local)
+    log.info(
+        "offload daemon %s at %s: %s, %d blocks",
+        resp.instance,
+        config.address,
+        mode.value,
+        resp.capacity_blocks,
+    )
+    return Session(resp.instance, resp.session, daemon, link)
+
+
+def checked_slots(
+    session: Session, indices: Sequence[int], slots: Sequence[int], n: int
+) -> tuple[list[int], list[int]]:
+    """PrepareStore's ``(indices, slots)`` for ``n`` hashes, checked before any WRITE."""
+    if len(indices) != len(slots) or not slots:
+        raise WireError(f"PrepareStore sent {len(indices)} indices and {len(slots)} slots")
+    if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
+        raise WireError(f"PrepareStore indices are not distinct positions in 0..{n - 1}")
+    if len(set(slots)) != len(slots):
+        raise WireError("PrepareStore gave one slot twice")
+    session.daemon.layout.check_block_ids(GROUP, slots)
+    return list(indices), list(slots)

@@ -1,0 +1,403 @@
+"""The offload daemon fails closed against forged, stale and hostile callers.
+
+A real daemon process (``kvbridge offload serve`` via ``python -m``) or a real
+gRPC server on loopback over a fake transport (the handlers never move data;
+a test hands the transport the WRITE notifications NIXL would deliver).
+Attackers are plain gRPC clients: no token, another worker's session, a
+commit for slots nobody wrote, bytes that are not protobuf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from offload_harness import DaemonProc, WorkerProc
+
+from kvbridge.connector.control.errors import TOKEN_KEY
+from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
+from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.offload.wire import store_notification
+from kvbridge.connector.transport.base import LocalMemory
+from kvbridge.proto import offload_pb2 as pb
+from kvbridge.proto import offload_pb2_grpc as pb_grpc
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.presets import preset_layout
+from kvbridge.proto.types import BlockHash, EngineId
+from kvbridge.worker.engine.config import EngineConfig
+from kvbridge.worker.offload.config import OffloadConfig
+from kvbridge.worker.offload.server import OffloadServer, serve
+
+TINY_BLOCK = 2 * 4 * 16 * 2 * 32 * 4  # tiny preset: 2 x 4 layers x 16 tokens x 2 heads x 32 x fp32
+TOKEN = "s3cret-token"
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+class FakeTransport:
+    """Registers nothing real; delivers the notifications a test puts in ``notifications``."""
+
+    name = "fake-offload-agent"
+
+    def __init__(self) -> None:
+        self.notifications: dict[str, list[bytes]] = {}
+        self.lock = threading.Lock()
+
+    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
+        return LocalMemory(1, layout.bind(kv), "cpu")
+
+    def unregister(self, memory: LocalMemory) -> None:
+        pass
+
+    def metadata(self) -> bytes:
+        return b"fake-metadata"
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        with self.lock:
+            out, self.notifications = self.notifications, {}
+        return out
+
+    def notify(self, agent: str, message: bytes) -> None:
+        with self.lock:
+            self.notifications.setdefault(agent, []).append(message)
+
+
+class Caller:
+    """A plain gRPC client of the daemon: whatever a worker, or an attacker, can send."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub: Any = pb_grpc.OffloadStoreStub(self.channel)
+        self.metadata = () if token is None else ((TOKEN_KEY, token),)
+        self.session = ""
+        self.instance = ""
+
+    def __call__(self, method: str, request: Any) -> Any:
+        return getattr(self.stub, method)(request, timeout=20, metadata=self.metadata)
+
+    def handshake(self, layout: KVLayout, agent: str) -> pb.OffloadHandshakeResponse:
+        peer = PeerInfo(EngineId(agent), Role.BOTH, layout, b"md")
+        req = pb.OffloadHandshakeRequest(peer=peer_to_pb(peer), agent_name=agent)
+        resp = self("Handshake", req)
+        self.session, self.instance = resp.session, resp.instance
+        return resp
+
+    def prepare_store(self, hs: list[bytes]) -> pb.PrepareStoreResponse:
+        req = pb.PrepareStoreRequest(instance=self.instance, hashes=hs, session=self.session)
+        return self("PrepareStore", req)
+
+    def commit(self, store_id: str) -> pb.CommitStoreResponse:
+        return self("CommitStore", pb.CommitStoreRequest(store_id=store_id, session=self.session))
+
+    def lookup(self, hs: list[bytes]) -> int:
+        return int(self("Lookup", pb.LookupRequest(hashes=hs)).num_hits)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def code_of(call: Callable[..., Any], *args: Any) -> grpc.StatusCode:
+    """The status code ``call(*args)`` fails with (it must fail)."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args)
+    code: grpc.StatusCode = info.value.code()
+    return code
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[OffloadServer, FakeTransport]]:
+    transport = FakeTransport()
+    config = OffloadConfig(capacity_bytes=32 * TINY_BLOCK, commit_wait_s=0.2)
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        yield srv, transport
+
+
+def tiny() -> KVLayout:
+    return preset_layout("tiny", num_blocks=16)
+
+
+# ------------------------------------------------------------------------------ token
+
+
+@pytest.mark.slow
+def test_without_the_token_a_caller_learns_nothing_and_cannot_fix_the_pool_layout() -> None:
+    daemon = DaemonProc("--capacity", f"{32 * TINY_BLOCK}B", "--token", TOKEN)
+    anonymous, wrong, worker = Caller(daemon.address), Caller(daemon.address, "nope"), None
+    try:
+        small = preset_layout("small", num_blocks=4)
+        unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+        for attacker in (anonymous, wrong):
+            assert code_of(attacker.handshake, small, "x") == unauthenticated
+            assert code_of(attacker.lookup, hashes("p", 2)) == unauthenticated
+            assert code_of(attacker, "Stats", pb.StatsRequest()) == unauthenticated
+        # the first *authenticated* worker fixes the layout: the anonymous "small" did not
+        worker = Caller(daemon.address, TOKEN)
+        resp = worker.handshake(tiny(), "worker-a")
+        assert resp.capacity_blocks == 32 and resp.session
+        assert worker.lookup(hashes("p", 2)) == 0
+    finally:
+        for c in (anonymous, wrong, worker):
+            if c is not None:
+                c.close()
+        daemon.stop()
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.slow
+def test_a_worker_with_token_and_tls_stores_and_loads_over_nixl(
+    tls_files: tuple[Path, Path],
+) -> None:
+    cert, key = tls_files
+    worker = WorkerProc("offload-tls")  # starts while the daemon starts
+    daemon: DaemonProc | None = None
+    lookups: list[OffloadLookup] = []
+    try:
+        daemon = DaemonProc(
+            "--capacity", f"{32 * TINY_BLOCK}B", "--token", TOKEN,
+            "--tls-cert", str(cert), "--tls-key", str(key),
+        )  # fmt: skip
+        worker.wait_ready()
+        worker.call(
+            "setup", address=daemon.address, preset="tiny", num_blocks=16, order="block-nhd",
+            seed=5, token=TOKEN, root_cert=cert.read_bytes(),
+        )  # fmt: skip
+        hs = hashes("tls", 4)
+        stored = worker.call("store", ids=[0, 1, 2, 3], hashes=hs)
+        assert (stored["stored"], stored["error"]) == (4, "")
+        original = worker.call("blocks", ids=[0, 1, 2, 3])["blocks"]
+        worker.call("scramble", ids=[0, 1, 2, 3])
+        assert worker.call("load", ids=[0, 1, 2, 3], hashes=hs) == {"ok": True, "loaded": 4,
+                                                                   "error": ""}  # fmt: skip
+        assert worker.call("blocks", ids=[0, 1, 2, 3])["blocks"] == original
+
+        def lookup(**kw: Any) -> int:
+            lookups.append(OffloadLookup(OffloadLookupConfig(daemon.address, **kw)))
+            return lookups[-1].lookup([*map(BlockHash, hs)])
+
+        assert lookup(token=TOKEN, root_cert=cert.read_bytes()) == 4
+        assert lookup(token=TOKEN) == 0  # plaintext to a TLS port: a miss
+        assert lookup(root_cert=cert.read_bytes()) == 0  # no token: a miss
+        worker.call("close")
+    finally:
+        for item in lookups:
+            item.close()
+        worker.stop()
+        if daemon is not None:
+            daemon.stop()
+
+
+# ------------------------------------------------------------------ commit needs the WRITE
+
+
+def test_a_commit_for_slots_nobody_wrote_is_refused_and_publishes_nothing(
+    server: tuple[OffloadServer, FakeTransport],
+) -> None:
+    srv, _ = server
+    attacker = Caller(srv.address)
+    try:
+        attacker.handshake(tiny(), "attacker")
+        popular = hashes("popular-prompt", 4)
+        prep = attacker.prepare_store(popular)
+        assert prep.store_id and len(prep.slots) == 4
+        assert code_of(attacker.commit, prep.store_id) == grpc.StatusCode.FAILED_PRECONDITION
+        assert attacker.lookup(popular) == 0
+        stats = attacker("Stats", pb.StatsRequest())
+        assert (stats.cached_blocks, stats.stored_blocks) == (0, 0)
+    finally:
+        attacker.close()
+
+
+def test_a_second_worker_cannot_commit_or_abort_another_workers_store(
+    server: tuple[OffloadServer, FakeTransport],
+) -> None:
+    srv, transport = server
+    a, b = Caller(srv.address), Caller(srv.address)
+    try:
+        a.handshake(tiny(), "worker-a")
+        b.handshake(tiny(), "worker-b")
+        hs = hashes("a", 3)
+        prep = a.prepare_store(hs)
+        # b even sends "a's" notification from its own agent: not a's WRITE
+        transport.notify("worker-b", store_notification(prep.store_id))
+        assert code_of(b.commit, prep.store_id) == grpc.StatusCode.NOT_FOUND
+        abort = pb.AbortStoreRequest(store_id=prep.store_id, session=b.session)
+        assert not b("AbortStore", abort).aborted
+        assert a.lookup(hs) == 0
+        assert a("Stats", pb.StatsRequest()).writing_blocks == 3
+        # a's own WRITE completes: a commits
+        transport.notify("worker-a", store_notification(prep.store_id))
+        assert a.commit(prep.store_id).committed == 3
+        assert b.lookup(hs) == 3
+    finally:
+        a.close()
+        b.close()
+
+
+# --------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.slow
+def test_the_pool_layout_comes_from_the_daemons_model_flag() -> None:
+    daemon = DaemonProc("--capacity", f"{32 * TINY_BLOCK}B", "--model", "tiny", "--seed", "3")
+    same, other = Caller(daemon.address), Caller(daemon.address)
+    try:
+        engine = EngineConfig.preset("tiny", seed=3).layout()  # what `kvbridge serve` registers
+        assert same.handshake(engine, "worker-a").capacity_blocks == 32
+        bigger = EngineConfig.preset("small").layout()
+        with pytest.raises(grpc.RpcError) as info:
+            other.handshake(bigger, "worker-b")
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = info.value.details()
+        assert engine.model.name in details and bigger.model.name in details, details
+    finally:
+        same.close()
+        other.close()
+        daemon.stop()
+
+
+# ------------------------------------------------------------------------ bounded state
+
+
+def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None:
+    transport = FakeTransport()
+    config = OffloadConfig(
+        capacity_bytes=32 * TINY_BLOCK, max_stores_per_writer=2, max_pinned_per_writer=3
+    )
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        greedy, other = Caller(srv.address), Caller(srv.address)
+        try:
+            greedy.handshake(tiny(), "greedy")
+            other.handshake(tiny(), "other")
+            first = greedy.prepare_store(hashes("s0", 1))
+            greedy.prepare_store(hashes("s1", 1))
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert code_of(greedy.prepare_store, hashes("s2", 1)) == exhausted
+            assert other.prepare_store(hashes("o", 1)).store_id  # others are not starved
+            abort = pb.AbortStoreRequest(store_id=first.store_id, session=greedy.session)
+            assert greedy("AbortStore", abort).aborted
+            assert greedy.prepare_store(hashes("s3", 1)).store_id  # the quota came back
+            # pins: a 4-block hit is cut to the 3 the writer may pin, then nothing more
+            hs = hashes("cached", 4)
+            prep = other.prepare_store(hs)
+            transport.notify("other", store_notification(prep.store_id))
+            assert other.commit(prep.store_id).committed == 4
+            load = pb.PrepareLoadRequest(
+                instance=greedy.instance, hashes=hs, session=greedy.session
+            )
+            assert len(greedy("PrepareLoad", load).slots) == 3
+            assert code_of(greedy, "PrepareLoad", load) == exhausted
+            other_load = pb.PrepareLoadRequest(
+                instance=other.instance, hashes=hs, session=other.session
+            )
+            assert len(other("PrepareLoad", other_load).slots) == 3
+        finally:
+            greedy.close()
+            other.close()
+
+
+def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
+    transport = FakeTransport()
+    config = OffloadConfig(
+        capacity_bytes=4 * TINY_BLOCK, max_stores_per_writer=1, reap_interval_s=0.05
+    )
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        w = Caller(srv.address)
+        try:
+            w.handshake(tiny(), "dead-writer")
+            req = pb.PrepareStoreRequest(
+                instance=w.instance, hashes=hashes("x", 4), session=w.session, ttl_ms=100
+            )
+            assert len(w("PrepareStore", req).slots) == 4
+            pool = srv.handlers.pool
+            assert pool is not None
+            tick = threading.Event()  # never set: a 50 ms wait between looks
+            for _ in range(200):  # the reaper, not a call of ours, expires it
+                if pool.stats().writing_blocks == 0:
+                    break
+                tick.wait(0.05)
+            assert pool.stats().writing_blocks == 0 and pool.stats().expired == 1
+            assert pool.pending_of("dead-writer") == (0, 0)
+            assert len(w.prepare_store(hashes("y", 4)).slots) == 4
+            pool.check()
+        finally:
+            w.close()
+
+
+def test_the_daemon_closes_idle_connections() -> None:
+    transport = FakeTransport()
+    config = OffloadConfig(capacity_bytes=4 * TINY_BLOCK, idle_timeout_s=0.3)
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        c = Caller(srv.address)
+        states: list[grpc.ChannelConnectivity] = []
+        idle = threading.Event()
+
+        def seen(state: grpc.ChannelConnectivity) -> None:
+            states.append(state)
+            if state is grpc.ChannelConnectivity.IDLE and grpc.ChannelConnectivity.READY in states:
+                idle.set()
+
+        try:
+            c("Stats", pb.StatsRequest())
+            c.channel.subscribe(seen)
+            assert idle.wait(20), f"the connection was never closed: {states}"
+        finally:
+            c.channel.unsubscribe(seen)
+            c.close()
+
+
+# ---------------------------------------------------------------------------- malformed
+
+
+GARBAGE = b"\x0a\xff\xff\xff\xff\x0f"  # a length-delimited field far longer than the message
+
+
+def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_daemon(
+    server: tuple[OffloadServer, FakeTransport],
+) -> None:
+    srv, _ = server
+    with grpc.insecure_channel(srv.address) as channel:
+        for method in ("Handshake", "Lookup", "CommitStore"):
+            raw = channel.unary_unary(f"/kvbridge.proto.OffloadStore/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                raw(GARBAGE, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_control_server() -> None:
+    from test_control_server import start_cluster, stop_cluster
+
+    c = start_cluster(preset_layout("tiny", num_blocks=8))
+    try:
+        with grpc.insecure_channel(c.server.address) as channel:
+            raw = channel.unary_unary("/kvbridge.proto.PeerControl/Pin")
+            with pytest.raises(grpc.RpcError) as info:
+                raw(GARBAGE, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    finally:
+        stop_cluster(c)

@@ -1,0 +1,106 @@
+"""``OffloadConfig``: the offload daemon's settings, and the pool layout they imply.
+
+Built once at the edge (``kvbridge offload serve`` flags) and validated here;
+read by the daemon's handlers and its gRPC server
+(:mod:`kvbridge.worker.offload.server`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvbridge.connector.control.types import ControlLimits
+from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.layout import KVLayout, parse_order
+
+__all__ = ["GROUP", "OffloadConfig", "pool_layout"]
+
+GROUP = "self"
+"""The only group the daemon holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """The offload daemon's settings (built once at the edge: ``kvbridge offload serve``)."""
+
+    capacity_bytes: int = 8 << 30
+    host: str = "127.0.0.1"
+    port: int = 0
+    layout: KVLayout | None = None
+    """Allocate the pool at start in this layout (block counts ignored); None: at the first
+    (authenticated) handshake, in that worker's layout."""
+    order: tuple[str, ...] | None = None
+    """Pool order; None: block-outermost with the (first) worker's inner order."""
+    token: str | None = None
+    """Shared token every call must carry (metadata ``kvbridge-token``); None: no auth."""
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    default_ttl_s: float = 30.0
+    max_ttl_s: float = 300.0
+    reap_interval_s: float = 0.5
+    commit_wait_s: float = 1.0
+    """How long CommitStore waits for the writer's WRITE notification before refusing."""
+    max_workers: int = 8
+    max_concurrent_rpcs: int = 256
+    idle_timeout_s: float = 300.0
+    """Close a client connection idle this long (it reconnects on its next call)."""
+    max_pending: int = 4096
+    max_sessions: int = 256
+    max_stores_per_writer: int = 64
+    """Prepared, not yet committed stores one worker may hold."""
+    max_pinned_per_writer: int | None = None
+    """Blocks one worker may keep pinned by loads; None: the whole pool (a lone worker may
+    load all of it; with many workers, cap it so none can pin the others' room away)."""
+    limits: ControlLimits = field(default_factory=ControlLimits)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 1:
+            raise ConfigError(f"capacity_bytes must be >= 1, got {self.capacity_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
+        if self.order is not None:
+            parse_order(self.order)
+        if self.token is not None and (
+            not self.token or not self.token.isascii() or not self.token.isprintable()
+        ):
+            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+            raise ConfigError(
+                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s})"
+            )
+        for knob in ("reap_interval_s", "idle_timeout_s"):
+            if getattr(self, knob) <= 0:
+                raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
+        if self.commit_wait_s < 0:
+            raise ConfigError(f"commit_wait_s must be >= 0, got {self.commit_wait_s}")
+        for knob in (
+            "max_workers",
+            "max_concurrent_rpcs",
+            "max_pending",
+            "max_sessions",
+            "max_stores_per_writer",
+        ):
+            if getattr(self, knob) < 1:
+                raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")
+        if self.max_pinned_per_writer is not None and self.max_pinned_per_writer < 1:
+            raise ConfigError(
+                f"max_pinned_per_writer must be >= 1, got {self.max_pinned_per_writer}"
+            )
+
+
+def pool_layout(template: KVLayout, config: OffloadConfig) -> KVLayout:
+    """The daemon's pool layout for workers like ``template``, sized by the capacity."""
+    order = config.order or ("B", "L", "KV", *template.inner_order)
+    one = {g.name: 1 for g in template.groups}
+    probe = replace(template, tp_rank=0, regions=(), _cache={}).with_order(order)
+    probe = probe.with_num_blocks(**one)
+    block_bytes = probe.block_bytes(GROUP)
+    num_blocks = config.capacity_bytes // block_bytes
+    if num_blocks < 1:
+        raise ConfigError(
+            f"capacity of {config.capacity_bytes} bytes holds no {block_bytes}-byte block of "
+            f"{template.model.name}; raise --capacity"
+        )
+    return probe.with_num_blocks(**{GROUP: num_blocks})

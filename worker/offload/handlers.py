@@ -1,0 +1,316 @@
+"""The offload daemon's ``OffloadStore`` logic over a NIXL-registered host pool.
+
+Runs in the per-node offload daemon (``kvbridge offload serve``).
+:class:`OffloadHandlers` does the work on protobuf messages and raises typed
+kvbridge errors; :mod:`kvbridge.worker.offload.server` is the gRPC shim around
+it (as in :mod:`kvbridge.connector.control.server`).
+
+The host memory is allocated and registered with NIXL **once**: at start if
+the config names a layout, else at the first handshake (with a token: the
+first *authenticated* one; the gRPC server refuses the others), in the layout of that
+worker (same model, block size and TP size; block-outermost with the worker's
+inner order unless configured otherwise), sized by ``capacity_bytes``. Later
+workers must be compatible with it (``WHOLE_BLOCK`` or ``PER_SPAN``) or their
+handshake fails with the reason. Only the ``self`` group is offloaded.
+
+Workers move the bytes with NIXL (WRITE into the slots of a prepared store,
+READ from the slots of a prepared load); nothing but ids and hashes crosses
+gRPC. Stores and loads belong to the worker session that made them, and a
+store commits only after its writer's WRITE notification arrived
+(:mod:`kvbridge.worker.offload.writers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvbridge.connector.control.types import (
+    PeerInfo,
+    Role,
+    check_hash,
+    check_lease_id,
+    mode_to_pb,
+    peer_from_pb,
+    peer_to_pb,
+)
+from kvbridge.proto import offload_pb2 as pb
+from kvbridge.proto.errors import (
+    ConfigError,
+    ControlPlaneError,
+    IncompatibleLayoutError,
+    LeaseError,
+    WireError,
+)
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.negotiate import TransferMode, negotiate
+from kvbridge.proto.types import BlockHash, EngineId
+from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
+from kvbridge.worker.offload.pool import HostPool, OffloadStats, pool_key
+from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.connector.transport.base import LocalMemory, Transport
+
+__all__ = ["OffloadHandlers", "stats_to_pb"]
+
+log = logging.getLogger(__name__)
+
+NOTIFY_POLL_S = 0.002
+"""How often CommitStore looks for its WRITE notification while it waits."""
+
+
+@dataclass(slots=True)
+class _Pool:
+    info: PeerInfo
+    memory: LocalMemory
+    caches: dict[str, torch.Tensor]
+    pool: HostPool
+
+
+class OffloadHandlers:
+    """``OffloadStore`` logic on protobuf messages; knows nothing of gRPC.
+
+    Every method validates ids, counts and sizes first and changes no state
+    when it raises. Thread-safe: the pool locks itself; setup holds a lock.
+    """
+
+    def __init__(self, transport: Transport, config: OffloadConfig, *, instance: str) -> None:
+        self.transport = transport
+        self.config = config
+        self.instance = instance
+        self._setup_lock = threading.Lock()
+        self._state: _Pool | None = None
+        self.sessions = Sessions(config.max_sessions)
+        if config.layout is not None:
+            self._create(config.layout)
+
+    @property
+    def pool(self) -> HostPool | None:
+        state = self._state
+        return None if state is None else state.pool
+
+    def caches(self) -> dict[str, torch.Tensor] | None:
+        """The pool's tensors (tests inspect them); None before the first handshake."""
+        state = self._state
+        return None if state is None else state.caches
+
+    def handshake(self, request: pb.OffloadHandshakeRequest) -> pb.OffloadHandshakeResponse:
+        if not request.HasField("peer"):
+            raise WireError("handshake carries no peer info")
+        remote = peer_from_pb(request.peer, self.config.limits)
+        agent = check_agent_name(request.agent_name)
+        with self._setup_lock:
+            if self._state is None:
+                self._create(remote.layout)
+        state = self._ready()
+        result = negotiate(state.info.layout, remote.layout)
+        if result.mode in (TransferMode.INCOMPATIBLE, TransferMode.REARRANGE):
+            ours, theirs = state.info.layout, remote.layout
+            raise IncompatibleLayoutError(
+                f"worker {remote.engine_id} ({_describe(theirs)}) cannot use offload daemon "
+                f"{state.info.engine_id} ({_describe(ours)}): {result.mode.value}: "
+                f"{result.reason}"
+            )
+        session = self.sessions.open(agent)
+        log.info("handshake from %s (agent %s): %s", remote.engine_id, agent, result.mode.value)
+        return pb.OffloadHandshakeResponse(
+            peer=peer_to_pb(state.info),
+            mode=mode_to_pb(result.mode),  # type: ignore[arg-type]
+            mode_reason=result.reason,
+            instance=self.instance,
+            capacity_blocks=state.pool.num_blocks,
+            session=session,
+        )
+
+    def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        state = self._ready()
+        hashes = request.hashes
+        self._keys(state, request.tp_rank, ())  # checks the rank
+        self._check_hashes(hashes)
+        prefix = pool_key(request.tp_rank, b"")
+        # keys are built lazily: only the cached prefix and one miss are ever looked at
+        keys = (BlockHash(prefix + h) for h in hashes)
+        return pb.LookupResponse(num_hits=state.pool.lookup(keys, len(hashes)))
+
+    def prepare_store(self, request: pb.PrepareStoreRequest) -> pb.PrepareStoreResponse:
+        state = self._ready()
+        self._check_instance(request.instance)
+        writer = self.sessions.agent(request.session)
+        keys = self._keys(state, request.tp_rank, request.hashes)
+        ttl_s = self._ttl(request.ttl_ms)
+        prepared = state.pool.prepare_store(keys, ttl_s, writer)
+        return pb.PrepareStoreResponse(
+            store_id=prepared.store_id,
+            indices=prepared.indices,
+            slots=prepared.slots,
+            evicted=prepared.evicted,
+            expires_in_ms=round(prepared.expires_in_s * 1000),
+        )
+
+    def commit_store(self, request: pb.CommitStoreRequest) -> pb.CommitStoreResponse:
+        """Publish the caller's store once its WRITE notification arrived (waiting up to
+        ``commit_wait_s`` for it); refuse another session's store or one nobody wrote."""
+        state = self._ready()
+        store_id = check_lease_id(request.store_id)
+        writer = self.sessions.agent(request.session)
+        deadline = time.monotonic() + self.config.commit_wait_s
+        while True:
+            self._collect(state)
+            try:
+                return pb.CommitStoreResponse(committed=state.pool.commit_store(store_id, writer))
+            except LeaseError as exc:
+                if exc.code != "FAILED_PRECONDITION" or time.monotonic() >= deadline:
+                    raise
+            time.sleep(NOTIFY_POLL_S)
+
+    def abort_store(self, request: pb.AbortStoreRequest) -> pb.AbortStoreResponse:
+        state = self._ready()
+        store_id = check_lease_id(request.store_id)
+        writer = self.sessions.agent(request.session)
+        return pb.AbortStoreResponse(aborted=state.pool.abort_store(store_id, writer))
+
+    def prepare_load(self, request: pb.PrepareLoadRequest) -> pb.PrepareLoadResponse:
+        state = self._ready()
+        self._check_instance(request.instance)
+        writer = self.sessions.agent(request.session)
+        keys = self._keys(state, request.tp_rank, request.hashes)
+        ttl_s = self._ttl(request.ttl_ms)
+        prepared = state.pool.prepare_load(keys, ttl_s, writer)
+        return pb.PrepareLoadResponse(
+            load_id=prepared.load_id,
+            slots=prepared.slots,
+            expires_in_ms=round(prepared.expires_in_s * 1000),
+        )
+
+    def complete_load(self, request: pb.CompleteLoadRequest) -> pb.CompleteLoadResponse:
+        state = self._ready()
+        load_id = check_lease_id(request.load_id)
+        writer = self.sessions.agent(request.session)
+        return pb.CompleteLoadResponse(released=state.pool.complete_load(load_id, writer))
+
+    def stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
+        return stats_to_pb(self.snapshot(), self.instance)
+
+    def snapshot(self) -> OffloadStats:
+        """Current counters (all zero before the pool exists)."""
+        state = self._state
+        return OffloadStats() if state is None else state.pool.stats()
+
+    def expire(self) -> int:
+        """The reaper's tick: take in WRITE notifications, drop expired stores and loads."""
+        state = self._state
+        if state is None:
+            return 0
+        self._collect(state)
+        return state.pool.expire()
+
+    def close(self) -> None:
+        """Drop pending stores/loads and unregister the pool (the transport stays open)."""
+        with self._setup_lock:
+            state, self._state = self._state, None
+        if state is not None:
+            state.pool.close()
+            self.transport.unregister(state.memory)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _create(self, template: KVLayout) -> None:
+        layout = pool_layout(template, self.config)
+        caches = layout.allocate()
+        memory = self.transport.register(layout, caches)
+        info = PeerInfo(
+            engine_id=EngineId(self._agent_name()),
+            role=Role.OFFLOAD,
+            layout=memory.layout,
+            agent_metadata=self.transport.metadata(),
+        )
+        num_blocks = layout.group(GROUP).num_blocks
+        pool = HostPool(
+            num_blocks,
+            layout.block_bytes(GROUP),
+            max_pending=self.config.max_pending,
+            max_stores_per_writer=self.config.max_stores_per_writer,
+            max_pinned_per_writer=self.config.max_pinned_per_writer,
+        )
+        self._state = _Pool(info, memory, caches, pool)
+        log.info(
+            "offload pool: %d blocks of %d bytes (%s, %s)",
+            pool.num_blocks,
+            pool.block_bytes,
+            layout.model.name,
+            " ".join(layout.order),
+        )
+
+    def _agent_name(self) -> str:
+        name = getattr(self.transport, "name", None)
+        if not isinstance(name, str):
+            raise ConfigError("the offload daemon's transport must have a NIXL agent name")
+        return name
+
+    def _collect(self, state: _Pool) -> None:
+        route_notifications(self.transport.poll_notifications(), state.pool.mark_written)
+
+    def _ready(self) -> _Pool:
+        state = self._state
+        if state is None:
+            raise ControlPlaneError(
+                "the offload pool does not exist yet: call Handshake first",
+                code="FAILED_PRECONDITION",
+            )
+        return state
+
+    def _check_instance(self, instance: str) -> None:
+        if instance != self.instance:
+            raise ControlPlaneError(
+                f"this is offload daemon instance {self.instance}, not {instance[:64]!r} "
+                "(it restarted): handshake again",
+                code="FAILED_PRECONDITION",
+            )
+
+    def _keys(self, state: _Pool, tp_rank: int, hashes: Sequence[bytes]) -> list[BlockHash]:
+        tp_size = state.info.layout.tp_size
+        if not 0 <= tp_rank < tp_size:
+            raise WireError(f"tp_rank {tp_rank} is outside the pool's tp_size {tp_size}")
+        self._check_hashes(hashes)
+        prefix = pool_key(tp_rank, b"")
+        return [BlockHash(prefix + h) for h in hashes]
+
+    def _check_hashes(self, hashes: Sequence[bytes]) -> None:
+        limits = self.config.limits
+        cap = limits.max_hashes_per_group
+        if len(hashes) > cap:
+            raise WireError(f"{len(hashes)} hashes exceed the {cap} accepted in one call")
+        if hashes:
+            lengths = set(map(len, hashes))
+            if min(lengths) < limits.min_hash_bytes or max(lengths) > limits.max_hash_bytes:
+                bad = next(
+                    h
+                    for h in hashes
+                    if len(h) not in range(limits.min_hash_bytes, limits.max_hash_bytes + 1)
+                )
+                check_hash(bad, limits)  # raises WireError naming the size
+
+    def _ttl(self, ttl_ms: int) -> float:
+        if ttl_ms == 0:
+            return self.config.default_ttl_s
+        return min(ttl_ms / 1000, self.config.max_ttl_s)
+
+
+def _describe(layout: KVLayout) -> str:
+    return (
+        f"model {layout.model.name}, block_size {layout.block_size}, tp_size {layout.tp_size}, "
+        f"order {' '.join(layout.order)}"
+    )
+
+
+def stats_to_pb(stats: OffloadStats, instance: str) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        instance=instance, **{k: getattr(stats, k) for k in OffloadStats.__slots__}
+    )
