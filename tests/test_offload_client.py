@@ -87,6 +87,9 @@ class WorkerTransport:
     def disconnect(self, link: PeerLink) -> None:
         pass
 
+    def unregister(self, memory: LocalMemory) -> None:
+        pass
+
     def write_blocks(
         self, link: PeerLink, group: str, local: Sequence[int], remote: Sequence[int], **kw: Any
     ) -> TransferHandle:
