@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.fresh import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,17 +20,15 @@ def test_importing_the_contract_loads_no_heavy_or_gpu_code() -> None:
         "print([m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'nixl', 'nixl_cu12', 'grpc', 'cupy', 'ucxx')])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    out = run_python(code)
+    assert out.strip() == "[]"
 
 
 def test_no_top_level_proto_or_kernels_module_is_installed() -> None:
     names = ("proto", "kernels", "connector", "worker")
     code = f"import importlib.util as u; print([n for n in {names} if u.find_spec(n)])"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
-    )
-    assert out.stdout.strip() == "[]"
+    out = run_python(code, cwd="/")
+    assert out.strip() == "[]"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,8 +40,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_layout_command_prints_both_orders_byte_math() -> None:
     out = run_cli("layout", "--preset", "llama3-8b")
     assert out.returncode == 0, out.stderr
-    assert "block 2 MiB = 1 descriptor(s) of 2 MiB" in out.stdout
-    assert "block 2 MiB = 64 descriptor(s) of 32 KiB" in out.stdout
+    assert "block 2 MiB = 1 descriptor(s) of 2 MiB" in out
+    assert "block 2 MiB = 64 descriptor(s) of 32 KiB" in out
 
 
 def test_cli_errors_say_what_to_do() -> None:
@@ -53,7 +53,7 @@ def test_cli_errors_say_what_to_do() -> None:
 @pytest.mark.parametrize("cmd", [[], ["layout"], ["bench"], ["bench", "hash"], ["version"]])
 def test_every_command_has_help(cmd: list[str]) -> None:
     out = run_cli(*cmd, "--help")
-    assert out.returncode == 0 and "usage:" in out.stdout
+    assert out.returncode == 0 and "usage:" in out
 
 
 def test_bench_hash_writes_json_with_the_32k_figure(tmp_path: Path) -> None:
