@@ -65,7 +65,7 @@ def test_serve_control_help() -> None:
         text=True,
     )
     assert out.returncode == 0
-    assert "--tls-cert" in out and "--token-file" in out
+    assert "--tls-cert" in out.stdout and "--token-file" in out.stdout
 
 
 def test_a_served_control_plane_answers_health_from_another_process(tmp_path: Path) -> None:

@@ -40,8 +40,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_layout_command_prints_both_orders_byte_math() -> None:
     out = run_cli("layout", "--preset", "llama3-8b")
     assert out.returncode == 0, out.stderr
-    assert "block 2 MiB = 1 descriptor(s) of 2 MiB" in out
-    assert "block 2 MiB = 64 descriptor(s) of 32 KiB" in out
+    assert "block 2 MiB = 1 descriptor(s) of 2 MiB" in out.stdout
+    assert "block 2 MiB = 64 descriptor(s) of 32 KiB" in out.stdout
 
 
 def test_cli_errors_say_what_to_do() -> None:
@@ -53,7 +53,7 @@ def test_cli_errors_say_what_to_do() -> None:
 @pytest.mark.parametrize("cmd", [[], ["layout"], ["bench"], ["bench", "hash"], ["version"]])
 def test_every_command_has_help(cmd: list[str]) -> None:
     out = run_cli(*cmd, "--help")
-    assert out.returncode == 0 and "usage:" in out
+    assert out.returncode == 0 and "usage:" in out.stdout
 
 
 def test_bench_hash_writes_json_with_the_32k_figure(tmp_path: Path) -> None:

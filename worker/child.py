@@ -218,6 +218,11 @@ class ChildProcess:
                 raise LaunchError(f"{self.name} (pid {self.proc.pid}) did not stop in 10s")
             time.sleep(0.005)
 
+    def terminate(self) -> None:
+        """Ask it to end (SIGTERM) without waiting; :meth:`close` waits."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
     def kill(self) -> None:
         """End it abruptly (also when stopped) and reap it."""
         if self.proc.poll() is None:
