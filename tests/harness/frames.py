@@ -14,14 +14,14 @@ import os
 import struct
 import sys
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 import msgpack
 
 MAX_FRAME = 1 << 30
 
 
-def read_frame(stream: BinaryIO) -> Any:
+def read_frame(stream: IO[bytes]) -> Any:
     """The next frame's object, or ``None`` at end of stream."""
     head = stream.read(4)
     if len(head) < 4:
@@ -34,7 +34,7 @@ def read_frame(stream: BinaryIO) -> Any:
     return msgpack.unpackb(body, raw=False)
 
 
-def write_frame(stream: BinaryIO, obj: Any) -> None:
+def write_frame(stream: IO[bytes], obj: Any) -> None:
     body = msgpack.packb(obj, use_bin_type=True)
     stream.write(struct.pack(">I", len(body)) + body)
     stream.flush()
