@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.proto import KVBridgeError
 from kvbridge.worker import ChildProcess, LaunchError, json_object, listening_on
 
 
@@ -28,8 +29,9 @@ def test_ready_info_is_the_json_of_the_ready_line_after_other_output() -> None:
 def test_a_child_that_exits_before_ready_raises_with_its_stderr() -> None:
     code = "import sys; sys.stderr.write('no config here\\n'); sys.exit(3)"
     child = ChildProcess(python(code), name="broken")
-    with pytest.raises(LaunchError, match=r"(?s)broken exited with 3.*no config here"):
+    with pytest.raises(LaunchError, match=r"(?s)broken exited with 3.*no config here") as info:
         child.wait_ready(30)
+    assert isinstance(info.value, KVBridgeError) and isinstance(info.value, RuntimeError)
     assert child.poll() == 3
 
 

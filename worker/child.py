@@ -42,8 +42,9 @@ ReadyTest = Callable[[str], "dict[str, Any] | None"]
 READY = "READY "
 
 
-class LaunchError(KVBridgeError):
-    """A child process exited or stayed silent before it said it was ready."""
+class LaunchError(KVBridgeError, RuntimeError):
+    """A child process exited, stayed silent or said something malformed before it was
+    ready (a ``RuntimeError`` too: what ``demo``'s launchers raised before)."""
 
 
 def ready_prefix(prefix: str = READY) -> ReadyTest:
