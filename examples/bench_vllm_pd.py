@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_harness as harness
-
+from kvbridge.worker import vllm as harness
 from kvbridge.worker.bench.report import bar_plot, print_table, write_json
 
 

@@ -13,13 +13,14 @@ namespaces cannot be created.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
+from contextlib import ExitStack
 from pathlib import Path
+
+from kvbridge.worker import ChildProcess, json_object
 
 SKIP = 77
 HERE = Path(__file__).resolve().parent
@@ -72,39 +73,18 @@ def destroy(p_ns: str, d_ns: str) -> None:
         sh("ip", "netns", "del", ns, check=False)  # deleting a namespace removes its veth end
 
 
-def serve(ns: str, role: str, host: str, ready: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, UCX_TLS="tcp", UCX_MODULES="^ib", OMP_NUM_THREADS="1")
-    cmd = [
-        "ip",
-        "netns",
-        "exec",
-        ns,
-        sys.executable,
-        "-m",
-        "kvbridge.worker.cli",
-        "serve",
-        "--role",
-        role,
-        "--host",
-        host,
-        "--engine-id",
-        f"{role}-{ns}",
-        "--ready-file",
-        str(ready),
-    ]
-    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(
-    proc: subprocess.Popen[bytes], ready: Path, log: Path, timeout: float = 90
-) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"node did not start; its log:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
-    info: dict[str, str] = json.loads(ready.read_text())
-    return info
+def serve(ns: str, role: str, host: str, log: Path) -> ChildProcess:
+    """``kvbridge serve`` inside namespace ``ns``, ready once it prints its addresses."""
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvbridge.worker.cli", "serve",
+           "--role", role, "--host", host, "--engine-id", f"{role}-{ns}"]  # fmt: skip
+    return ChildProcess(
+        cmd,
+        name=f"{role} node in {ns}",
+        ready=json_object,
+        env={"UCX_TLS": "tcp", "OMP_NUM_THREADS": "1"},
+        log=log,
+        ready_timeout_s=90,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,14 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p_ns, d_ns = f"kvb-p-{tag}", f"kvb-d-{tag}"
     if not try_create(p_ns, d_ns, tag):
         return SKIP
-    procs: list[subprocess.Popen[bytes]] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="kvb-netns-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="kvb-netns-") as tmp, ExitStack() as stack:
             work = Path(tmp)
-            procs.append(serve(p_ns, "prefill", "10.77.0.1", work / "p.ready", work / "p.log"))
-            procs.append(serve(d_ns, "decode", "10.77.0.2", work / "d.ready", work / "d.log"))
-            pinfo = wait_ready(procs[0], work / "p.ready", work / "p.log")
-            dinfo = wait_ready(procs[1], work / "d.ready", work / "d.log")
+            nodes: list[ChildProcess] = []
+            for ns, role, host in ((p_ns, "prefill", "10.77.0.1"), (d_ns, "decode", "10.77.0.2")):
+                node = serve(ns, role, host, work / f"{role}.log")  # both start at once
+                stack.callback(node.close)
+                nodes.append(node)
+            pinfo, dinfo = (node.wait_ready() for node in nodes)
             print(
                 f"prefill {pinfo['inference']} (ns {p_ns}), decode {dinfo['inference']} (ns {d_ns})"
             )
@@ -147,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--json", str(args.json)]
             return subprocess.run(cmd).returncode
     finally:
-        stop(procs, 10)
         destroy(p_ns, d_ns)
 
 

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_harness as harness
 from netns_two_hosts import HERE, SKIP, destroy, stop, try_create
+
+from kvbridge.worker import vllm as harness
 
 PREFILL, DECODE = "10.77.0.1", "10.77.0.2"
 

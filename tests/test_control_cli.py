@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import filecmp
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -13,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.connector.control.client import ControlClient
-from kvbridge.connector.control.types import PeerInfo, Role
-from kvbridge.proto.errors import AuthError
-from kvbridge.proto.negotiate import TransferMode
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import EngineId
+from kvbridge.connector.control import ControlClient, PeerInfo, Role
+from kvbridge.proto import AuthError, EngineId, TransferMode, preset_layout
+from kvbridge.worker import ChildProcess, listening_on
+from tests.harness.fresh import run_python
 
 PROTO_DIR = Path(__file__).resolve().parents[1] / "proto"
 
@@ -48,17 +45,16 @@ def test_generated_code_imports_package_qualified_and_wire_types_load_no_grpc() 
         "assert pb.DESCRIPTOR.name == 'kvbridge/proto/control.proto', pb.DESCRIPTOR.name;"
         "print([m for m in sys.modules if m.split('.')[0] == 'grpc'])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    out = run_python(code)
+    assert out.strip() == "[]"
 
 
-def run_serve(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def run_serve(*args: str) -> ChildProcess:
+    return ChildProcess(
         [sys.executable, "-m", "kvbridge.worker.serving.control_cmd", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        name="serve-control",
+        ready=listening_on,
+        env={"PYTHONUNBUFFERED": "1"},
     )
 
 
@@ -75,12 +71,10 @@ def test_serve_control_help() -> None:
 def test_a_served_control_plane_answers_health_from_another_process(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("t0ken\n")
-    proc = run_serve("--preset", "tiny", "--engine-id", "p-cli", "--token-file", str(token_file))
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert "listening on" in line, (line, proc.stderr.read() if proc.stderr else "")
-        address = line.rsplit("listening on ", 1)[1].split()[0]
+    with run_serve(
+        "--preset", "tiny", "--engine-id", "p-cli", "--token-file", str(token_file)
+    ) as proc:
+        address = proc.wait_ready()["address"]
         with ControlClient(address, token="t0ken") as client:
             health = client.health()
             assert (health.engine_id, health.role) == ("p-cli", Role.PREFILL)
@@ -90,10 +84,6 @@ def test_a_served_control_plane_answers_health_from_another_process(tmp_path: Pa
             stranger.health()
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_bench_control_writes_latency_json(

@@ -14,14 +14,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.connector.control import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.errors import TOKEN_KEY
-from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
+from kvbridge.proto import PROTOCOL_VERSION, BlockHash, EngineId, preset_layout
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, EngineId
-from kvbridge.proto.version import PROTOCOL_VERSION
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.pool_owner import PoolBlockOwner
 

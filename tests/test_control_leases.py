@@ -8,9 +8,16 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from kvbridge.connector.control.leases import BlockOwner, LeaseTable
-from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.connector.control import BlockOwner, LeaseTable
+from kvbridge.proto import (
+    BlockHash,
+    BlockId,
+    ConfigError,
+    ControlPlaneError,
+    LeaseError,
+    LeaseId,
+    RequestId,
+)
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.pool_owner import PoolBlockOwner
 

@@ -19,21 +19,31 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.connector.control.client import ControlClient
-from kvbridge.connector.control.leases import BlockOwner, LeaseTable
-from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
-from kvbridge.connector.control.types import PeerInfo, Role
-from kvbridge.proto.errors import (
-    AuthError,
-    ControlPlaneError,
-    IncompatibleLayoutError,
-    LeaseError,
-    VersionMismatchError,
+from kvbridge.connector.control import (
+    BlockOwner,
+    ControlClient,
+    ControlServer,
+    ControlServerConfig,
+    LeaseTable,
+    PeerInfo,
+    Role,
+    serve,
 )
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.negotiate import Negotiation, TransferMode
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, BlockId, EngineId, RequestId
+from kvbridge.proto import (
+    AuthError,
+    BlockHash,
+    BlockId,
+    ControlPlaneError,
+    EngineId,
+    IncompatibleLayoutError,
+    KVLayout,
+    LeaseError,
+    Negotiation,
+    RequestId,
+    TransferMode,
+    VersionMismatchError,
+    preset_layout,
+)
 from kvbridge.worker.block_pool import BlockPool
 
 NUM_BLOCKS = 16

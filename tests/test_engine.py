@@ -5,27 +5,17 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.layout import ORDERS
-from kvbridge.proto.presets import PRESETS
-from kvbridge.proto.types import BlockId
-from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
+from kvbridge.proto import ORDERS, PRESETS, BlockId, ConfigError
+from kvbridge.worker.engine import Engine, EngineConfig
+from tests.harness.engine import run_to_end
 
 BLOCK = 16
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matmuls are ~100x slower with a second intra-op thread on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_prompts(count: int, length: int, seed: int, vocab: int = 512) -> list[list[int]]:
@@ -38,15 +28,6 @@ def assert_all_blocks_free(engine: Engine) -> None:
     assert not engine.has_held_blocks()
     for name, pool in engine.pools.items():
         assert engine.num_free_blocks(name) == pool.num_blocks
-
-
-def run_to_end(engine: Engine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 PROMPTS = make_prompts(3, 37, seed=1) + make_prompts(1, 48, seed=2) + make_prompts(1, 5, seed=3)

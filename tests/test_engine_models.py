@@ -3,22 +3,16 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from kvbridge.proto.errors import ConfigError
-from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
+from kvbridge.proto import ConfigError
+from kvbridge.worker.engine import Engine, EngineConfig
+from tests.harness.engine import run_to_end
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -30,15 +24,6 @@ def assert_all_blocks_free(engine: Engine) -> None:
     assert not engine.has_unfinished() and not engine.has_held_blocks()
     for name, pool in engine.pools.items():
         assert engine.num_free_blocks(name) == pool.num_blocks, name
-
-
-def run_to_end(engine: Engine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 PROMPTS = prompts(3, seed=4)

@@ -9,32 +9,26 @@ its own prefix-cache hits and copies them per layer with torch indexing.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 import torch
 
-from kvbridge.connector.base import (
+from kvbridge.connector import (
     BlockLoad,
     RequestView,
     SchedulerConnector,
     StepMetadata,
     WorkerConnector,
 )
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.types import BlockId, RequestId
+from kvbridge.proto import BlockId, KVLayout, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput, RequestStatus
+from tests.harness.engine import run_to_end
 
 BLOCK = 16
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Wire:
@@ -200,15 +194,6 @@ class DecodeWorker(WorkerConnector):
 def make_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(512) for _ in range(length)] for _ in range(count)]
-
-
-def run_to_end(engine: Engine) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 def assert_all_blocks_free(engine: Engine) -> None:

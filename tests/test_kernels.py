@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -21,9 +19,9 @@ from kvbridge.kernels import (
     scatter_blocks,
     staging_nbytes,
 )
-from kvbridge.proto.errors import IncompatibleLayoutError, LayoutError
-from kvbridge.proto.layout import ORDERS, KVLayout
+from kvbridge.proto import ORDERS, IncompatibleLayoutError, KVLayout, LayoutError
 from kvbridge.proto.presets import PresetShape, make_layout, preset_layout
+from tests.harness.fresh import run_python
 
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
 INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -376,8 +374,8 @@ def test_cpu_calls_never_import_cupy_and_a_bare_import_loads_no_torch() -> None:
         "lay = preset_layout('tiny', num_blocks=4); c = lay.allocate();"
         "k.copy_blocks(c, lay.allocate(), lay, [(0, 1)]); print(light, 'cupy' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "False"]
+    out = run_python(code)
+    assert out.split() == ["True", "False"]
 
 
 @pytest.mark.parametrize("runs", ["dst", "src"])

@@ -23,7 +23,7 @@ from kvbridge.kernels import (
     scatter_blocks,
     staging_nbytes,
 )
-from kvbridge.proto.layout import ORDERS, KVLayout
+from kvbridge.proto import ORDERS, KVLayout
 from kvbridge.proto.presets import PresetShape, make_layout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

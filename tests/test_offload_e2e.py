@@ -13,7 +13,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from offload_harness import DaemonProc, WorkerProc, start_workers
+
+from tests.harness.offload import DaemonProc, WorkerProc, start_workers
 
 pytestmark = pytest.mark.slow
 

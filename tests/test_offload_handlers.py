@@ -21,12 +21,9 @@ from hypothesis import strategies as st
 from kvbridge.connector.control.errors import status_for
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport.base import LocalMemory
+from kvbridge.connector.transport import LocalMemory
+from kvbridge.proto import EngineId, KVBridgeError, KVLayout, preset_layout
 from kvbridge.proto import offload_pb2 as pb
-from kvbridge.proto.errors import KVBridgeError
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import EngineId
 from kvbridge.worker.offload.server import OffloadConfig, OffloadHandlers
 
 BLOCKS = 8

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.proto.errors import LeaseError
-from kvbridge.proto.types import BlockHash
+from kvbridge.proto import BlockHash, LeaseError
 from kvbridge.worker.offload.pool import HostPool, pool_key
 
 TTL = 10.0

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.fresh import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,17 +20,15 @@ def test_importing_the_contract_loads_no_heavy_or_gpu_code() -> None:
         "print([m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'nixl', 'nixl_cu12', 'grpc', 'cupy', 'ucxx')])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    out = run_python(code)
+    assert out.strip() == "[]"
 
 
 def test_no_top_level_proto_or_kernels_module_is_installed() -> None:
     names = ("proto", "kernels", "connector", "worker")
     code = f"import importlib.util as u; print([n for n in {names} if u.find_spec(n)])"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/"
-    )
-    assert out.stdout.strip() == "[]"
+    out = run_python(code, cwd="/")
+    assert out.strip() == "[]"
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -6,77 +6,20 @@ leases are checked back to full/empty after every scenario.
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from kvbridge.proto import codec
-from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
-from kvbridge.worker.serving.router import EngineClient, Router
+from kvbridge.worker.serving import check_no_leaks, make_workload
+from tests.harness.nodes import NodePair, node_args, reference
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 MAX_TOKENS = 6
-
-
-def node_args(**overrides: Any) -> argparse.Namespace:
-    base = dict(
-        model="tiny",
-        block_size=16,
-        num_blocks=256,
-        seed=0,
-        on_load_error="recompute",
-        startup_timeout=90.0,
-    )
-    base.update(overrides)
-    return argparse.Namespace(**base)
-
-
-class Pair:
-    """A prefill and a decode node plus a router; ``close`` stops both processes."""
-
-    def __init__(
-        self,
-        tmp: Path,
-        prefill_order: str,
-        decode_order: str,
-        prefill_extra: list[str] | None = None,
-        decode_extra: list[str] | None = None,
-        **overrides: Any,
-    ) -> None:
-        self.args = node_args(**overrides)
-        self._stack = ExitStack()
-        self.prefill_proc, pinfo = self._stack.enter_context(
-            start_node("prefill", self.args, prefill_order, tmp, None, prefill_extra)
-        )
-        self.decode_proc, dinfo = self._stack.enter_context(
-            start_node("decode", self.args, decode_order, tmp, None, decode_extra)
-        )
-        self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
-        self.decode = EngineClient(dinfo["inference"], timeout_s=60)
-        self.router = Router(self.prefill, self.decode)
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
-        self._stack.close()
-
-
-def reference(prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig.preset("tiny", num_blocks=256))
-    return [engine.generate([p], max_tokens)[0] for p in prompts]
-
-
 PROMPTS = make_workload(8, 2, 512, 16, seed=1)
-EXPECTED = reference(PROMPTS)
+EXPECTED = reference(PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture
@@ -96,7 +39,7 @@ def tmp(tmp_path: Path) -> Path:
 def test_decode_continues_exactly_where_prefill_left_off(
     tmp: Path, prefill_order: str, decode_order: str
 ) -> None:
-    pair = Pair(tmp, prefill_order, decode_order)
+    pair = NodePair(tmp, node_args(), prefill_order, decode_order)
     try:
         moved = []
         for i, prompt in enumerate(PROMPTS):
@@ -114,7 +57,7 @@ def test_decode_continues_exactly_where_prefill_left_off(
 
 
 def test_killed_prefill_makes_pending_requests_recompute_and_others_succeed(tmp: Path) -> None:
-    pair = Pair(tmp, "block-nhd", "block-nhd")
+    pair = NodePair(tmp, node_args())
     try:
         ok = pair.router.generate(PROMPTS[0], MAX_TOKENS, "before")
         assert ok.tokens == EXPECTED[0] and ok.decode.blocks_moved > 0
@@ -139,7 +82,7 @@ def test_killed_prefill_makes_pending_requests_recompute_and_others_succeed(tmp:
 
 
 def test_on_load_error_fail_returns_a_clear_error(tmp: Path) -> None:
-    pair = Pair(tmp, "block-nhd", "block-nhd", on_load_error="fail")
+    pair = NodePair(tmp, node_args(on_load_error="fail"))
     try:
         first = pair.prefill.generate(PROMPTS[0], 1, "x", {"do_remote_decode": True})
         pair.prefill_proc.kill()
@@ -158,7 +101,7 @@ def test_expired_lease_is_re_pinned_by_hash_and_only_the_partial_block_recompute
     tmp: Path,
 ) -> None:
     extra = ["--lease-ttl", "1.0", "--load-timeout", "0.9"]
-    pair = Pair(tmp, "block-nhd", "block-nhd", prefill_extra=extra, decode_extra=extra)
+    pair = NodePair(tmp, node_args(), prefill_extra=extra, decode_extra=extra)
     try:
         prompt = PROMPTS[0]
         first = pair.prefill.generate(prompt, 1, "late", {"do_remote_decode": True})
@@ -176,7 +119,7 @@ def test_expired_lease_is_re_pinned_by_hash_and_only_the_partial_block_recompute
 
 
 def test_kv_for_another_prompt_is_never_used(tmp: Path) -> None:
-    pair = Pair(tmp, "block-nhd", "block-nhd")
+    pair = NodePair(tmp, node_args())
     try:
         first = pair.prefill.generate(PROMPTS[0], 1, "a", {"do_remote_decode": True})
         params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
@@ -190,11 +133,3 @@ def test_kv_for_another_prompt_is_never_used(tmp: Path) -> None:
         assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

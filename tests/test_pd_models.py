@@ -8,71 +8,30 @@ block of either group and no lease is left behind, also when prefill dies.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvbridge.proto import codec
 from kvbridge.worker.engine import Engine
-from kvbridge.worker.serving.demo import (
+from kvbridge.worker.serving import (
     check_no_leaks,
     make_encoder_inputs,
     make_workload,
-    start_node,
 )
 from kvbridge.worker.serving.node_cmd import engine_config_from_args
-from kvbridge.worker.serving.router import EngineClient, Router
+from tests.harness.nodes import NodePair, node_args
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 MAX_TOKENS = 5
 PROMPTS = make_workload(4, 2, 512, 16, seed=3)
 ENCODER_INPUTS = make_encoder_inputs(4, 2, 512, seed=3)  # clips A B A B
 
 
-def node_args(**overrides: Any) -> argparse.Namespace:
-    base: dict[str, Any] = dict(
-        model="tiny",
-        order="block-nhd",
-        block_size=16,
-        num_blocks=128,
-        seed=0,
-        on_load_error="recompute",
-        startup_timeout=90.0,
-        share_last=None,
-        share_every=None,
-        prefill_skip=False,
-        encoder_decoder=False,
-        decode_order=None,
-    )
-    base.update(overrides)
-    return argparse.Namespace(**base)
-
-
-class Pair:
-    """A prefill and a decode node of the same model plus a router; ``close`` stops both."""
-
-    def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
-        self.args = args
-        self._stack = ExitStack()
-        self.prefill_proc, pinfo = self._stack.enter_context(
-            start_node("prefill", args, args.order, tmp, None)
-        )
-        _, dinfo = self._stack.enter_context(
-            start_node("decode", args, args.decode_order or args.order, tmp, None)
-        )
-        self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
-        self.decode = EngineClient(dinfo["inference"], timeout_s=60)
-        self.router = Router(self.prefill, self.decode)
-
-    def close(self) -> None:
-        self.prefill.close()
-        self.decode.close()
-        self._stack.close()
+def model_args(**overrides: Any) -> argparse.Namespace:
+    return node_args(**{"num_blocks": 128, **overrides})
 
 
 def reference(args: argparse.Namespace, encs: list[bytes | None]) -> list[list[int]]:
@@ -105,12 +64,12 @@ CASES = [
 def test_decode_matches_a_single_process_run_and_moves_owning_layers_only(
     tmp_path: Path, overrides: dict[str, Any]
 ) -> None:
-    args = node_args(**overrides)
+    args = model_args(**overrides)
     layout = engine_config_from_args(args).layout()  # type: ignore[attr-defined]
     encdec = args.encoder_decoder
     encs: list[bytes | None] = list(ENCODER_INPUTS) if encdec else [None] * len(PROMPTS)
     expected = reference(args, encs)
-    pair = Pair(tmp_path, args)
+    pair = NodePair(tmp_path, args)
     try:
         for i, prompt in enumerate(PROMPTS):
             res = pair.router.generate(prompt, MAX_TOKENS, f"r{i}", encs[i] or b"")
@@ -137,10 +96,10 @@ def test_decode_matches_a_single_process_run_and_moves_owning_layers_only(
 
 
 def test_encdec_decode_recomputes_cross_and_self_kv_when_prefill_dies(tmp_path: Path) -> None:
-    args = node_args(encoder_decoder=True)
+    args = model_args(encoder_decoder=True)
     encs: list[bytes | None] = list(ENCODER_INPUTS)
     expected = reference(args, encs)
-    pair = Pair(tmp_path, args)
+    pair = NodePair(tmp_path, args)
     try:
         first = pair.prefill.generate(
             PROMPTS[0], 1, "x", {"do_remote_decode": True}, encs[0] or b""
@@ -158,11 +117,3 @@ def test_encdec_decode_recomputes_cross_and_self_kv_when_prefill_dies(tmp_path: 
         assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
-
-
-@pytest.fixture(autouse=True)
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -6,20 +6,22 @@ import argparse
 from pathlib import Path
 
 import pytest
-from test_pd_e2e import MAX_TOKENS, node_args, reference
 
-from kvbridge.worker.serving.demo import (
+from kvbridge.worker.serving import (
+    EngineClient,
+    Router,
     check_no_leaks,
     make_workload,
     start_node,
     start_offload_daemon,
 )
-from kvbridge.worker.serving.router import EngineClient, Router
+from tests.harness.nodes import node_args, reference
 
 pytestmark = pytest.mark.slow
 
+MAX_TOKENS = 6
 PROMPTS = make_workload(4, 2, 512, 16, seed=3)
-EXPECTED = reference(PROMPTS)
+EXPECTED = reference(PROMPTS, MAX_TOKENS)
 
 
 def _route(

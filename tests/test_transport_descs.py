@@ -9,13 +9,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from kvbridge.connector.transport import NixlConfig
 from kvbridge.connector.transport.base import (
     TransferHandle,
     TransferState,
     check_transfer_ids,
     wait_async,
 )
-from kvbridge.connector.transport.nixl import NixlConfig
 from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
     descriptor_table,
@@ -24,9 +24,7 @@ from kvbridge.connector.transport.nixl_descs import (
     strided_indices,
     strided_table,
 )
-from kvbridge.proto.errors import ConfigError, LayoutError, TransferError
-from kvbridge.proto.layout import KVLayout, Region
-from kvbridge.proto.presets import preset_layout
+from kvbridge.proto import ConfigError, KVLayout, LayoutError, Region, TransferError, preset_layout
 
 
 def bound(order: str, preset: str = "tiny", num_blocks: int = 8) -> KVLayout:

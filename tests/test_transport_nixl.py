@@ -1,7 +1,7 @@
 """The NIXL transport between real processes: bit-exact blocks, failures within deadlines.
 
-The shared contract (tests/transport_contract.py) runs here as ``TestNixlTransport``;
-this module adds the NIXL-only checks. Every NIXL agent lives in a ``transport_peer.py``
+The shared contract (tests/harness/transport_contract.py) runs here as ``TestNixlTransport``;
+this module adds the NIXL-only checks. Every NIXL agent lives in a ``tests.harness.transport_peer``
 subprocess (the test process loads no NIXL), so a crash or a hung peer never takes pytest
 down, and each test's processes are stopped in a ``finally`` even when it fails.
 """
@@ -13,17 +13,18 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
-from transport_contract import (
+
+from tests.harness.fresh import assert_importing_loads_none_of
+from tests.harness.peer import PeerProc, start_peers
+from tests.harness.transport_contract import (
     READER_MEMS,
     TransportContract,
     assert_clean_close,
-    assert_importing_loads_none_of,
     open_pair,
 )
-from transport_harness import PeerProc, start_peers
 
 # NixlTransport preps strided (Nx5) lists by default; a reader started with this variable set
-# to "0" preps the dense Nx3 table (transport_peer.py passes it to NixlConfig)
+# to "0" preps the dense Nx3 table (tests/harness/transport_peer.py passes it to NixlConfig)
 DENSE_ENV = {"KVBRIDGE_NIXL_STRIDED": "0"}
 
 
@@ -78,7 +79,9 @@ class TestNixlTransport(TransportContract):
     def check_connected(self, reader: PeerProc, link: dict[str, Any]) -> None:
         lists = "dense" if reader.name == "reader-dense" else "strided"
         if lists == "dense" and prepped_lists(reader) != "dense":
-            pytest.skip("tests/transport_peer.py does not pass KVBRIDGE_NIXL_STRIDED to NixlConfig")
+            pytest.skip(
+                "tests/harness/transport_peer.py does not pass KVBRIDGE_NIXL_STRIDED to NixlConfig"
+            )
         assert prepped_lists(reader) == lists
 
 

@@ -1,6 +1,6 @@
 """The UCXX transport between real processes: bit-exact blocks, peers' requests checked, failures.
 
-Like the NIXL tests, every transport lives in a ``transport_peer.py ... ucxx``
+Like the NIXL tests, every transport lives in a ``tests.harness.transport_peer ... ucxx``
 subprocess (the test process loads no UCX), and each test stops its
 processes in a ``finally``. The whole module skips when ``ucxx`` is not
 installed (it is the optional ``kvbridge[ucxx]`` extra).
@@ -17,17 +17,17 @@ from typing import Any
 
 import msgpack
 import pytest
-from transport_contract import (
+
+from kvbridge.proto import LayoutError, WireError
+from tests.harness.fresh import assert_importing_loads_none_of
+from tests.harness.transport_contract import (
     TINY_BLOCKS,
     TransportContract,
-    assert_importing_loads_none_of,
     blocks,
     connect,
     open_pair,
     transfer,
 )
-
-from kvbridge.proto.errors import LayoutError, WireError
 
 
 def _ucxx_importable() -> bool:
@@ -70,7 +70,7 @@ class TestUcxxTransport(TransportContract):
 
 def _read_request(pair: dict[str, Any], tmem: int, **override: Any) -> dict[str, Any]:
     """A well-formed READ request for target memory ``tmem``, with fields overridden."""
-    from kvbridge.proto.layout import KVLayout
+    from kvbridge.proto import KVLayout
 
     layout = KVLayout.from_bytes(pair["tmems"][tmem]["layout"])
     first = layout.regions[0]
@@ -190,8 +190,8 @@ def test_device_tensors_are_refused_as_host_only() -> None:
 
 
 def test_config_names_the_bad_knob() -> None:
-    from kvbridge.connector.transport.ucxx.transport import UcxxConfig
-    from kvbridge.proto.errors import ConfigError
+    from kvbridge.connector.transport.ucxx import UcxxConfig
+    from kvbridge.proto import ConfigError
 
     with pytest.raises(ConfigError, match="idle_wait_s"):
         UcxxConfig("a", idle_wait_s=0)

@@ -13,14 +13,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from kvbridge.connector import KVTransferParams
 from kvbridge.connector.base import BlockLoad, BlockStore, LoadResult, StepMetadata
-from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
-from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
 from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
-from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.proto import BlockHash, BlockId, ConfigError, LeaseId, RequestId
 
 BS = 4
 PROMPT = list(range(1, 19))  # 18 tokens: 4 full blocks and 2 tokens

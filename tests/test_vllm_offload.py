@@ -12,17 +12,14 @@ dies under both engines (a miss, never an error or a leak).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import vllm_harness as harness
-
-from kvbridge.worker.serving.demo import OffloadDaemonProcess, start_offload_daemon
+from kvbridge.worker import vllm as harness
+from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
+from tests.harness.vllm import model_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -45,11 +42,7 @@ def engines(
     tmp_path_factory: pytest.TempPathFactory, daemon: OffloadDaemonProcess
 ) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-offload")
-    try:
-        harness.ensure_venv(log=tmp / "venv.log")
-    except harness.VenvError as exc:
-        pytest.skip(f"no vLLM environment: {exc}")
-    model = harness.write_model(tmp / "model")
+    model = model_or_skip(tmp)
     port = 19000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
     started = {
         name: harness.Engine(

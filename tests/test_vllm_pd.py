@@ -10,14 +10,12 @@ check below makes sure of that). The last test kills the prefill.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import vllm_harness as harness
+from kvbridge.worker import vllm as harness
+from tests.harness.vllm import model_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -31,11 +29,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm")
-    try:
-        harness.ensure_venv(log=tmp / "venv.log")
-    except harness.VenvError as exc:
-        pytest.skip(f"no vLLM environment: {exc}")
-    model = harness.write_model(tmp / "model")
+    model = model_or_skip(tmp)
     port = 17000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
     started = {
         "prefill": harness.Engine(

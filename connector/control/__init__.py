@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
-from kvbridge.connector.control.types import ControlLimits, HealthInfo, PeerInfo, PinnedBlocks
+from kvbridge.connector.control.types import (
+    ControlLimits,
+    HealthInfo,
+    PeerInfo,
+    PinnedBlocks,
+    Role,
+)
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.client import ControlClient, HandshakeResult
@@ -29,6 +35,7 @@ __all__ = [
     "LeaseTable",
     "PeerInfo",
     "PinnedBlocks",
+    "Role",
     "serve",
 ]
 

@@ -2,9 +2,9 @@
 
 It exists so that kvbridge runs, is tested and is benchmarked end to end on a
 CPU without a model download. Read it in this order: :mod:`.config`,
-:mod:`.model` and :mod:`.attention` (the math), :mod:`.request` and
-:mod:`.scheduler` (the bookkeeping), :mod:`.engine` (the step loop and the
-connector hooks).
+:mod:`.model` and :mod:`.attention` (the math), :mod:`.request`, :mod:`.intake`,
+:mod:`.block_tables` and :mod:`.scheduler` (the bookkeeping), :mod:`.engine` (the
+step loop and the connector hooks).
 """
 
 from kvbridge.worker.engine.config import ENGINE_PRESETS, EngineConfig

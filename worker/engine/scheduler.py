@@ -29,18 +29,8 @@ Blocks of a finished request stay referenced while the connector may still read
 them (``delay_free`` until ``done_sending``) or write them (an aborted load,
 until ``done_receiving``).
 
-**Cross-attention blocks** (encoder-decoder). A request with an encoder
-input gets one cross block table (``ceil(encoder_len / block_size)`` blocks of
-the ``cross`` group), named by
-:meth:`~kvbridge.proto.hashing.BlockHasher.cross_block_hashes`. Admission takes
-them from the prefix cache when *all* are cached (a partial set is never
-used); otherwise it allocates fresh ones, which the connector may load (it
-names them in ``update_state_after_alloc``'s ``block_ids["cross"]``, which is
-present only when the request still needs its cross KV) or which the first
-chunk fills by running the encoder. Any load error of such a request makes it
-recompute its cross KV as well (fail closed). They are cached once written and
-freed with the request. The decoder's self-attention KV depends on the encoder
-input, so the encoder input hash is an extra key of the self blocks' names.
+**Cross-attention blocks** (encoder-decoder) are one table per request, all cached or
+all fresh: :mod:`.block_tables`.
 
 Every pool operation holds :attr:`Scheduler.lock`, because the control server
 pins and unpins blocks from other threads. Connector hooks run without it.
@@ -59,18 +49,25 @@ from typing import Any
 
 from kvbridge.connector.base import SchedulerConnector, StepMetadata
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.hashing import BlockHasher, ExtraKeys, HashConfig
+from kvbridge.proto.hashing import BlockHasher, HashConfig
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockId, RequestId
 from kvbridge.worker.block_pool import BlockPool
+from kvbridge.worker.engine.block_tables import (
+    CROSS,
+    GROUP,
+    allocate_cross,
+    blocks_needed,
+    cache_cross,
+    cross_fits,
+    fits,
+)
+from kvbridge.worker.engine.intake import check_request, name_request
 from kvbridge.worker.engine.request import Request, RequestOutput, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
 
 logger = logging.getLogger(__name__)
-
-GROUP = "self"
-CROSS = "cross"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,46 +123,12 @@ class Scheduler:
         encoder_input: bytes | None = None,
     ) -> Request:
         prompt = [int(t) for t in prompt_token_ids]
-        has_cross = CROSS in self.pools
-        if has_cross != bool(encoder_input):
-            raise ConfigError(
-                "an encoder-decoder engine needs a non-empty encoder_input per request"
-                if has_cross
-                else "encoder_input given, but this engine has no encoder (encoder_decoder off)"
-            )
-        if not prompt:
-            raise ConfigError("prompt_token_ids must not be empty")
-        if max_tokens < 1:
-            raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
-        need = self._blocks_needed(len(prompt), max_tokens)
-        if need > self.pools[GROUP].num_blocks:
-            raise ConfigError(
-                f"a request of {len(prompt)} prompt tokens and max_tokens={max_tokens} needs "
-                f"{need} blocks; raise num_blocks (now {self.pools[GROUP].num_blocks})"
-            )
+        check_request(prompt, max_tokens, encoder_input, self.pools, self.block_size)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         if rid in self._held or any(r.request_id == rid for r in (*self._waiting, *self._running)):
             raise ConfigError(f"request id {rid!r} is already in use")
-        encoder_hash = None
-        cross_hashes: list[Any] = []
-        if encoder_input:
-            n_cross = -(-len(encoder_input) // self.block_size)
-            if n_cross > self.pools[CROSS].num_blocks:
-                raise ConfigError(
-                    f"an encoder input of {len(encoder_input)} positions needs {n_cross} cross "
-                    f"blocks; raise num_cross_blocks (now {self.pools[CROSS].num_blocks})"
-                )
-            encoder_hash = self.hasher.encoder_input_hash(encoder_input)
-            cross_hashes = self.hasher.cross_block_hashes(encoder_hash, n_cross)
-        request = Request(
-            request_id=rid,
-            prompt_token_ids=prompt,
-            max_tokens=max_tokens,
-            block_hashes=self.hasher.hash_blocks(prompt, ExtraKeys(encoder_hash=encoder_hash)),
-            kv_transfer_params=kv_transfer_params,
-            encoder_input=encoder_input,
-            encoder_hash=encoder_hash,
-            cross_hashes=cross_hashes,
+        request = name_request(
+            self.hasher, self.pools, rid, prompt, max_tokens, kv_transfer_params, encoder_input
         )
         self._waiting.append(request)
         return request
@@ -256,20 +219,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
 
-    def _blocks_needed(self, num_prompt: int, max_tokens: int) -> int:
-        # the last sampled token's KV is never written
-        return -(-(num_prompt + max_tokens - 1) // self.block_size)
-
     def _admit(self, request: Request) -> bool:
         """Take local hits, ask the connector, allocate the whole block table."""
         n = self.block_size
         num_prompt = len(request.prompt_token_ids)
-        need = self._blocks_needed(num_prompt, request.max_tokens)
+        need = blocks_needed(num_prompt, request.max_tokens, n)
         candidates = request.block_hashes[: (num_prompt - 1) // n]
         pool = self.pools[GROUP]
         with self.lock:
             hits = pool.lookup_prefix(candidates)
-            if not self._fits(pool, hits, need) or not self._cross_fits(request):
+            if not fits(pool, hits, need) or not cross_fits(self.pools.get(CROSS), request):
                 return False
         num_local = len(hits) * n
         num_external, is_async = 0, False
@@ -289,13 +248,13 @@ class Scheduler:
             # another thread may have pinned free blocks meanwhile: check again
             if (
                 pool.lookup_prefix(candidates[: len(hits)]) != hits
-                or not self._fits(pool, hits, need)
-                or not self._cross_fits(request)
+                or not fits(pool, hits, need)
+                or not cross_fits(self.pools.get(CROSS), request)
             ):
                 return False
             pool.touch(hits)
             request.block_ids = hits + pool.allocate(need - len(hits))
-            self._allocate_cross(request)
+            allocate_cross(self.pools.get(CROSS), request)
         request.blocks_local_hit = request.num_cached_blocks = len(hits)
         request.num_computed_tokens = num_local + num_external
         request.load_start_block = len(hits)
@@ -321,48 +280,10 @@ class Scheduler:
         )
         return True
 
-    @staticmethod
-    def _fits(pool: BlockPool, hits: list[BlockId], need: int) -> bool:
-        free_hits = sum(1 for b in hits if pool.ref_count(b) == 0)
-        return pool.num_free_blocks - free_hits >= need - len(hits)
-
-    def _cross_hits(self, request: Request) -> list[BlockId]:
-        """The request's cross blocks if *all* of them are cached, else []. Holds the lock."""
-        if not request.cross_hashes:
-            return []
-        hits = self.pools[CROSS].lookup_prefix(request.cross_hashes)
-        return hits if len(hits) == len(request.cross_hashes) else []
-
-    def _cross_fits(self, request: Request) -> bool:
-        """Whether the request's cross blocks can be had now. Holds the lock."""
-        if not request.cross_hashes:
-            return True
-        return self._fits(self.pools[CROSS], self._cross_hits(request), len(request.cross_hashes))
-
-    def _allocate_cross(self, request: Request) -> None:
-        """Take the cached cross blocks (all of them) or allocate fresh ones. Holds the lock."""
-        if not request.cross_hashes:
-            return
-        cpool = self.pools[CROSS]
-        hits = self._cross_hits(request)
-        if hits:
-            cpool.touch(hits)
-            request.cross_block_ids = hits
-            request.cross_ready = True
-            request.cross_source = "hit"
-        else:
-            request.cross_block_ids = cpool.allocate(len(request.cross_hashes))
-
     def _cross_done(self, request: Request, source: str) -> None:
         """The request's cross blocks now hold its cross K/V: cache them under their names."""
         with self.lock:
-            for block_id, block_hash in zip(
-                request.cross_block_ids, request.cross_hashes, strict=True
-            ):
-                self.pools[CROSS].cache_block(block_id, block_hash)
-        request.cross_ready = True
-        request.cross_loading = False
-        request.cross_source = source
+            cache_cross(self.pools[CROSS], request, source)
 
     def _next_chunk(self, request: Request) -> ScheduledChunk:
         start = request.num_computed_tokens

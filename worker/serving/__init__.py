@@ -2,9 +2,10 @@
 
 ``node`` (reference engine + connector + PeerControl and Inference servers: one
 process), ``router`` (the client that routes a request through prefill then
-decode), ``demo`` (both on loopback, checked token for token), ``metrics``
-(the node's Prometheus registry) and the commands ``serve`` (``node_cmd``) and
-``serve-control`` (``control_cmd``).
+decode), ``launch`` (nodes and offload daemons as child processes), ``demo``
+(both on loopback, checked token for token), ``metrics`` (the node's Prometheus
+registry) and the commands ``serve`` (``node_cmd``) and ``serve-control``
+(``control_cmd``).
 
 The names below load on first use, so the CLI can build its parser from
 ``node_cmd`` without importing torch or gRPC.
@@ -16,18 +17,51 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvbridge.worker.serving.demo import (
+        check_no_leaks,
+        make_encoder_inputs,
+        make_workload,
+        reference_outputs,
+    )
+    from kvbridge.worker.serving.launch import (
+        OffloadDaemonProcess,
+        start_node,
+        start_offload_daemon,
+    )
     from kvbridge.worker.serving.node import GenerateResult, Node, NodeConfig
-    from kvbridge.worker.serving.router import RoutedResult, Router
-
-__all__ = ["GenerateResult", "Node", "NodeConfig", "RoutedResult", "Router"]
+    from kvbridge.worker.serving.router import EngineClient, RoutedResult, Router
 
 _HOME = {
+    "EngineClient": "router",
     "GenerateResult": "node",
     "Node": "node",
     "NodeConfig": "node",
+    "OffloadDaemonProcess": "launch",
     "RoutedResult": "router",
     "Router": "router",
+    "check_no_leaks": "demo",
+    "make_encoder_inputs": "demo",
+    "make_workload": "demo",
+    "reference_outputs": "demo",
+    "start_node": "launch",
+    "start_offload_daemon": "launch",
 }
+
+__all__ = [
+    "EngineClient",
+    "GenerateResult",
+    "Node",
+    "NodeConfig",
+    "OffloadDaemonProcess",
+    "RoutedResult",
+    "Router",
+    "check_no_leaks",
+    "make_encoder_inputs",
+    "make_workload",
+    "reference_outputs",
+    "start_node",
+    "start_offload_daemon",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,23 +19,20 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.bench.report import machine_info
-from kvbridge.worker.serving.node_cmd import (
-    add_engine_arguments,
-    engine_config_from_args,
-    engine_model_flags,
+from kvbridge.worker.serving.launch import (
+    OffloadDaemonProcess,
+    start_node,
+    start_offload_daemon,
 )
+from kvbridge.worker.serving.node_cmd import add_engine_arguments, engine_config_from_args
 
 __all__ = [
     "add_parser",
@@ -110,83 +107,6 @@ def make_encoder_inputs(n: int, clips: int, max_len: int, seed: int = 0) -> list
         for _ in range(max(1, clips))
     ]
     return [pool[i % len(pool)] for i in range(n)]
-
-
-def _pin_to_core(core: int | None) -> Any:
-    if core is None or not hasattr(os, "sched_setaffinity"):
-        return None
-    return lambda: os.sched_setaffinity(0, {core})
-
-
-@contextmanager
-def start_node(
-    name: str,
-    args: argparse.Namespace,
-    order: str,
-    workdir: Path,
-    core: int | None,
-    extra: list[str] | None = None,
-    *,
-    role: str | None = None,
-) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
-    """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``) and yield (process,
-    its ready info); always stops it."""
-    role = role or name
-    ready = workdir / f"{name}.ready"
-    log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvbridge.worker.cli",
-        "serve",
-        "--role",
-        role,
-        "--engine-id",
-        f"{name}-{os.getpid()}",
-        "--model",
-        args.model,
-        "--order",
-        order,
-        "--block-size",
-        str(args.block_size),
-        "--num-blocks",
-        str(args.num_blocks),
-        "--seed",
-        str(args.seed),
-        "--on-load-error",
-        args.on_load_error,
-        "--ready-file",
-        str(ready),
-        *engine_model_flags(args),
-        *(extra or []),
-    ]
-    env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin_to_core(core)
-    )
-    try:
-        deadline = time.monotonic() + args.startup_timeout
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{role} node exited with {proc.returncode}; see {log.name}:\n"
-                    + Path(log.name).read_text()[-2000:]
-                )
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{role} node not ready after {args.startup_timeout}s; see {log.name}"
-                )
-            time.sleep(0.1)
-        yield proc, json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 def reference_outputs(
@@ -351,60 +271,6 @@ def _run_pass(
             flush=True,
         )
     return rows
-
-
-@dataclass(frozen=True, slots=True)
-class OffloadDaemonProcess:
-    """A ``kvbridge offload serve`` child process started by :func:`start_offload_daemon`."""
-
-    address: str
-    proc: subprocess.Popen[bytes]
-
-    def kill(self) -> None:
-        """End it abruptly (tests: a daemon that dies under its clients)."""
-        self.proc.kill()
-        self.proc.wait()
-
-
-@contextmanager
-def start_offload_daemon(
-    workdir: Path, timeout_s: float, capacity: str = "256MiB"
-) -> Iterator[OffloadDaemonProcess]:
-    """Start ``kvbridge offload serve`` on loopback; yield it once it listens; always stop it."""
-    log_path = workdir / "offload.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvbridge.worker.cli",
-                "offload",
-                "serve",
-                "--capacity",
-                capacity,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib")),
-        )
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                text = log_path.read_text(errors="replace")
-                if " listening on " in text:
-                    address = text.split(" listening on ", 1)[1].split(",", 1)[0].strip()
-                    yield OffloadDaemonProcess(address, proc)
-                    break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"offload daemon did not start; its log:\n{text[-2000:]}")
-                time.sleep(0.1)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _cross_cell(row: dict[str, Any]) -> str:

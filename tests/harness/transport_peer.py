@@ -1,48 +1,29 @@
 """A transport (NIXL by default, or UCXX) in its own process, driven by the test over stdin/stdout.
 
-Run as ``python tests/transport_peer.py NAME [nixl|ucxx]``. Requests and replies are
-msgpack maps framed by a 4-byte big-endian length. Each request has an
-``op``; replies are ``{"ok": True, ...}`` or ``{"ok": False, "error": <type
-name>, "message": ...}``. Logs go to stderr, which the test keeps so it can
-check for UCX leak warnings. Tensors are filled with seeded random data per
+Run as ``python -m tests.harness.transport_peer NAME [nixl|ucxx]`` from the repository
+root; it speaks ``tests.harness.frames``. Logs go to stderr, which the test keeps so it
+can check for UCX leak warnings. Tensors are filled with seeded random data per
 logical layer so any two processes agree on what a block should hold.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import struct
 import sys
 import time
-from typing import Any, BinaryIO
+from typing import Any
 
-import msgpack
 import torch
 
-from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.presets import preset_layout
+from kvbridge.connector.transport import LocalMemory, PeerLink, Transport
+from kvbridge.proto import KVLayout, preset_layout
+from tests.harness.frames import serve_ops
 
 
 def wire_ctrl() -> int:
     from kvbridge.connector.transport.ucxx import wire
 
     return wire.CTRL
-
-
-def read_frame(stream: BinaryIO) -> Any:
-    head = stream.read(4)
-    if len(head) < 4:
-        return None
-    (n,) = struct.unpack(">I", head)
-    return msgpack.unpackb(stream.read(n), raw=False)
-
-
-def write_frame(stream: BinaryIO, obj: Any) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
-    stream.write(struct.pack(">I", len(body)) + body)
-    stream.flush()
 
 
 def fill(layout: KVLayout, kv: dict[str, torch.Tensor], seed: int) -> None:
@@ -61,10 +42,10 @@ def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: in
 
 def make_transport(name: str, backend: str) -> Transport:
     if backend == "ucxx":
-        from kvbridge.connector.transport.ucxx.transport import UcxxConfig, UcxxTransport
+        from kvbridge.connector.transport.ucxx import UcxxConfig, UcxxTransport
 
         return UcxxTransport(UcxxConfig(name))
-    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+    from kvbridge.connector.transport import NixlConfig, NixlTransport
 
     # the test sets KVBRIDGE_NIXL_STRIDED=0 to get the dense Nx3 descriptor lists
     strided = os.environ.get("KVBRIDGE_NIXL_STRIDED", "1") != "0"
@@ -209,25 +190,11 @@ class Peer:
         return state
 
 
-def main() -> int:
-    # keep the frame channel private: libraries that print to fd 1 go to stderr instead
-    stdout = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    peer = Peer(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "nixl")
-    stdin = sys.stdin.buffer
-    write_frame(stdout, {"ok": True, "ready": sys.argv[1]})
-    while (req := read_frame(stdin)) is not None:
-        op = req.pop("op")
-        try:
-            reply = {"ok": True, **getattr(peer, f"op_{op}")(**req)}
-        except Exception as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        write_frame(stdout, reply)
-        if op == "close":
-            break
-    return 0
+def main() -> None:
+    name = sys.argv[1]
+    backend = sys.argv[2] if len(sys.argv) > 2 else "nixl"
+    serve_ops(lambda: Peer(name, backend), name)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -11,15 +11,14 @@ from __future__ import annotations
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import pytest
-from transport_harness import PeerError, PeerProc, start_peers
+
+from tests.harness.peer import PeerError, PeerProc, start_peers
 
 TINY_BLOCKS = 16
 SHARE_BLOCKS = 4
@@ -142,16 +141,6 @@ def receive_notifications(target: PeerProc, count: int, within_s: float = 5.0) -
     while len(got) < count and time.monotonic() < deadline:
         got += target.call("notifications", wait_s=1.0)["notifications"].get("reader", [])
     return got
-
-
-def assert_importing_loads_none_of(modules: list[str], prefixes: tuple[str, ...]) -> None:
-    """Importing ``modules`` in a fresh interpreter loads no module starting with ``prefixes``."""
-    code = (
-        f"import sys, {', '.join(modules)};"
-        f"bad = [m for m in sys.modules if m.startswith({prefixes!r})];"
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 class TransportContract:
@@ -321,7 +310,7 @@ class TransportContract:
         try:
             link = linked(reader, target)
             target.signal(signal.SIGKILL)
-            target.proc.wait(timeout=10)
+            target.child.wait(timeout=10)
             t0 = time.monotonic()
             assert_fails_within(reader, link, self.killed_timeout_s, self.killed_error)
             if self.killed_detected_within_s is not None:

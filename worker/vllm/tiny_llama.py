@@ -5,7 +5,8 @@ output depends on the whole context (vLLM's ``load_format="dummy"`` weights are
 so small that the output ignores the prompt, which would hide wrong KV). No
 tokenizer: start vLLM with ``skip_tokenizer_init=True`` and send token ids.
 
-Run it to write the model: ``python examples/tiny_llama.py /tmp/tiny-llama``.
+Run it to write the model: ``python -m kvbridge.worker.vllm.tiny_llama /tmp/tiny-llama``
+(needs ``safetensors``; :func:`kvbridge.worker.vllm.write_model` runs it in ``.venv-vllm``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "hidden_size": 256,

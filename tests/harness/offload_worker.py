@@ -1,27 +1,25 @@
 """An engine worker with an :class:`OffloadClient`, in its own process, driven by a test.
 
-Run as ``python tests/offload_worker.py NAME``; speaks the framed msgpack
-protocol of ``transport_peer.py`` (``op`` in, ``{"ok": ...}`` out). Its KV
+Run as ``python -m tests.harness.offload_worker NAME`` from the repository root; it
+speaks ``tests.harness.frames``. Its KV
 memory is filled with seeded random data so tests can compare blocks bit for
 bit across processes.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 from typing import Any
 
 import torch
-from transport_peer import block_bytes, fill, read_frame, write_frame
 
-from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
+from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+from kvbridge.connector.transport import NixlConfig, NixlTransport
+from kvbridge.proto import BlockHash, BlockId, preset_layout
 from kvbridge.proto import offload_pb2 as pb
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, BlockId
+from tests.harness.frames import serve_ops
+from tests.harness.transport_peer import block_bytes, fill
 
 
 class Worker:
@@ -110,23 +108,9 @@ class Worker:
 
 
 def main() -> None:
-    # keep the frame channel private: libraries that print to fd 1 go to stderr instead
-    stdout = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     torch.set_num_threads(1)
-    worker = Worker(sys.argv[1])
-    stdin = sys.stdin.buffer
-    write_frame(stdout, {"ok": True, "pid": os.getpid()})
-    while (req := read_frame(stdin)) is not None:
-        op = req.pop("op")
-        try:
-            reply = {"ok": True, **getattr(worker, f"op_{op}")(**req)}
-        except Exception as exc:
-            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-        write_frame(stdout, reply)
-        if op == "close":
-            break
+    name = sys.argv[1]
+    serve_ops(lambda: Worker(name), name)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ Commands, one JSON object per line; each gets one answer line, ``KVB-JSON {...}`
     {"cmd": "drain", "timeout_s": 10}   # step until nothing is held or running
     {"cmd": "quit"}
 
-Start: ``python examples/vllm_instance.py --model DIR [--kv-transfer-config JSON]``;
-the first line it prints is ``{"ready": true, ...}``.
+Start (in ``.venv-vllm``): ``python -m kvbridge.worker.vllm.instance --model DIR
+[--kv-transfer-config JSON]``; its first answer line is ``{"ready": true, ...}``.
+:class:`kvbridge.worker.vllm.Engine` does that from the main environment.
 """
 
 from __future__ import annotations
@@ -25,14 +26,10 @@ import os
 import select
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("UCX_MODULES", "^ib")
-
-
-PREFIX = "KVB-JSON "
-"""Answer lines start with this (vLLM logs to stdout too)."""
+from kvbridge.worker.vllm.engine import PREFIX
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -168,6 +165,9 @@ class Instance:
 
 
 def main() -> None:
+    # before vLLM (imported by Instance) reads them
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("UCX_MODULES", "^ib")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="")
@@ -189,7 +189,11 @@ def main() -> None:
             if cmd["cmd"] == "quit":
                 _reply({"ok": True})
                 return
-            handler = {"generate": inst.generate, "stats": lambda c: inst.stats()}.get(cmd["cmd"])
+            handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+                "generate": inst.generate,
+                "stats": lambda c: inst.stats(),
+            }
+            handler = handlers.get(cmd["cmd"])
             if cmd["cmd"] == "drain":
                 _reply(inst.drain(cmd))
             elif handler is None:

@@ -1,0 +1,22 @@
+"""vLLM engines as child processes, for tests, examples and benchmarks.
+
+vLLM's CPU build lives in its own virtual environment (:mod:`.venv`); the main
+environment drives it through :class:`Engine` (:mod:`.engine`), which starts
+:mod:`.instance` there and speaks JSON lines to it. :mod:`.tiny_llama` writes a
+seeded random Llama small enough to run on a CPU in seconds. kvbridge's connector
+that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
+"""
+
+from kvbridge.worker.vllm.engine import Engine, kv_config, running, tokens
+from kvbridge.worker.vllm.venv import PYTHON, VenvError, ensure_venv, write_model
+
+__all__ = [
+    "PYTHON",
+    "Engine",
+    "VenvError",
+    "ensure_venv",
+    "kv_config",
+    "running",
+    "tokens",
+    "write_model",
+]

@@ -1,0 +1,160 @@
+"""Drive vLLM engines in the vLLM virtual environment from the main one (tests, benchmark).
+
+:class:`Engine` starts :mod:`kvbridge.worker.vllm.instance` in ``.venv-vllm``
+(:mod:`.venv`), pinned to one core, as a :class:`~kvbridge.worker.ChildProcess`
+that is ready on its first ``KVB-JSON {"ready": true}`` line, and talks JSON
+lines to it. vLLM is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvbridge.worker.child import ChildProcess, LaunchError, ready_prefix
+from kvbridge.worker.vllm.venv import PYTHON, ROOT
+
+__all__ = ["PREFIX", "Engine", "kv_config", "running", "tokens"]
+
+PREFIX = "KVB-JSON "
+"""Answer lines of the instance start with this (vLLM logs to stdout too)."""
+
+
+def kv_config(connector: str, role: str, **extra: Any) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for kvbridge (``connector="kvbridge"``) or NixlConnector."""
+    if connector == "kvbridge":
+        return {
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": "kvbridge.connector.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+class Engine:
+    """One vLLM engine process; use as a context manager (it is closed on exit)."""
+
+    def __init__(
+        self,
+        model: Path,
+        *,
+        core: int,
+        kv: dict[str, Any] | None = None,
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout_s: float = 240.0,
+        wait: bool = True,
+    ) -> None:
+        cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
+        if kv:
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        self.log = log
+        self.child = ChildProcess(
+            cmd,
+            name=f"vLLM engine on core {core}",
+            ready=ready_prefix(PREFIX),
+            env={
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": "1",
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "PYTHONUNBUFFERED": "1",
+                **(env or {}),
+            },
+            cwd=ROOT,
+            log=log,
+            stdin=True,
+            keep_stdout=True,
+            core=core,
+            ready_timeout_s=startup_timeout_s,
+        )
+        self.ready: dict[str, Any] | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> dict[str, Any]:
+        """Block until the engine has started (start several with ``wait=False`` first)."""
+        if self.ready is None:
+            self.ready = self.child.wait_ready()
+            if "error" in self.ready:
+                raise LaunchError(f"vLLM engine failed to start: {self.ready['error']}")
+        return self.ready
+
+    def _read(self) -> dict[str, Any]:
+        while line := self.child.stdout.readline().decode(errors="replace"):
+            if line.startswith(PREFIX):
+                answer: dict[str, Any] = json.loads(line[len(PREFIX) :])
+                if "error" in answer:
+                    raise RuntimeError(answer["error"])
+                return answer
+        raise RuntimeError(f"vLLM engine exited (rc={self.child.poll()}); see {self.log}")
+
+    def call(self, timeout_s: float = 300.0, **cmd: Any) -> dict[str, Any]:
+        """Send one command and read its answer; a child that stays silent for ``timeout_s``
+        is killed (the read then ends) and :class:`TimeoutError` raised."""
+        self.child.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.child.stdin.flush()
+        timer = threading.Timer(timeout_s, self.child.kill)
+        timer.start()
+        try:
+            return self._read()
+        except RuntimeError:
+            if not timer.is_alive():
+                raise TimeoutError(f"no answer from the vLLM engine in {timeout_s}s") from None
+            raise
+        finally:
+            timer.cancel()
+
+    def generate(
+        self, prompts: list[list[int]], max_tokens: int, params: list[Any] | None = None
+    ) -> dict[str, Any]:
+        return self.call(cmd="generate", prompts=prompts, max_tokens=max_tokens, params=params)
+
+    def kill(self) -> None:
+        self.child.kill()
+
+    def close(self) -> None:
+        """``quit``, then whatever it takes: the process is gone afterwards."""
+        if self.child.poll() is None and self.ready is not None:
+            try:
+                self.call(cmd="quit", timeout_s=10)
+                self.child.wait(20)
+            except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
+                pass
+        self.child.close(grace_s=0)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
+    """Wait until every engine (started with ``wait=False``) is ready; close them all on exit."""
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def tokens(answer: dict[str, Any]) -> list[list[int]]:
+    """The generated token ids of a ``generate`` answer, one list per prompt."""
+    return [o["tokens"] for o in answer["outputs"]]

