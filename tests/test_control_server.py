@@ -17,6 +17,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvbridge.connector.control import (
@@ -540,3 +541,15 @@ def test_idempotent_calls_retry_on_unavailable_then_fail_typed() -> None:
         assert time.monotonic() - t0 < 2.0
     with pytest.raises(ControlPlaneError, match="closed"):
         client.health()
+
+
+def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_control_server() -> None:
+    c = start_cluster(preset_layout("tiny", num_blocks=8))
+    try:
+        with grpc.insecure_channel(c.server.address) as channel:
+            raw = channel.unary_unary("/kvbridge.proto.PeerControl/Pin")
+            with pytest.raises(grpc.RpcError) as info:
+                raw(b"\xff\xfe not a protobuf message", timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    finally:
+        stop_cluster(c)

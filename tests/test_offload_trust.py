@@ -20,7 +20,6 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from offload_harness import DaemonProc, WorkerProc
 
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
@@ -35,6 +34,7 @@ from kvbridge.proto.types import BlockHash, EngineId
 from kvbridge.worker.engine.config import EngineConfig
 from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.server import OffloadServer, serve
+from tests.harness.offload import DaemonProc, WorkerProc
 
 TINY_BLOCK = 2 * 4 * 16 * 2 * 32 * 4  # tiny preset: 2 x 4 layers x 16 tokens x 2 heads x 32 x fp32
 TOKEN = "s3cret-token"
@@ -387,17 +387,3 @@ def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_daemon(
             with pytest.raises(grpc.RpcError) as info:
                 raw(GARBAGE, timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-
-
-def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_control_server() -> None:
-    from test_control_server import start_cluster, stop_cluster
-
-    c = start_cluster(preset_layout("tiny", num_blocks=8))
-    try:
-        with grpc.insecure_channel(c.server.address) as channel:
-            raw = channel.unary_unary("/kvbridge.proto.PeerControl/Pin")
-            with pytest.raises(grpc.RpcError) as info:
-                raw(GARBAGE, timeout=10)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    finally:
-        stop_cluster(c)
