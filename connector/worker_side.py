@@ -15,7 +15,9 @@ Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
    into the KV cache, or, when the peer's inner order differs (``REARRANGE``),
    into a staging cache in the peer's order followed by
    :func:`kvbridge.kernels.convert_blocks`;
-4. release the lease.
+4. release the lease: fire and forget on a release thread, under a short
+   deadline (:data:`RELEASE_TIMEOUT_S`), so an unreachable peer never delays
+   the answer; a release that fails is logged and the lease expires.
 
 Each group of a load (``self``; ``cross`` for encoder-decoder models) is one
 READ. ``self`` blocks that were not read whole are reported by
@@ -76,6 +78,9 @@ class LoadResult:
     blocks_offloaded: int = 0
     """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
 
+
+RELEASE_TIMEOUT_S = 1.0
+"""Deadline of one lease release (off the request's path; a lost one expires on the peer)."""
 
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
@@ -142,6 +147,7 @@ class KVBridgeWorker(WorkerConnector):
         self._peers: dict[EngineId, _Peer] = {}
         self._peers_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvb-load")
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         self._state = _State()
 
     # ----- WorkerConnector -----------------------------------------------------------------
@@ -208,6 +214,7 @@ class KVBridgeWorker(WorkerConnector):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._releases.shutdown(wait=True)  # each is short; they may drop forgotten peers
         if self.offload is not None:
             self.offload.close()
         with self._peers_lock:
@@ -320,8 +327,7 @@ class KVBridgeWorker(WorkerConnector):
             else:  # a bug must still fail closed and give the pin back, not hang the request
                 log.exception("request %s: unexpected load failure", load.request_id)
             if peer is not None:
-                self._release(peer, lease)
-                self._forget(load.remote_engine, peer)
+                self._forget(load.remote_engine, peer, lease)
             ms = (time.perf_counter() - t0) * 1e3
             return LoadResult(
                 load.request_id,
@@ -407,19 +413,28 @@ class KVBridgeWorker(WorkerConnector):
             )
             return peer
 
-    def _release(self, peer: _Peer, lease: LeaseId | None) -> None:
-        if lease is None:
-            return
-        try:
-            peer.client.release(lease)
-        except Exception as exc:  # e.g. a channel another load's failure closed: it expires
-            log.info("release of lease %s failed (%s); it will expire", lease, exc)
+    def _release(self, peer: _Peer, lease: LeaseId | None, *, drop: bool = False) -> None:
+        """Release ``lease`` (then, with ``drop``, disconnect ``peer``) off the caller's path."""
+        if lease is not None or drop:
+            self._releases.submit(self._release_now, peer, lease, drop)
 
-    def _forget(self, engine: str, peer: _Peer) -> None:
+    def _release_now(self, peer: _Peer, lease: LeaseId | None, drop: bool) -> None:
+        try:
+            if lease is not None:
+                timeout = min(RELEASE_TIMEOUT_S, self.config.control_timeout_s)
+                peer.client.release(lease, timeout_s=timeout)
+        except Exception as exc:  # unreachable, or a channel a failure closed: it expires
+            log.info("release of lease %s failed (%s); it will expire", lease, exc)
+        finally:
+            if drop:
+                self._drop(peer)
+
+    def _forget(self, engine: str, peer: _Peer, lease: LeaseId | None) -> None:
+        """Stop using ``peer`` for new loads; release ``lease``, then disconnect it."""
         with self._peers_lock:
             if self._peers.get(EngineId(engine)) is peer:
                 del self._peers[EngineId(engine)]
-        self._drop(peer)
+        self._release(peer, lease, drop=True)
 
     def _drop(self, peer: _Peer) -> None:
         try:
