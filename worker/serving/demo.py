@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def make_workload(
     ]
     return [
         heads[i % len(heads)]
-        + [rng.randrange(vocab) for _ in range(rng.randint(3, 2 * block_size))]
+        + [rng.randrange(vocab) for _ in range(rng.randint(3, max(3, 2 * block_size)))]
         for i in range(n)
     ]
 
@@ -128,9 +129,11 @@ def start_node(
     extra: list[str] | None = None,
     *,
     role: str | None = None,
+    token: str | None = None,
 ) -> Iterator[tuple[subprocess.Popen[bytes], dict[str, str]]]:
     """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``) and yield (process,
-    its ready info); always stops it."""
+    its ready info); always stops it. ``token`` reaches the node as ``$KVBRIDGE_TOKEN``
+    (not on its command line, where ``ps`` would show it)."""
     role = role or name
     ready = workdir / f"{name}.ready"
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
@@ -161,6 +164,8 @@ def start_node(
         *(extra or []),
     ]
     env = dict(os.environ, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"), OMP_NUM_THREADS="1")
+    if token is not None:
+        env["KVBRIDGE_TOKEN"] = token
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pin_to_core(core)
     )
@@ -236,8 +241,11 @@ def run(args: argparse.Namespace) -> int:
             daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
             extra = ["--offload", daemon]
             print(f"offload daemon at {daemon}")
-        _, pinfo = stack.enter_context(start_node("prefill", args, args.order, work, p_core, extra))
-        prefill = EngineClient(pinfo["inference"])
+        token = secrets.token_hex(16)  # both nodes require it; the router sends it
+        _, pinfo = stack.enter_context(
+            start_node("prefill", args, args.order, work, p_core, extra, token=token)
+        )
+        prefill = EngineClient(pinfo["inference"], token=token)
         stack.callback(prefill.close)
         passes = 2 if args.offload else 1
         for n in range(passes):
@@ -251,8 +259,9 @@ def run(args: argparse.Namespace) -> int:
                 d_core,
                 extra,
                 role="decode",
+                token=token,
             ) as (_, dinfo):
-                decode = EngineClient(dinfo["inference"])
+                decode = EngineClient(dinfo["inference"], token=token)
                 print(
                     f"\npass {n + 1}: prefill at {pinfo['inference']} (control "
                     f"{pinfo['control']}), decode at {dinfo['inference']}\n"
