@@ -72,7 +72,9 @@ def destroy(p_ns: str, d_ns: str) -> None:
         sh("ip", "netns", "del", ns, check=False)  # deleting a namespace removes its veth end
 
 
-def serve(ns: str, role: str, host: str, ready: Path, log: Path) -> subprocess.Popen[bytes]:
+def serve(
+    ns: str, role: str, host: str, ready: Path, log: Path, *extra: str
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, UCX_TLS="tcp", UCX_MODULES="^ib", OMP_NUM_THREADS="1")
     cmd = [
         "ip",
@@ -91,6 +93,7 @@ def serve(ns: str, role: str, host: str, ready: Path, log: Path) -> subprocess.P
         f"{role}-{ns}",
         "--ready-file",
         str(ready),
+        *extra,
     ]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
@@ -123,8 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="kvb-netns-") as tmp:
             work = Path(tmp)
             procs.append(serve(p_ns, "prefill", "10.77.0.1", work / "p.ready", work / "p.log"))
-            procs.append(serve(d_ns, "decode", "10.77.0.2", work / "d.ready", work / "d.log"))
             pinfo = wait_ready(procs[0], work / "p.ready", work / "p.log")
+            # decode dials only the control address it is told to trust (not loopback here)
+            allow = ("--allow-peer", pinfo["control"])
+            procs.append(
+                serve(d_ns, "decode", "10.77.0.2", work / "d.ready", work / "d.log", *allow)
+            )
             dinfo = wait_ready(procs[1], work / "d.ready", work / "d.log")
             print(
                 f"prefill {pinfo['inference']} (ns {p_ns}), decode {dinfo['inference']} (ns {d_ns})"
