@@ -194,6 +194,11 @@ def test_an_overlong_request_id_is_rejected_at_the_inference_edge(nodes: Nodes) 
     assert nodes.prefill.stats().active_leases == 0
 
 
+def test_the_demo_workload_exists_for_one_token_blocks() -> None:
+    prompts = make_workload(6, 2, 512, block_size=1, seed=3)  # `kvbridge demo --block-size 1`
+    assert len(prompts) == 6 and all(len(p) >= 5 for p in prompts)
+
+
 def test_a_request_without_a_decode_hop_holds_no_lease(nodes: Nodes) -> None:
     assert check_no_leaks({"prefill": nodes.prefill}) == []
     res = nodes.router.generate(PROMPTS[4], 1, "one-token")
