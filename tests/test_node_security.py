@@ -271,6 +271,47 @@ def test_a_node_that_fails_to_start_closes_what_it_built() -> None:
         again.bind(("127.0.0.1", control_port))
 
 
+class StatsOnlyNode:
+    """Stands in for a Node behind the Inference servicer: answers EngineStats only."""
+
+    def __init__(self) -> None:
+        from kvbridge.proto import engine_pb2 as epb
+
+        self._stats = epb.EngineStatsResponse(engine_id="idle-test")
+
+    def stats(self) -> Any:
+        return self._stats
+
+
+def test_the_inference_port_disconnects_idle_clients() -> None:
+    import grpc
+
+    from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+    from kvbridge.worker.serving.node import NodeConfig
+
+    config = NodeConfig(
+        engine=EngineConfig.preset("tiny", num_blocks=8),
+        connector=ConnectorConfig("idle-test"),
+        max_connection_idle_s=1.0,
+    )
+    server = inference_server(config, InferenceServicer(StatsOnlyNode()))  # type: ignore[arg-type]
+    port = listen(server, "127.0.0.1", 0, None, None)
+    server.start()
+    states: list[grpc.ChannelConnectivity] = []
+    client = EngineClient(f"127.0.0.1:{port}", timeout_s=5)
+    try:
+        assert client.stats().engine_id == "idle-test"
+        client._channel.subscribe(states.append)
+        deadline = time.monotonic() + 10
+        while grpc.ChannelConnectivity.IDLE not in states and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert grpc.ChannelConnectivity.IDLE in states  # the server let the connection go
+        assert client.stats().engine_id == "idle-test"  # and a new call reconnects
+    finally:
+        client.close()
+        server.stop(0).wait()
+
+
 # ------------------------------------------------------------------------------------- TLS
 
 
