@@ -82,7 +82,7 @@ def check_request_id(request_id: str) -> str:
     """A request id from a client, bounded like every id in kv_transfer_params."""
     if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
         raise WireError(
-            f"request_id {request_id[:64]!r}... must be at most {MAX_ID_CHARS} printable "
+            f"request_id {request_id[:64]!r} must be at most {MAX_ID_CHARS} printable "
             f"characters, got {len(request_id)}"
         )
     return request_id
