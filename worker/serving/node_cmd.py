@@ -216,11 +216,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
+    from kvbridge.connector.control.peers import is_loopback
     from kvbridge.worker.serving.node import Node, NodeConfig
 
     torch.set_num_threads(args.threads)
     engine_id = args.engine_id or f"{args.role}-{os.getpid()}"
     security = security_settings(args)
+    if security.token is None and not is_loopback(f"{args.host}:0"):
+        log.warning(
+            "serving on %s without a token: anyone who reaches these ports may generate, "
+            "pin blocks and read KV; set --token or $KVBRIDGE_TOKEN",
+            args.host,
+        )
     config = NodeConfig(
         engine=engine_config_from_args(args),  # type: ignore[arg-type]
         connector=ConnectorConfig(
