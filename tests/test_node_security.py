@@ -9,10 +9,10 @@ who called them.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
-import socket
 import subprocess
-import threading
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -237,38 +237,57 @@ def test_a_release_the_peer_never_answers_does_not_delay_the_answer(nodes: Nodes
 # -------------------------------------------------------------------------- all or nothing
 
 
-def _engine_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("kvb-", "kvbridge-"))]
+HALF_BUILT_NODE = """
+import json, socket, sys, threading, time
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.worker.engine import EngineConfig
+from kvbridge.worker.serving.node import Node, NodeConfig
 
+def ours():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(("kvb-", "kvbridge-")))
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+before = ours()
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    control_port = s.getsockname()[1]
+with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    config = NodeConfig(
+        engine=EngineConfig.preset("tiny", num_blocks=32),
+        connector=ConnectorConfig("half-built", role="prefill"),
+        port=taken.getsockname()[1],
+        control_port=control_port,
+    )
+    try:
+        Node(config)
+        error = ""
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+deadline = time.monotonic() + 10
+while ours() != before and time.monotonic() < deadline:
+    time.sleep(0.05)
+with socket.socket() as again:
+    try:
+        again.bind(("127.0.0.1", control_port))
+        port_free = True
+    except OSError:
+        port_free = False
+left = sorted(set(ours()) - set(before))
+print(json.dumps({"error": error, "left": left, "port_free": port_free}))
+"""
 
 
 def test_a_node_that_fails_to_start_closes_what_it_built() -> None:
-    from kvbridge.worker.serving.node import Node, NodeConfig
-
-    before = set(_engine_threads())
-    control_port = _free_port()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        config = NodeConfig(
-            engine=EngineConfig.preset("tiny", num_blocks=32),
-            connector=ConnectorConfig("half-built", role="prefill"),
-            port=taken.getsockname()[1],
-            control_port=control_port,
-        )
-        with pytest.raises(ConfigError, match="cannot listen"):
-            Node(config)
-    deadline = time.monotonic() + 10
-    while set(_engine_threads()) - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert set(_engine_threads()) - before == set()
-    with socket.socket() as again:  # the control server's port is free again
-        again.bind(("127.0.0.1", control_port))
+    # in a child process: what a half-built node leaves behind must not leak into this one
+    out = subprocess.run(
+        [sys.executable, "-c", HALF_BUILT_NODE], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["error"].startswith("ConfigError: cannot listen")
+    assert result["left"] == []  # no engine thread, control server reaper or NIXL thread
+    assert result["port_free"]  # the control server's port is free again
 
 
 class StatsOnlyNode:
