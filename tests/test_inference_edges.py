@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.params import MAX_ID_CHARS
-from kvbridge.proto.errors import WireError
+from kvbridge.proto.errors import ConfigError, WireError
 from kvbridge.worker.engine import EngineConfig
 from kvbridge.worker.serving.demo import make_workload
 from kvbridge.worker.serving.inference import check_request_id
@@ -68,3 +69,37 @@ def test_the_inference_port_disconnects_idle_clients() -> None:
     finally:
         client.close()
         server.stop(0).wait()
+
+
+def serve_args(*argv: str) -> Any:
+    import argparse
+
+    from kvbridge.worker.serving import node_cmd
+
+    parser = argparse.ArgumentParser()
+    node_cmd.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_reads_the_token_file_and_trusts_its_own_certificate_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvbridge.worker.serving.node_cmd import security_settings
+
+    (tmp_path / "token").write_text("from-a-file\n")
+    (tmp_path / "cert.pem").write_bytes(b"CERT")
+    (tmp_path / "key.pem").write_bytes(b"KEY")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    got = security_settings(serve_args("--token-file", str(tmp_path / "token"), *tls))
+    assert (got.token, got.tls_cert, got.tls_key, got.tls_root_cert) == (
+        "from-a-file",
+        b"CERT",
+        b"KEY",
+        b"CERT",
+    )
+    monkeypatch.setenv("KVBRIDGE_TOKEN", "from-env")
+    args = serve_args("--allow-peer", "10.0.0.1:7001", "--allow-peer", "10.0.0.2:7001")
+    assert security_settings(args).token == "from-env"
+    assert args.allow_peer == ["10.0.0.1:7001", "10.0.0.2:7001"]
+    with pytest.raises(ConfigError, match="--tls-key"):
+        security_settings(serve_args("--tls-cert", str(tmp_path / "cert.pem")))
