@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvbridge.connector.control.peers import parse_allowed_peers
 from kvbridge.proto.errors import ConfigError
 
 __all__ = ["ConnectorConfig", "ROLES", "LOAD_ERROR_POLICIES"]
@@ -21,7 +22,14 @@ class ConnectorConfig:
     control_address: str = ""
     """Where this engine's control server listens (host:port), put into kv_transfer_params."""
     token: str | None = None
+    """Shared token sent to (and required from) peers; only ever sent to allowed peers."""
+    tls_root_cert: bytes | None = None
+    """PEM roots that peers' control servers must present a certificate from (None: plaintext)."""
+    allowed_peers: tuple[str, ...] = ()
+    """Control addresses (HOST:PORT) decode may dial; empty: loopback addresses only."""
     lease_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    """Longest lease a peer may ask our control server for (longer requests are clamped)."""
     load_timeout_s: float = 10.0
     control_timeout_s: float = 5.0
     stall_before_read_s: float = 0.0
@@ -42,7 +50,7 @@ class ConnectorConfig:
                 f"on_load_error {self.on_load_error!r} is not one of "
                 f"{', '.join(LOAD_ERROR_POLICIES)}"
             )
-        for knob in ("lease_ttl_s", "load_timeout_s", "control_timeout_s"):
+        for knob in ("lease_ttl_s", "load_timeout_s", "control_timeout_s", "max_lease_ttl_s"):
             if getattr(self, knob) <= 0:
                 raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
         if self.load_timeout_s >= self.lease_ttl_s:
@@ -50,8 +58,17 @@ class ConnectorConfig:
                 f"load_timeout_s ({self.load_timeout_s}) must be shorter than lease_ttl_s "
                 f"({self.lease_ttl_s}), or a lease could expire under a running read"
             )
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ConfigError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must not exceed max_lease_ttl_s "
+                f"({self.max_lease_ttl_s})"
+            )
         if self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads must be >= 1")
+        if isinstance(self.allowed_peers, str):
+            raise ConfigError("allowed_peers must be a list of HOST:PORT, not one string")
+        peers = parse_allowed_peers(self.allowed_peers, "allowed_peers")
+        object.__setattr__(self, "allowed_peers", peers)
 
     @property
     def produces(self) -> bool:

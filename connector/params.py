@@ -20,10 +20,12 @@ from typing import Any
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
-__all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST"]
+__all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS"]
 
 MAX_BLOCKS_PER_REQUEST = 1 << 16
-_MAX_STR = 256
+MAX_ID_CHARS = 256
+"""Longest id or address string (request ids included, at the Inference edge too)."""
+_MAX_STR = MAX_ID_CHARS
 
 
 @dataclass(frozen=True, slots=True)

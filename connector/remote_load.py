@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 
 ClientFactory = Callable[[str], "ControlClient"]
 
+
+RELEASE_TIMEOUT_S = 1.0
+"""Deadline of one lease release (a release lost on the way lets the lease expire)."""
 
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
@@ -117,9 +121,12 @@ class RemoteLoader:
         self._staging: dict[tuple[str, ...], _Staging] = {}
         self._peers: dict[EngineId, _Peer] = {}
         self._peers_lock = threading.Lock()
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
+        """Releases after a failed load and disconnects run here, off the request's path."""
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
+        self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
         with self._peers_lock:
             peers, self._peers = self._peers, {}
         for peer in peers.values():
@@ -189,8 +196,7 @@ class RemoteLoader:
             else:  # a bug must still fail closed and give the pin back, not hang the request
                 log.exception("request %s: unexpected load failure", load.request_id)
             if peer is not None:
-                self._release(peer, lease)
-                self._forget(load.remote_engine, peer)
+                self._forget(load.remote_engine, peer, lease)
             ms = (time.perf_counter() - t0) * 1e3
             return LoadResult(
                 load.request_id,
@@ -375,20 +381,30 @@ class RemoteLoader:
 
     def _release(self, peer: _Peer, lease: LeaseId | None) -> bool:
         """Give the lease back; True only if the owner still held it, which proves the blocks
-        were not reused while they were read (leases never come back once lapsed)."""
+        were not reused while they were read (leases never come back once lapsed). Under a
+        short deadline: an owner that does not answer costs a recompute, not the answer."""
         if lease is None:
             return True  # nothing was read under a lease
         try:
-            return peer.client.release(lease, timeout_s=self.config.control_timeout_s)
+            timeout = min(RELEASE_TIMEOUT_S, self.config.control_timeout_s)
+            return peer.client.release(lease, timeout_s=timeout)
         except Exception as exc:  # e.g. a channel another load's failure closed: it expires
             log.info("release of lease %s failed (%s); it will expire", lease, exc)
             return False
 
-    def _forget(self, engine: str, peer: _Peer) -> None:
+    def _forget(self, engine: str, peer: _Peer, lease: LeaseId | None) -> None:
+        """Stop using ``peer`` for new loads; release ``lease`` (nothing was read under it)
+        and disconnect, off the request's path."""
         with self._peers_lock:
             if self._peers.get(EngineId(engine)) is peer:
                 del self._peers[EngineId(engine)]
-        self._drop(peer)
+        self._releases.submit(self._release_and_drop, peer, lease)
+
+    def _release_and_drop(self, peer: _Peer, lease: LeaseId | None) -> None:
+        try:
+            self._release(peer, lease)
+        finally:
+            self._drop(peer)
 
     def _drop(self, peer: _Peer) -> None:
         for link in (peer.seal_link, peer.link):

@@ -73,10 +73,10 @@ def destroy(p_ns: str, d_ns: str) -> None:
         sh("ip", "netns", "del", ns, check=False)  # deleting a namespace removes its veth end
 
 
-def serve(ns: str, role: str, host: str, log: Path) -> ChildProcess:
+def serve(ns: str, role: str, host: str, log: Path, *extra: str) -> ChildProcess:
     """``kvbridge serve`` inside namespace ``ns``, ready once it prints its addresses."""
     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvbridge.worker.cli", "serve",
-           "--role", role, "--host", host, "--engine-id", f"{role}-{ns}"]  # fmt: skip
+           "--role", role, "--host", host, "--engine-id", f"{role}-{ns}", *extra]  # fmt: skip
     return ChildProcess(
         cmd,
         name=f"{role} node in {ns}",
@@ -101,12 +101,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvb-netns-") as tmp, ExitStack() as stack:
             work = Path(tmp)
-            nodes: list[ChildProcess] = []
-            for ns, role, host in ((p_ns, "prefill", "10.77.0.1"), (d_ns, "decode", "10.77.0.2")):
-                node = serve(ns, role, host, work / f"{role}.log")  # both start at once
-                stack.callback(node.close)
-                nodes.append(node)
-            pinfo, dinfo = (node.wait_ready() for node in nodes)
+            prefill = serve(p_ns, "prefill", "10.77.0.1", work / "prefill.log")
+            stack.callback(prefill.close)
+            pinfo = prefill.wait_ready()
+            # decode dials only the control address it is told to trust (not loopback here)
+            decode = serve(
+                d_ns, "decode", "10.77.0.2", work / "decode.log", "--allow-peer", pinfo["control"]
+            )
+            stack.callback(decode.close)
+            dinfo = decode.wait_ready()
             print(
                 f"prefill {pinfo['inference']} (ns {p_ns}), decode {dinfo['inference']} (ns {d_ns})"
             )

@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         # a decode whose KV did not arrive fails the request instead of recomputing it,
         # so equal outputs prove the blocks crossed the namespaces
         procs.append(in_ns(d_ns, work / "decode.log", "decode", "--model", model,
-                           "--host", DECODE, "--load-failure-policy", "fail"))  # fmt: skip
+                           "--host", DECODE, "--load-failure-policy", "fail",
+                           "--allow-peer", f"{PREFILL}:7600"))  # fmt: skip
         procs.append(in_ns(d_ns, work / "proxy.log", "proxy", "--host", DECODE,
                            "--prefill", f"http://{PREFILL}:8100",
                            "--decode", f"http://{DECODE}:8200"))  # fmt: skip

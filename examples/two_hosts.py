@@ -3,7 +3,7 @@
 On host A:  kvbridge serve --role prefill --host 0.0.0.0 --advertise A_IP:7001 \\
                 --port 7000 --control-port 7001
 On host B:  kvbridge serve --role decode --host 0.0.0.0 --advertise B_IP:7101 \\
-                --port 7100 --control-port 7101
+                --port 7100 --control-port 7101 --allow-peer A_IP:7001
 (set UCX_TLS=tcp on both if the hosts share no RDMA fabric), then anywhere:
 
     python examples/two_hosts.py --prefill A_IP:7000 --decode B_IP:7100

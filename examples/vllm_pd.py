@@ -9,7 +9,8 @@ daemon that both instances use)::
 Two hosts (A runs prefill, B runs decode and the proxy)::
 
     A$ python examples/vllm_pd.py prefill --model DIR --host 10.0.0.1
-    B$ python examples/vllm_pd.py decode  --model DIR --host 10.0.0.2
+    B$ python examples/vllm_pd.py decode  --model DIR --host 10.0.0.2 \\
+                                       --allow-peer 10.0.0.1:7600
     B$ python examples/vllm_pd.py proxy --prefill http://10.0.0.1:8100 \\
                                        --decode http://10.0.0.2:8200
 
@@ -53,10 +54,18 @@ API_SERVER = [str(harness.PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
 CONTROL_PORT = 7600
 
 
-def kv_transfer_config(role: str, host: str, offload: str = "", policy: str = "recompute") -> str:
+def kv_transfer_config(
+    role: str,
+    host: str,
+    offload: str = "",
+    policy: str = "recompute",
+    allowed_peers: tuple[str, ...] = (),
+) -> str:
     extra: dict[str, Any] = {}
     if role == "kv_producer":
         extra = {"control_port": CONTROL_PORT, "control_host": host, "advertise_host": host}
+    if allowed_peers:  # prefill control addresses decode may dial (default: loopback only)
+        extra["allowed_peers"] = list(allowed_peers)
     if offload:
         extra["offload_address"] = offload
     config = harness.kv_config("kvbridge", role, **extra)
@@ -73,6 +82,7 @@ def serve(
     log: Path,
     offload: str = "",
     policy: str = "recompute",
+    allowed_peers: tuple[str, ...] = (),
 ) -> Any:
     """Start vLLM's OpenAI server with kvbridge; returns the process (the caller stops it)."""
     cmd = [
@@ -81,7 +91,8 @@ def serve(
         "--served-model-name", "tiny",
         "--skip-tokenizer-init", "--enforce-eager",
         "--dtype", "float32", "--block-size", "32", "--max-model-len", "1024",
-        "--kv-transfer-config", kv_transfer_config(role, host, offload, policy),
+        "--kv-transfer-config",
+        kv_transfer_config(role, host, offload, policy, allowed_peers),
     ]  # fmt: skip
     if core is not None:
         cmd = ["taskset", "-c", str(core), *cmd]
@@ -221,6 +232,14 @@ def main() -> None:
             p.add_argument("--offload", action="store_true", help="start a CPU offload daemon")
         else:
             p.add_argument("--offload", default="", help="HOST:PORT of the node's offload daemon")
+        if mode == "decode":
+            p.add_argument(
+                "--allow-peer",
+                action="append",
+                default=[],
+                metavar="HOST:PORT",
+                help="a prefill control address decode may dial (default: loopback only)",
+            )
         p.add_argument(
             "--load-failure-policy",
             choices=["recompute", "fail"],
@@ -253,8 +272,9 @@ def main() -> None:
     model = args.model or harness.write_model(Path(tempfile.mkdtemp()) / "model")
     role = "kv_producer" if args.mode == "prefill" else "kv_consumer"
     log = Path(tempfile.gettempdir()) / f"kvb-vllm-{args.mode}.log"
+    peers = tuple(getattr(args, "allow_peer", ()))
     proc = serve(
-        model, role, args.host, args.port, None, log, args.offload, args.load_failure_policy
+        model, role, args.host, args.port, None, log, args.offload, args.load_failure_policy, peers
     )
     print(f"{args.mode} instance starting; log {log}", flush=True)
     # a terminated example stops its vLLM server too

@@ -7,9 +7,9 @@ and stops both in ``close()``; the owner then does its own cleanup.
 
 It is also the one place where both servers get the same guards:
 
-- ``token``: :class:`TokenInterceptor` rejects every call without the shared
-  token (metadata :data:`~kvbridge.connector.control.errors.TOKEN_KEY`)
-  before any handler runs; ``credentials`` (:func:`tls_credentials`) serve TLS;
+- ``token``: :class:`~kvbridge.connector.control.auth.TokenInterceptor` rejects
+  every call without the shared token (metadata
+  :data:`~kvbridge.connector.control.errors.TOKEN_KEY`) before any handler runs; ``credentials`` (:func:`tls_credentials`) serve TLS;
 - malformed request bytes reach the handler as a
   :class:`~kvbridge.connector.control.errors.MalformedRequest`, which
   :func:`~kvbridge.connector.control.errors.call_handler` answers
@@ -21,7 +21,6 @@ It is also the one place where both servers get the same guards:
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -30,40 +29,15 @@ from typing import Any
 
 import grpc
 
+from kvbridge.connector.control.auth import TokenInterceptor
 from kvbridge.connector.control.errors import (
-    ERROR_KIND_KEY,
-    TOKEN_KEY,
     lenient_deserializer,
-    status_for,
 )
-from kvbridge.proto.errors import AuthError, ConfigError
+from kvbridge.proto.errors import ConfigError
 
-__all__ = ["ReapingServer", "TokenInterceptor", "tls_credentials"]
+__all__ = ["ReapingServer", "tls_credentials"]
 
 log = logging.getLogger(__name__)
-
-
-class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Rejects every call without the shared token before any handler runs (UNAUTHENTICATED,
-    the same answer for every method, so a caller without the token learns nothing)."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-        def deny(request: bytes, context: Any) -> None:
-            code, kind, message = status_for(AuthError("missing or wrong kvbridge token"))
-            context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
-            context.abort(code, message)
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_KEY:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(got, self._token):
-                    return continuation(details)
-        return self._deny
 
 
 class _LenientRequests(grpc.ServerInterceptor):  # type: ignore[misc]

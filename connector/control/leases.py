@@ -9,6 +9,12 @@ reference); memory another pin still covers stays referenced.
 
 The table calls the :class:`BlockOwner` — whoever owns the KV memory — to
 unpin. The control server's threads call both, so both are thread-safe.
+
+A lease may name the *peer* it was created for (the control server passes the
+caller's host); :meth:`LeaseTable.create` then enforces per-peer caps on leases
+and pinned blocks, so one peer cannot pin the whole pool. Released and expired
+leases give their memory back: per-peer counters drop to nothing and the
+deadline heap is compacted when stale entries outnumber live leases.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -26,7 +33,7 @@ from kvbridge.connector.control.seal import SealTable, seal_digest
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["BlockOwner", "GroupBlocks", "GroupHashes", "Lease", "LeaseTable"]
+__all__ = ["BlockOwner", "GroupBlocks", "GroupHashes", "Lease", "LeaseTable", "PeerCaps"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,19 @@ class BlockOwner(ABC):
 
 
 @dataclass(frozen=True, slots=True)
+class PeerCaps:
+    """Most leases and pinned blocks one peer may hold at once."""
+
+    max_leases: int
+    max_blocks: int
+
+    def __post_init__(self) -> None:
+        for knob in ("max_leases", "max_blocks"):
+            if getattr(self, knob) < 1:
+                raise ConfigError(f"per-peer {knob} must be >= 1, got {getattr(self, knob)}")
+
+
+@dataclass(frozen=True, slots=True)
 class Lease:
     """Blocks pinned for a peer until ``expires_at`` (on the table's clock)."""
 
@@ -71,10 +91,24 @@ class Lease:
     blocks: Mapping[str, tuple[BlockId, ...]]
     hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
     request_id: RequestId | None = None
+    peer: str | None = None
+    """Who asked for the pin (per-peer caps); None for the owner's own hand-overs."""
 
     @property
     def num_blocks(self) -> int:
         return sum(len(ids) for ids in self.blocks.values())
+
+
+@dataclass(slots=True)
+class _PeerUse:
+    """What one peer's leases hold: how many, and each block with its lease count."""
+
+    leases: int = 0
+    blocks: Counter[tuple[str, BlockId]] = field(default_factory=Counter)
+
+
+def _block_keys(blocks: Mapping[str, Sequence[BlockId]]) -> list[tuple[str, BlockId]]:
+    return [(group, b) for group, ids in blocks.items() for b in ids]
 
 
 def new_lease_id() -> LeaseId:
@@ -110,6 +144,7 @@ class LeaseTable:
         self.seal = seal
         """Where each lease's seal is published while it is held (see :mod:`.seal`)."""
         self._sealed_as: dict[LeaseId, str] = {}
+        self._per_peer: dict[str, _PeerUse] = {}
 
     @property
     def owner(self) -> BlockOwner:
@@ -134,15 +169,18 @@ class LeaseTable:
         hashes: GroupHashes | None = None,
         request_id: RequestId | None = None,
         seal_as: str | None = None,
+        peer: str | None = None,
+        caps: PeerCaps | None = None,
     ) -> Lease:
         """Put already-pinned ``blocks`` under a new lease; the table now owns the pin.
 
         With a seal table, the lease's seal over ``blocks`` and ``hashes`` is
         published under ``seal_as`` (the id the reader knows the lease by;
-        default the lease id) until the lease ends.
+        default the lease id) until the lease ends. With ``peer`` and ``caps``,
+        the lease counts against that peer's caps.
 
-        If this raises (table full, request already leased) the caller still
-        owns the pin and must unpin.
+        If this raises (table full, peer over its caps, request already leased)
+        the caller still owns the pin and must unpin.
         """
         if ttl_s <= 0:
             raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
@@ -152,6 +190,7 @@ class LeaseTable:
             blocks={g: tuple(ids) for g, ids in blocks.items()},
             hashes={g: tuple(h) for g, h in (hashes or {}).items()},
             request_id=request_id,
+            peer=peer,
         )
         with self._lock:
             if len(self._leases) >= self._max_leases:
@@ -162,6 +201,8 @@ class LeaseTable:
                 )
             if request_id is not None and request_id in self._by_request:
                 raise LeaseError(f"request {request_id!r} already has a lease")
+            if peer is not None:
+                self._charge(peer, lease, caps)
             self._leases[lease.lease_id] = lease
             if request_id is not None:
                 self._by_request[request_id] = lease.lease_id
@@ -199,6 +240,7 @@ class LeaseTable:
                     self._leases[lease_id] = lease
                     heapq.heappush(self._deadlines, (until, lease_id))
                 alive.append(lease)
+            self._compact()
         return alive
 
     def release(self, lease_id: LeaseId) -> bool:
@@ -206,6 +248,7 @@ class LeaseTable:
         self.expire()
         with self._lock:
             lease = self._pop(lease_id)
+            self._compact()
         if lease is None:
             return False
         self._unpin(lease, "released")
@@ -233,9 +276,27 @@ class LeaseTable:
             self._leases.clear()
             self._by_request.clear()
             self._deadlines.clear()
+            self._per_peer.clear()
         for lease in leases:
             self._unpin(lease, "released at shutdown")
         return len(leases)
+
+    def peer_usage(self, peer: str) -> tuple[int, int]:
+        """``(leases, distinct blocks)`` that ``peer`` holds now."""
+        with self._lock:
+            use = self._per_peer.get(peer)
+            return (0, 0) if use is None else (use.leases, len(use.blocks))
+
+    def footprint(self) -> int:
+        """Entries the table keeps (leases, deadlines, per-peer counters): stays
+        proportional to the live leases, however many came and went."""
+        with self._lock:
+            return (
+                len(self._leases)
+                + len(self._by_request)
+                + len(self._deadlines)
+                + len(self._per_peer)
+            )
 
     def next_expiry(self) -> float | None:
         """Earliest deadline on the table's clock (possibly of a stale entry), or None."""
@@ -249,7 +310,41 @@ class LeaseTable:
         lease = self._leases.pop(lease_id, None)
         if lease is not None and lease.request_id is not None:
             self._by_request.pop(lease.request_id, None)
+        if lease is not None and lease.peer is not None:
+            use = self._per_peer[lease.peer]
+            use.leases -= 1
+            use.blocks.subtract(_block_keys(lease.blocks))
+            if use.leases == 0:
+                del self._per_peer[lease.peer]  # nothing kept for a peer that holds nothing
+            else:
+                use.blocks = +use.blocks  # drop blocks no lease of the peer holds
         return lease
+
+    def _charge(self, peer: str, lease: Lease, caps: PeerCaps | None) -> None:
+        """Count ``lease`` against ``peer`` (lock held), within ``caps``. Blocks count once
+        per peer however many of its leases pin them: the cap bounds memory, not calls."""
+        use = self._per_peer.get(peer) or _PeerUse()
+        keys = _block_keys(lease.blocks)
+        new = len(set(keys) - set(use.blocks))
+        if caps is not None and (
+            use.leases + 1 > caps.max_leases or len(use.blocks) + new > caps.max_blocks
+        ):
+            raise ControlPlaneError(
+                f"peer {peer[:64]!r} holds {use.leases} leases over {len(use.blocks)} blocks; "
+                f"{new} more would exceed its caps ({caps.max_leases} leases, "
+                f"{caps.max_blocks} blocks): release leases first",
+                code="RESOURCE_EXHAUSTED",
+            )
+        use.leases += 1
+        use.blocks.update(keys)
+        self._per_peer[peer] = use
+
+    def _compact(self) -> None:
+        """Drop stale deadline entries once they outnumber live leases (lock held)."""
+        if len(self._deadlines) <= 2 * len(self._leases) + 64:
+            return
+        self._deadlines = [(x.expires_at, x.lease_id) for x in self._leases.values()]
+        heapq.heapify(self._deadlines)
 
     def _unpin(self, lease: Lease, why: str) -> None:
         log.debug("lease %s %s: unpinning %d blocks", lease.lease_id, why, lease.num_blocks)

@@ -5,12 +5,12 @@ gRPC's ``route_guide``: :class:`ControlHandlers` does the work on protobuf
 messages and raises typed kvbridge errors; :class:`_Servicer` is a thin shim
 that maps those errors to status codes (via :mod:`kvbridge.connector.control.errors`);
 :func:`serve` builds and starts a :class:`ControlServer`. Optional shared-token
-auth is a server interceptor, so a peer without the token learns nothing.
+auth is a server interceptor (:mod:`kvbridge.connector.control.auth`), so a peer
+without the token learns nothing.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,15 +19,10 @@ from typing import Any
 
 import grpc
 
-from kvbridge.connector.control.errors import (
-    ERROR_KIND_KEY,
-    TOKEN_KEY,
-    call_handler,
-    lease_not_found,
-    status_for,
-)
+from kvbridge.connector.control.auth import TokenInterceptor, peer_host
+from kvbridge.connector.control.errors import call_handler, lease_not_found
 from kvbridge.connector.control.grpc_server import ReapingServer
-from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable, PeerCaps
 from kvbridge.connector.control.types import (
     ControlLimits,
     PeerInfo,
@@ -42,7 +37,6 @@ from kvbridge.connector.control.types import (
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
 from kvbridge.proto.errors import (
-    AuthError,
     BlockPoolError,
     ConfigError,
     ControlPlaneError,
@@ -76,6 +70,10 @@ class ControlServerConfig:
     default_ttl_s: float = 30.0
     max_ttl_s: float = 600.0
     reap_interval_s: float = 0.5
+    max_leases_per_peer: int = 1024
+    """Most leases one peer (caller host) may hold through Pin."""
+    max_blocks_per_peer: int | None = None
+    """Most blocks one peer may pin through Pin; None: half of the owner's blocks."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
@@ -94,6 +92,10 @@ class ControlServerConfig:
             raise ConfigError(
                 f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s})"
             )
+        if self.max_leases_per_peer < 1:
+            raise ConfigError(f"max_leases_per_peer must be >= 1, got {self.max_leases_per_peer}")
+        if self.max_blocks_per_peer is not None and self.max_blocks_per_peer < 1:
+            raise ConfigError(f"max_blocks_per_peer must be >= 1, got {self.max_blocks_per_peer}")
         if self.reap_interval_s <= 0:
             raise ConfigError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
 
@@ -144,13 +146,14 @@ class ControlHandlers:
             mode_reason=result.reason,
         )
 
-    def pin(self, request: pb.PinRequest) -> pb.PinResponse:
+    def pin(self, request: pb.PinRequest, peer: str = "") -> pb.PinResponse:
+        """``peer`` names the caller (its host) for the per-peer caps on new leases."""
         ttl_s = self._ttl(request.ttl_ms)
         target = request.WhichOneof("target")
         if target == "request_id":
             return pb.PinResponse(lease=self._pin_request(request.request_id, ttl_s))
         if target == "hashes":
-            return pb.PinResponse(lease=self._pin_hashes(request.hashes, ttl_s))
+            return pb.PinResponse(lease=self._pin_hashes(request.hashes, ttl_s, peer))
         raise WireError("pin names neither a request id nor block hashes")
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
@@ -195,7 +198,7 @@ class ControlHandlers:
             )
         return self._lease_pb(alive[0])
 
-    def _pin_hashes(self, msg: pb.PinByHashes, ttl_s: float) -> pb.Lease:
+    def _pin_hashes(self, msg: pb.PinByHashes, ttl_s: float, peer: str) -> pb.Lease:
         limits = self.config.limits
         wanted: dict[str, list[BlockHash]] = {}
         for item in msg.groups:
@@ -220,11 +223,19 @@ class ControlHandlers:
             if not any(blocks.values()):
                 return pb.Lease()
             hashes = {g: wanted[g][: len(ids)] for g, ids in blocks.items()}
-            lease = self.leases.create(blocks, ttl_s=ttl_s, hashes=hashes)
+            lease = self.leases.create(
+                blocks, ttl_s=ttl_s, hashes=hashes, peer=peer, caps=self._peer_caps()
+            )
         except BaseException:
             self.owner.unpin(pinned)
             raise
         return self._lease_pb(lease)
+
+    def _peer_caps(self) -> PeerCaps:
+        max_blocks = self.config.max_blocks_per_peer
+        if max_blocks is None:
+            max_blocks = max(1, sum(self.owner.num_blocks(g) for g in self._groups) // 2)
+        return PeerCaps(self.config.max_leases_per_peer, max_blocks)
 
     def _check_pinned(
         self, wanted: dict[str, list[BlockHash]], pinned: dict[str, list[BlockId]]
@@ -277,7 +288,8 @@ class _Servicer(pb_grpc.PeerControlServicer):
         return call_handler(self._h.handshake, request, context)
 
     def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        return call_handler(self._h.pin, request, context)
+        peer = peer_host(context.peer())
+        return call_handler(lambda r: self._h.pin(r, peer), request, context)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
         return call_handler(self._h.heartbeat, request, context)
@@ -287,28 +299,6 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         return call_handler(self._h.health, request, context)
-
-
-class _TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    """Rejects every call without the shared token before any handler runs."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token.encode()
-
-        def deny(request: bytes, context: Any) -> None:
-            code, kind, message = status_for(AuthError("missing or wrong kvbridge token"))
-            context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
-            context.abort(code, message)
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        for key, value in details.invocation_metadata or ():
-            if key == TOKEN_KEY:
-                got = value.encode() if isinstance(value, str) else bytes(value)
-                if hmac.compare_digest(got, self._token):
-                    return continuation(details)
-        return self._deny
 
 
 class ControlServer:
@@ -335,7 +325,7 @@ class ControlServer:
             ),
             reap=self.leases.expire,
             reap_interval_s=config.reap_interval_s,
-            interceptors=[] if config.token is None else [_TokenInterceptor(config.token)],
+            interceptors=[] if config.token is None else [TokenInterceptor(config.token)],
             max_concurrent_rpcs=config.max_concurrent_rpcs,
             credentials=credentials,
         )

@@ -18,8 +18,13 @@ adapter passes plain values.
 ``hash_seed``            block-hash seed, equal on every node (default ``""``)
 ``hash_algorithm``       ``sha256`` (default) or ``xxh3_128``
 ``token``                shared token of the control plane and of the offload daemon
-                         (``kvbridge offload serve --token``)
+                         (``kvbridge offload serve --token``); sent only to allowed peers
+``allowed_peers``        list of prefill control addresses (``host:port``) decode may dial;
+                         default: loopback addresses only. A request naming another address
+                         is recomputed and the token is never sent there
 ``lease_ttl_s``          how long prefill holds blocks for decode (default 30)
+``max_lease_ttl_s``      longest lease a decode peer may ask for; longer asks are clamped
+                         (default 600, at least ``lease_ttl_s``)
 ``load_timeout_s``       deadline of one READ (default 10)
 ``max_concurrent_loads`` parallel READs (default 1: see docs/VLLM.md, "Known issues")
 ``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
@@ -54,6 +59,8 @@ _KNOWN = frozenset(
         "hash_algorithm",
         "token",
         "lease_ttl_s",
+        "max_lease_ttl_s",
+        "allowed_peers",
         "load_timeout_s",
         "offload_address",
         "max_concurrent_loads",
@@ -106,7 +113,9 @@ class VllmConnectorConfig:
             role=VLLM_ROLES[kv_role],
             control_address=f"{advertise}:{port}" if port else "",
             token=extra.get("token"),
+            allowed_peers=_peers(extra, "allowed_peers"),
             lease_ttl_s=lease_ttl_s,
+            max_lease_ttl_s=float(extra.get("max_lease_ttl_s", max(600.0, lease_ttl_s))),
             load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
             max_concurrent_loads=_int(extra, "max_concurrent_loads", 1),
             offload_address=_address(extra, "offload_address"),
@@ -143,6 +152,15 @@ def _address(extra: Mapping[str, Any], key: str) -> str:
             f"got {value!r}"
         )
     return value
+
+
+def _peers(extra: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = extra.get(key, [])
+    if not isinstance(value, list | tuple) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} must be a list of host:port strings, got {value!r}"
+        )
+    return tuple(value)
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int) -> int:

@@ -121,7 +121,7 @@ class VllmWorker:
                     port=s.control_port,
                     token=self.config.token,
                     default_ttl_s=self.config.lease_ttl_s,
-                    max_ttl_s=max(600.0, self.config.lease_ttl_s),
+                    max_ttl_s=self.config.max_lease_ttl_s,
                 ),
             )
         log.info("kvbridge registered vLLM's KV cache: %s", self.layout.describe())
@@ -139,10 +139,10 @@ class VllmWorker:
         )
 
     def _client(self, address: str) -> ControlClient:
-        from kvbridge.connector.control.client import ControlClient
+        from kvbridge.connector.control.peers import dial_control
 
-        cc = self.config
-        return ControlClient(address, token=cc.token, timeout_s=cc.control_timeout_s)
+        # an address from kv_transfer_params is a claim: dial only peers the operator allowed
+        return dial_control(address, self.config)
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import tempfile
 import time
 from contextlib import ExitStack
@@ -93,7 +94,7 @@ def make_workload(
     ]
     return [
         heads[i % len(heads)]
-        + [rng.randrange(vocab) for _ in range(rng.randint(3, 2 * block_size))]
+        + [rng.randrange(vocab) for _ in range(rng.randint(3, max(3, 2 * block_size)))]
         for i in range(n)
     ]
 
@@ -156,8 +157,11 @@ def run(args: argparse.Namespace) -> int:
             daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
             extra = ["--offload", daemon]
             print(f"offload daemon at {daemon}")
-        _, pinfo = stack.enter_context(start_node("prefill", args, args.order, work, p_core, extra))
-        prefill = EngineClient(pinfo["inference"])
+        token = secrets.token_hex(16)  # both nodes require it; the router sends it
+        _, pinfo = stack.enter_context(
+            start_node("prefill", args, args.order, work, p_core, extra, token=token)
+        )
+        prefill = EngineClient(pinfo["inference"], token=token)
         stack.callback(prefill.close)
         passes = 2 if args.offload else 1
         for n in range(passes):
@@ -171,8 +175,9 @@ def run(args: argparse.Namespace) -> int:
                 d_core,
                 extra,
                 role="decode",
+                token=token,
             ) as (_, dinfo):
-                decode = EngineClient(dinfo["inference"])
+                decode = EngineClient(dinfo["inference"], token=token)
                 print(
                     f"\npass {n + 1}: prefill at {pinfo['inference']} (control "
                     f"{pinfo['control']}), decode at {dinfo['inference']}\n"

@@ -58,16 +58,21 @@ def start_node(
     extra: list[str] | None = None,
     *,
     role: str | None = None,
+    token: str | None = None,
 ) -> Iterator[tuple[ChildProcess, dict[str, str]]]:
     """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``; log in
     ``workdir/NAME.log``) and yield (process, its ready info: ``inference``, ``control``,
-    ``engine_id``) once it serves; always stops it."""
+    ``engine_id``) once it serves; always stops it. ``token`` reaches the node as
+    ``$KVBRIDGE_TOKEN`` (not on its command line, where ``ps`` would show it)."""
     role = role or name
+    env = {"OMP_NUM_THREADS": "1"}
+    if token is not None:
+        env["KVBRIDGE_TOKEN"] = token
     with ChildProcess(
         node_command(name, args, order, role, extra or []),
         name=f"{role} node {name}",
         ready=json_object,
-        env={"OMP_NUM_THREADS": "1"},
+        env=env,
         log=workdir / f"{name}.log",
         core=core,
         ready_timeout_s=args.startup_timeout,

@@ -18,35 +18,31 @@ import queue
 import threading
 import time
 from concurrent import futures
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.client import ControlClient
+from kvbridge.connector.control.peers import dial_control
 from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.scheduler import KVBridgeScheduler
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.connector.worker_side import KVBridgeWorker
-from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
-from kvbridge.proto import engine_pb2_grpc as epb_grpc
-from kvbridge.proto.errors import ConfigError, KVBridgeError, WireError
+from kvbridge.proto.errors import ConfigError, KVBridgeError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
+from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
 from kvbridge.worker.serving.metrics import NodeMetrics
 
 __all__ = ["NodeConfig", "Node", "GenerateResult"]
 
 log = logging.getLogger(__name__)
-
-MAX_PROMPT_TOKENS = 1 << 16
-MAX_ENCODER_INPUT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +56,28 @@ class NodeConfig:
     """Inference API port (0: pick a free one)."""
     control_port: int = 0
     request_timeout_s: float = 120.0
+    tls_cert: bytes | None = None
+    """PEM certificate both servers (Inference, control) present; with ``tls_key``."""
+    tls_key: bytes | None = None
+    max_connection_idle_s: float = 300.0
+    """The Inference server closes connections idle this long."""
+    max_concurrent_requests: int = 64
+    """Inference calls in flight at once; more are refused RESOURCE_EXHAUSTED."""
 
     def __post_init__(self) -> None:
         for knob in ("port", "control_port"):
             if not 0 <= getattr(self, knob) <= 65535:
                 raise ConfigError(f"{knob} {getattr(self, knob)} is outside 0..65535")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        if self.max_connection_idle_s <= 0:
+            raise ConfigError(
+                f"max_connection_idle_s must be > 0, got {self.max_connection_idle_s}"
+            )
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(
+                f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
+            )
 
 
 @dataclass(slots=True)
@@ -89,55 +102,81 @@ class _Submission:
 
 
 class Node:
-    """One engine with its connector and servers; ``close()`` stops everything."""
+    """One engine with its connector and servers; ``close()`` stops everything.
+
+    Construction is all or nothing: if a step fails (a port taken, a bad
+    layout), what the earlier steps built is closed in reverse order before the
+    error propagates, so a failed ``Node(...)`` leaves no agent, server or thread.
+    """
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         cc = config.connector
-        self.transport = NixlTransport(NixlConfig(name=cc.engine_id))
-        self.scheduler_connector = KVBridgeScheduler(cc, config.engine.block_size)
-        self.worker_connector = KVBridgeWorker(cc, self.transport, self._client, self._peer_info)
-        self.engine = Engine(
-            config.engine,
-            connector_scheduler=self.scheduler_connector,
-            connector_worker=self.worker_connector,
-        )
-        self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
-        self.worker_connector.listen_for_releases(self.owner.leases.release)
-        self.metrics = NodeMetrics(lambda: len(self.owner.leases))
-        # the scheduler asks the daemon on its own thread: a bounded lookup-only client (as
-        # vLLM's scheduler uses), so a hung daemon costs one short deadline, then a backoff
-        self.offload_lookup = (
-            OffloadLookup(OffloadLookupConfig(cc.offload_address)) if cc.offload_address else None
-        )
-        self.scheduler_connector.attach(self.owner, self.offload_lookup)
-        assert self.worker_connector.memory is not None
-        self.layout = self.worker_connector.memory.layout
-        self.control: ControlServer = serve(
-            self._peer_info(self.layout),
-            self.owner.leases,
-            ControlServerConfig(host=config.host, port=config.control_port, token=cc.token),
-        )
-        # the address peers find us at goes into kv_transfer_params
-        self.scheduler_connector.config = _with_address(cc, self.control.address)
-        self._inbox: queue.Queue[_Submission] = queue.Queue()
-        self._waiting: dict[RequestId, _Submission] = {}
-        self._stop = threading.Event()
-        self._wakeup = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
-        self._thread.start()
-        self._grpc = grpc.server(futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"))
-        epb_grpc.add_InferenceServicer_to_server(_InferenceServicer(self), self._grpc)
-        self.port = self._grpc.add_insecure_port(f"{config.host}:{config.port}")
-        if self.port == 0:
-            raise ConfigError(f"cannot listen on {config.host}:{config.port}; pick another --port")
-        self._grpc.start()
+        with ExitStack() as built:
+            self.transport = NixlTransport(NixlConfig(name=cc.engine_id))
+            built.callback(self.transport.close)
+            self.scheduler_connector = KVBridgeScheduler(cc, config.engine.block_size)
+            self.worker_connector = KVBridgeWorker(
+                cc, self.transport, self._client, self._peer_info
+            )
+            built.callback(self.worker_connector.close)
+            self.engine = Engine(
+                config.engine,
+                connector_scheduler=self.scheduler_connector,
+                connector_worker=self.worker_connector,
+            )
+            self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
+            self.worker_connector.listen_for_releases(self.owner.leases.release)
+            self.metrics = NodeMetrics(lambda: len(self.owner.leases))
+            # the scheduler asks the daemon on its own thread: a bounded lookup-only client
+            # (as vLLM's scheduler uses): a hung daemon costs one short deadline, then a backoff
+            self.offload_lookup = (
+                OffloadLookup(OffloadLookupConfig(cc.offload_address, token=cc.token))
+                if cc.offload_address
+                else None
+            )
+            if self.offload_lookup is not None:
+                built.callback(self.offload_lookup.close)
+            self.scheduler_connector.attach(self.owner, self.offload_lookup)
+            assert self.worker_connector.memory is not None
+            self.layout = self.worker_connector.memory.layout
+            self.control: ControlServer = serve(
+                self._peer_info(self.layout),
+                self.owner.leases,
+                ControlServerConfig(
+                    host=config.host,
+                    port=config.control_port,
+                    token=cc.token,
+                    tls_cert=config.tls_cert,
+                    tls_key=config.tls_key,
+                    default_ttl_s=cc.lease_ttl_s,
+                    max_ttl_s=cc.max_lease_ttl_s,
+                ),
+            )
+            built.callback(self.control.close)
+            # the address peers find us at goes into kv_transfer_params
+            self.scheduler_connector.config = _with_address(cc, self.control.address)
+            self._inbox: queue.Queue[_Submission] = queue.Queue()
+            self._waiting: dict[RequestId, _Submission] = {}
+            self._stop = threading.Event()
+            self._wakeup = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
+            self._thread.start()
+            built.callback(self._stop_engine)
+            self._grpc = inference_server(config, InferenceServicer(self))
+            built.callback(lambda: self._grpc.stop(grace=0.5).wait())
+            self.port = listen(
+                self._grpc, config.host, config.port, config.tls_cert, config.tls_key
+            )
+            self._grpc.start()
+            self._closer = built.pop_all()
         log.info(
-            "%s (%s) serving requests on %s:%d, control on %s",
+            "%s (%s) serving requests on %s:%d%s, control on %s",
             cc.engine_id,
             cc.role,
             config.host,
             self.port,
+            " with TLS" if config.tls_cert else "",
             self.control.address,
         )
 
@@ -157,8 +196,8 @@ class Node:
         )
 
     def _client(self, address: str) -> ControlClient:
-        cc = self.config.connector
-        return ControlClient(address, token=cc.token, timeout_s=cc.control_timeout_s)
+        # an address from kv_transfer_params is a claim: dial only peers the operator allowed
+        return dial_control(address, self.config.connector)
 
     # ----- requests ------------------------------------------------------------------------
     def submit(
@@ -254,15 +293,14 @@ class Node:
         )
 
     def close(self) -> None:
-        self._grpc.stop(grace=0.5).wait()
+        """Stop the Inference server, the engine thread, the control server, the
+        connector and the NIXL agent (the reverse of construction)."""
+        self._closer.close()
+
+    def _stop_engine(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all("server shutting down")
-        self.control.close()
-        self.worker_connector.close()
-        if self.offload_lookup is not None:
-            self.offload_lookup.close()
-        self.transport.close()
 
     def __enter__(self) -> Node:
         return self
@@ -275,69 +313,3 @@ def _with_address(cc: ConnectorConfig, address: str) -> ConnectorConfig:
     from dataclasses import replace
 
     return replace(cc, control_address=cc.control_address or address)
-
-
-class _InferenceServicer(epb_grpc.InferenceServicer):
-    """Thin: validate, hand to the node, map errors to status codes."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-
-    def Generate(self, request: epb.GenerateRequest, context: Any) -> epb.GenerateResponse:
-        try:
-            prompt = list(request.prompt_token_ids)
-            if not 0 < len(prompt) <= MAX_PROMPT_TOKENS:
-                raise WireError(
-                    f"prompt must have 1..{MAX_PROMPT_TOKENS} tokens, got {len(prompt)}"
-                )
-            if request.max_tokens < 1:
-                raise WireError("max_tokens must be >= 1")
-            if len(request.encoder_input) > MAX_ENCODER_INPUT_BYTES:
-                raise WireError(
-                    f"encoder_input has {len(request.encoder_input)} bytes, the limit is "
-                    f"{MAX_ENCODER_INPUT_BYTES}"
-                )
-            params = (
-                codec.unpack(request.kv_transfer_params, "KVTransferParams")
-                if request.kv_transfer_params
-                else None
-            )
-            rid = request.request_id or f"req-{time.monotonic_ns()}"
-            future = self.node.submit(
-                prompt, request.max_tokens, params, rid, request.encoder_input or None
-            )
-            result = future.result(timeout=self.node.config.request_timeout_s)
-        except WireError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except KVBridgeError as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except futures.TimeoutError:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request did not finish in time")
-        out = result.output
-        stats = epb.RequestStats(
-            prompt_tokens=out.num_prompt_tokens,
-            blocks_local_hit=out.blocks_local_hit,
-            blocks_moved=result.blocks_moved,
-            blocks_offloaded=result.blocks_offloaded,
-            blocks_recomputed=out.blocks_recomputed,
-            transfer_ms=result.transfer_ms,
-            ttft_ms=(out.ttft_s or 0.0) * 1e3,
-            load_error=result.load_error,
-            blocks_moved_by_group=result.blocks_moved_by_group,
-            bytes_moved=result.bytes_moved,
-            cross_source=out.cross_source,
-        )
-        params_bytes = (
-            codec.pack("KVTransferParams", out.kv_transfer_params)
-            if out.kv_transfer_params
-            else b""
-        )
-        return epb.GenerateResponse(
-            request_id=out.request_id,
-            token_ids=list(out.output_token_ids),
-            kv_transfer_params=params_bytes,
-            stats=stats,
-        )
-
-    def EngineStats(self, request: epb.EngineStatsRequest, context: Any) -> epb.EngineStatsResponse:
-        return self.node.stats()

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
@@ -20,6 +21,9 @@ __all__ = [
     "add_engine_arguments",
     "engine_config_from_args",
     "engine_model_flags",
+    "add_security_arguments",
+    "security_settings",
+    "Security",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +108,65 @@ def engine_model_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """Token, TLS and peer allowlist flags of ``serve`` (README "Security")."""
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        default=os.environ.get("KVBRIDGE_TOKEN"),
+        help="shared token every caller of the Inference and control ports must send, and "
+        "that this node sends to allowed peers (default: $KVBRIDGE_TOKEN; none)",
+    )
+    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    p.add_argument(
+        "--tls-cert", type=Path, help="PEM certificate of both ports (with --tls-key): TLS only"
+    )
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        help="PEM roots peers' control certificates must chain to; dials peers over TLS "
+        "(default with --tls-cert: that certificate)",
+    )
+    p.add_argument(
+        "--allow-peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a prefill control address decode may dial (repeatable); default: loopback "
+        "addresses only. A request naming any other address is recomputed, never dialed",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Security:
+    """What the token and TLS flags say, files read."""
+
+    token: str | None
+    tls_cert: bytes | None
+    tls_key: bytes | None
+    tls_root_cert: bytes | None
+
+
+def security_settings(args: argparse.Namespace) -> Security:
+    """The token (``--token``, ``--token-file``, ``$KVBRIDGE_TOKEN``) and TLS files."""
+    from kvbridge.proto.errors import ConfigError
+
+    token = args.token
+    if args.token_file is not None:
+        token = args.token_file.read_text().strip()
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    cert = None if args.tls_cert is None else args.tls_cert.read_bytes()
+    ca = args.tls_ca or args.tls_cert
+    return Security(
+        token=token or None,
+        tls_cert=cert,
+        tls_key=None if args.tls_key is None else args.tls_key.read_bytes(),
+        tls_root_cert=None if ca is None else ca.read_bytes(),
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "serve",
@@ -122,13 +185,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default="",
         help="host:port peers use for PeerControl (default: the listening address)",
     )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("KVBRIDGE_TOKEN"),
-        help="shared auth token (default: $KVBRIDGE_TOKEN; none)",
-    )
+    add_security_arguments(p)
     p.add_argument(
         "--lease-ttl", type=float, default=30.0, help="seconds a pin lives unheartbeaten"
+    )
+    p.add_argument(
+        "--max-lease-ttl",
+        type=float,
+        default=600.0,
+        help="longest lease a peer may ask for; longer requests are clamped (default 600 s)",
     )
     p.add_argument("--load-timeout", type=float, default=10.0, help="deadline of one KV load (s)")
     p.add_argument(
@@ -165,19 +230,30 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
+    from kvbridge.connector.control.peers import is_loopback
     from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.serving.node import Node, NodeConfig
 
     torch.set_num_threads(args.threads)
     engine_id = args.engine_id or f"{args.role}-{os.getpid()}"
+    security = security_settings(args)
+    if security.token is None and not is_loopback(f"{args.host}:0"):
+        log.warning(
+            "serving on %s without a token: anyone who reaches these ports may generate, "
+            "pin blocks and read KV; set --token or $KVBRIDGE_TOKEN",
+            args.host,
+        )
     config = NodeConfig(
         engine=engine_config_from_args(args),  # type: ignore[arg-type]
         connector=ConnectorConfig(
             engine_id=engine_id,
             role=args.role,
             control_address=args.advertise,
-            token=args.token,
+            token=security.token,
+            tls_root_cert=security.tls_root_cert,
+            allowed_peers=tuple(args.allow_peer),
             lease_ttl_s=args.lease_ttl,
+            max_lease_ttl_s=args.max_lease_ttl,
             load_timeout_s=args.load_timeout,
             stall_before_read_s=args.stall_before_read,
             on_load_error=args.on_load_error,
@@ -186,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         control_port=args.control_port,
+        tls_cert=security.tls_cert,
+        tls_key=security.tls_key,
     )
     metrics_config = (
         None

@@ -1,12 +1,14 @@
 """The P/D router: prefill computes the prompt, decode continues from its KV.
 
-For each request: send the prompt to a prefill worker with
-``{"do_remote_decode": true}`` and ``max_tokens=1``; it answers with the first
-token and ``kv_transfer_params``. Send prompt + first token and those params
-to a decode worker with ``max_tokens - 1``; it pulls the blocks it lacks and
-generates the rest. Both hops have deadlines. An encoder-decoder request's
-``encoder_input`` goes to both: prefill runs the encoder, decode uses it to
-name (and, if a load fails, recompute) the cross-attention blocks.
+For each request: send the prompt to a prefill worker with ``max_tokens=1`` and
+``{"do_remote_decode": true}`` (only when a decode hop follows, ``max_tokens > 1``:
+prefill pins blocks for decode only then); it answers with the first token and
+``kv_transfer_params``. Send prompt + first token and those params to a decode
+worker with ``max_tokens - 1``; it pulls the blocks it lacks and generates the
+rest. Both hops have deadlines. An encoder-decoder request's ``encoder_input``
+goes to both: prefill runs the encoder, decode uses it to name (and, if a load
+fails, recompute) the cross-attention blocks. Each :class:`EngineClient` sends
+the nodes' shared token and speaks TLS when given a root certificate.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto import engine_pb2_grpc as epb_grpc
@@ -28,10 +31,26 @@ __all__ = ["Router", "RoutedResult", "EngineClient"]
 class EngineClient:
     """A client of one engine's ``Inference`` service."""
 
-    def __init__(self, address: str, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 120.0,
+        *,
+        token: str | None = None,
+        root_cert: bytes | None = None,
+        server_name: str | None = None,
+    ) -> None:
+        """``token`` is sent with every call; ``root_cert`` (PEM) makes the channel TLS,
+        ``server_name`` overrides the name its certificate is checked against."""
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self._metadata: tuple[tuple[str, str], ...] = () if token is None else ((TOKEN_KEY, token),)
+        options = [] if server_name is None else [("grpc.ssl_target_name_override", server_name)]
+        if root_cert is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = epb_grpc.InferenceStub(self._channel)
 
     def generate(
@@ -50,7 +69,9 @@ class EngineClient:
             encoder_input=encoder_input,
         )
         try:
-            resp: epb.GenerateResponse = self._stub.Generate(req, timeout=self.timeout_s)
+            resp: epb.GenerateResponse = self._stub.Generate(
+                req, timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise KVBridgeError(
                 f"{self.address}: Generate {request_id} failed: {exc.code().name}: {exc.details()}"
@@ -60,7 +81,7 @@ class EngineClient:
     def stats(self, timeout_s: float = 5.0) -> epb.EngineStatsResponse:
         try:
             resp: epb.EngineStatsResponse = self._stub.EngineStats(
-                epb.EngineStatsRequest(), timeout=timeout_s
+                epb.EngineStatsRequest(), timeout=timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as exc:
             raise KVBridgeError(f"{self.address}: EngineStats failed: {exc.code().name}") from None
@@ -100,9 +121,9 @@ class Router:
     ) -> RoutedResult:
         """Route one request; ``encoder_input`` (encoder-decoder models) goes to both hops."""
         t0 = time.perf_counter()
-        first = self.prefill.generate(
-            prompt, 1, request_id, {"do_remote_decode": True}, encoder_input
-        )
+        # no decode hop, no hand-over: prefill must not pin blocks nobody will read
+        handover = {"do_remote_decode": True} if max_tokens > 1 else None
+        first = self.prefill.generate(prompt, 1, request_id, handover, encoder_input)
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if not first.token_ids:
             raise KVBridgeError(f"prefill returned no token for {request_id}")

@@ -1,0 +1,112 @@
+"""Which control addresses this engine may dial, and the one place it dials them.
+
+A decode engine learns a prefill's control address from ``kv_transfer_params``:
+a claim made by whoever sent the request (DESIGN.md §7). Dialing it sends the
+shared token, so an address inside a request is never enough: the operator
+names the peers (``kvbridge serve --allow-peer HOST:PORT``, ``allowed_peers``
+in the vLLM extra config). With none named, only loopback addresses are
+allowed (a one-host deployment works out of the box; nothing leaves the host).
+
+:func:`dial_control` is the only way the connector creates a control client
+for an address it was handed; it refuses a disallowed address before any
+channel exists, so the token is never sent there.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvbridge.proto.errors import ConfigError, PeerError
+
+if TYPE_CHECKING:
+    from kvbridge.connector.config import ConnectorConfig
+    from kvbridge.connector.control.client import ControlClient
+
+__all__ = [
+    "normalize_address",
+    "is_loopback",
+    "peer_allowed",
+    "check_peer",
+    "dial_control",
+    "parse_allowed_peers",
+]
+
+_MAX_ADDRESS_CHARS = 256
+
+
+def normalize_address(address: str) -> str:
+    """``HOST:PORT`` with the host lower-cased and IPv6 brackets kept; ValueError if malformed."""
+    if not isinstance(address, str) or not 0 < len(address) <= _MAX_ADDRESS_CHARS:
+        raise ValueError(f"address {str(address)[:64]!r} must be 1..{_MAX_ADDRESS_CHARS} chars")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"address {address[:64]!r} is not HOST:PORT")
+    host = host.lower()
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not bare or any(c.isspace() or c in "/@?#[]" for c in bare):
+        raise ValueError(f"address {address[:64]!r} has a bad host")
+    if ":" in bare:
+        host = f"[{ipaddress.IPv6Address(bare).compressed}]"  # ValueError if not IPv6
+    return f"{host}:{int(port)}"
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a normalized ``HOST:PORT`` names this host's loopback interface."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def peer_allowed(address: str, allowed: Iterable[str]) -> bool:
+    """Whether ``address`` may be dialed: it is named in ``allowed`` or, when that names
+    nothing, it is a loopback address."""
+    try:
+        addr = normalize_address(address)
+    except ValueError:
+        return False
+    named = frozenset(allowed)
+    return addr in named if named else is_loopback(addr)
+
+
+def check_peer(address: str, allowed: Iterable[str]) -> None:
+    """Raise :class:`PeerError` (naming the fix) unless ``address`` may be dialed."""
+    named = tuple(allowed)
+    if peer_allowed(address, named):
+        return
+    scope = f"the allowed peers {sorted(named)}" if named else "loopback (no peers were named)"
+    raise PeerError(
+        f"control address {address[:64]!r} is not in {scope}; not dialing it. Name it with "
+        "`kvbridge serve --allow-peer HOST:PORT` or the allowed_peers extra config"
+    )
+
+
+def dial_control(address: str, config: ConnectorConfig) -> ControlClient:
+    """A control client for a peer the operator allowed (PeerError otherwise: nothing is sent)."""
+    check_peer(address, config.allowed_peers)
+    from kvbridge.connector.control.client import ControlClient
+
+    return ControlClient(
+        address,
+        token=config.token,
+        root_cert=config.tls_root_cert,
+        timeout_s=config.control_timeout_s,
+    )
+
+
+def parse_allowed_peers(values: Iterable[str], knob: str) -> tuple[str, ...]:
+    """Normalized, de-duplicated ``HOST:PORT`` entries; ConfigError naming ``knob`` if bad."""
+    out: list[str] = []
+    for value in values:
+        try:
+            addr = normalize_address(value)
+        except ValueError as exc:
+            raise ConfigError(f"{knob}: {exc}") from None
+        if addr not in out:
+            out.append(addr)
+    return tuple(out)

@@ -1,0 +1,105 @@
+"""Edges of the serving node's Inference API: idle connections, request ids, tiny blocks."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.params import MAX_ID_CHARS
+from kvbridge.proto.errors import ConfigError, WireError
+from kvbridge.worker.engine import EngineConfig
+from kvbridge.worker.serving.demo import make_workload
+from kvbridge.worker.serving.inference import check_request_id
+from kvbridge.worker.serving.router import EngineClient
+
+
+def test_the_demo_workload_exists_for_one_token_blocks() -> None:
+    prompts = make_workload(6, 2, 512, block_size=1, seed=3)  # `kvbridge demo --block-size 1`
+    assert len(prompts) == 6 and all(len(p) >= 5 for p in prompts)
+
+
+def test_request_ids_are_bounded_and_printable() -> None:
+    assert check_request_id("r" * MAX_ID_CHARS) == "r" * MAX_ID_CHARS
+    with pytest.raises(WireError, match=f"at most {MAX_ID_CHARS}"):
+        check_request_id("r" * (MAX_ID_CHARS + 1))
+    with pytest.raises(WireError, match="printable"):
+        check_request_id("r\x1b[2J")
+
+
+class StatsOnlyNode:
+    """Stands in for a Node behind the Inference servicer: answers EngineStats only."""
+
+    def __init__(self) -> None:
+        from kvbridge.proto import engine_pb2 as epb
+
+        self._stats = epb.EngineStatsResponse(engine_id="idle-test")
+
+    def stats(self) -> Any:
+        return self._stats
+
+
+def test_the_inference_port_disconnects_idle_clients() -> None:
+    import grpc
+
+    from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+    from kvbridge.worker.serving.node import NodeConfig
+
+    config = NodeConfig(
+        engine=EngineConfig.preset("tiny", num_blocks=8),
+        connector=ConnectorConfig("idle-test"),
+        max_connection_idle_s=1.0,
+    )
+    server = inference_server(config, InferenceServicer(StatsOnlyNode()))  # type: ignore[arg-type]
+    port = listen(server, "127.0.0.1", 0, None, None)
+    server.start()
+    states: list[grpc.ChannelConnectivity] = []
+    client = EngineClient(f"127.0.0.1:{port}", timeout_s=5)
+    try:
+        assert client.stats().engine_id == "idle-test"
+        client._channel.subscribe(states.append)
+        deadline = time.monotonic() + 10
+        while grpc.ChannelConnectivity.IDLE not in states and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert grpc.ChannelConnectivity.IDLE in states  # the server let the connection go
+        assert client.stats().engine_id == "idle-test"  # and a new call reconnects
+    finally:
+        client.close()
+        server.stop(0).wait()
+
+
+def serve_args(*argv: str) -> Any:
+    import argparse
+
+    from kvbridge.worker.serving import node_cmd
+
+    parser = argparse.ArgumentParser()
+    node_cmd.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_reads_the_token_file_and_trusts_its_own_certificate_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvbridge.worker.serving.node_cmd import security_settings
+
+    (tmp_path / "token").write_text("from-a-file\n")
+    (tmp_path / "cert.pem").write_bytes(b"CERT")
+    (tmp_path / "key.pem").write_bytes(b"KEY")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    got = security_settings(serve_args("--token-file", str(tmp_path / "token"), *tls))
+    assert (got.token, got.tls_cert, got.tls_key, got.tls_root_cert) == (
+        "from-a-file",
+        b"CERT",
+        b"KEY",
+        b"CERT",
+    )
+    monkeypatch.setenv("KVBRIDGE_TOKEN", "from-env")
+    args = serve_args("--allow-peer", "10.0.0.1:7001", "--allow-peer", "10.0.0.2:7001")
+    assert security_settings(args).token == "from-env"
+    assert args.allow_peer == ["10.0.0.1:7001", "10.0.0.2:7001"]
+    with pytest.raises(ConfigError, match="--tls-key"):
+        security_settings(serve_args("--tls-cert", str(tmp_path / "cert.pem")))

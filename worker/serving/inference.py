@@ -1,0 +1,154 @@
+"""The serving node's ``Inference`` gRPC API: the servicer, its server, and the edge checks.
+
+The router (and any client) calls ``Generate`` and ``EngineStats`` here. With a
+token configured, :class:`~kvbridge.connector.control.auth.TokenInterceptor`
+refuses every call without it before the servicer runs; with a certificate,
+the port speaks TLS only. Every field of a request is bounded here before the
+node sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvbridge.connector.control.auth import TokenInterceptor
+from kvbridge.connector.params import MAX_ID_CHARS
+from kvbridge.proto import codec
+from kvbridge.proto import engine_pb2 as epb
+from kvbridge.proto import engine_pb2_grpc as epb_grpc
+from kvbridge.proto.errors import ConfigError, KVBridgeError, WireError
+
+if TYPE_CHECKING:
+    from kvbridge.worker.serving.node import Node, NodeConfig
+
+__all__ = [
+    "InferenceServicer",
+    "inference_server",
+    "listen",
+    "check_request_id",
+    "MAX_PROMPT_TOKENS",
+    "MAX_ENCODER_INPUT_BYTES",
+]
+
+MAX_PROMPT_TOKENS = 1 << 16
+MAX_ENCODER_INPUT_BYTES = 1 << 20
+
+
+def inference_server(config: NodeConfig, servicer: InferenceServicer) -> grpc.Server:
+    """The Inference gRPC server (not yet bound): token-checked, with bounded connections."""
+    token = config.connector.token
+    idle_ms = round(config.max_connection_idle_s * 1000)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"),
+        interceptors=[] if token is None else [TokenInterceptor(token)],
+        options=[
+            ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
+            ("grpc.max_connection_idle_ms", idle_ms),  # idle clients are disconnected
+            ("grpc.keepalive_time_ms", max(idle_ms // 2, 1000)),  # and dead ones found
+            ("grpc.keepalive_timeout_ms", 20_000),
+        ],
+        maximum_concurrent_rpcs=config.max_concurrent_requests,
+    )
+    epb_grpc.add_InferenceServicer_to_server(servicer, server)
+    return server
+
+
+def listen(
+    server: grpc.Server, host: str, port: int, tls_cert: bytes | None, tls_key: bytes | None
+) -> int:
+    """Bind ``server`` (with TLS when given a certificate); ConfigError if the port is taken."""
+    bind = f"{host}:{port}"
+    bound: int
+    try:
+        if tls_cert is not None and tls_key is not None:
+            creds = grpc.ssl_server_credentials([(tls_key, tls_cert)])
+            bound = server.add_secure_port(bind, creds)
+        else:
+            bound = server.add_insecure_port(bind)
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise ConfigError(
+            f"cannot listen on {bind}: address in use or not local; pick another --port"
+        )
+    return bound
+
+
+def check_request_id(request_id: str) -> str:
+    """A request id from a client, bounded like every id in kv_transfer_params."""
+    if len(request_id) > MAX_ID_CHARS or not request_id.isprintable():
+        raise WireError(
+            f"request_id {request_id[:64]!r} must be at most {MAX_ID_CHARS} printable "
+            f"characters, got {len(request_id)}"
+        )
+    return request_id
+
+
+class InferenceServicer(epb_grpc.InferenceServicer):
+    """Thin: validate, hand to the node, map errors to status codes."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def Generate(self, request: epb.GenerateRequest, context: Any) -> epb.GenerateResponse:
+        try:
+            prompt = list(request.prompt_token_ids)
+            if not 0 < len(prompt) <= MAX_PROMPT_TOKENS:
+                raise WireError(
+                    f"prompt must have 1..{MAX_PROMPT_TOKENS} tokens, got {len(prompt)}"
+                )
+            if request.max_tokens < 1:
+                raise WireError("max_tokens must be >= 1")
+            if len(request.encoder_input) > MAX_ENCODER_INPUT_BYTES:
+                raise WireError(
+                    f"encoder_input has {len(request.encoder_input)} bytes, the limit is "
+                    f"{MAX_ENCODER_INPUT_BYTES}"
+                )
+            params = (
+                codec.unpack(request.kv_transfer_params, "KVTransferParams")
+                if request.kv_transfer_params
+                else None
+            )
+            rid = check_request_id(request.request_id) or f"req-{time.monotonic_ns()}"
+            future = self.node.submit(
+                prompt, request.max_tokens, params, rid, request.encoder_input or None
+            )
+            result = future.result(timeout=self.node.config.request_timeout_s)
+        except WireError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KVBridgeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "request did not finish in time")
+        out = result.output
+        stats = epb.RequestStats(
+            prompt_tokens=out.num_prompt_tokens,
+            blocks_local_hit=out.blocks_local_hit,
+            blocks_moved=result.blocks_moved,
+            blocks_offloaded=result.blocks_offloaded,
+            blocks_recomputed=out.blocks_recomputed,
+            transfer_ms=result.transfer_ms,
+            ttft_ms=(out.ttft_s or 0.0) * 1e3,
+            load_error=result.load_error,
+            blocks_moved_by_group=result.blocks_moved_by_group,
+            bytes_moved=result.bytes_moved,
+            cross_source=out.cross_source,
+        )
+        params_bytes = (
+            codec.pack("KVTransferParams", out.kv_transfer_params)
+            if out.kv_transfer_params
+            else b""
+        )
+        return epb.GenerateResponse(
+            request_id=out.request_id,
+            token_ids=list(out.output_token_ids),
+            kv_transfer_params=params_bytes,
+            stats=stats,
+        )
+
+    def EngineStats(self, request: epb.EngineStatsRequest, context: Any) -> epb.EngineStatsResponse:
+        return self.node.stats()
