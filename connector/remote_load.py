@@ -1,28 +1,15 @@
 """Reading a remote engine's blocks: the load path of the worker half, fail closed.
 
-One :class:`RemoteLoader` per engine process, owned by
-:class:`~kvbridge.connector.worker_side.KVBridgeWorker` and called from its load
-pool threads. Per remote engine it keeps a control client and transport links
-(made at the first load: handshake, then ``Transport.connect``). A load:
-
-1. **Fast path, no control RPC.** READ the block ids prefill's answer claims,
-   then READ the lease's seal from the owner's seal table
-   (:mod:`kvbridge.connector.control.seal`). A seal that holds proves the ids
-   held exactly this prompt's blocks for the whole read; the lease goes back
-   by NIXL notification.
-2. **Slow path**, when there is no seal or it does not hold: the owner names
-   the blocks (Pin by request id returns its lease, whose names must be
-   exactly the names this engine computed from its own prompt, else nothing
-   is read); if the lease is gone, the longest prefix still held under those
-   names is pinned anew. READ what the owner named, then release the lease:
-   the release answer confirms that the lease never lapsed during the read,
-   otherwise the load counts as failed and nothing of it is kept.
-
-A READ goes straight into the KV cache or, when the peer's inner order differs
-(``REARRANGE``), into a staging cache in the peer's order followed by
-:func:`kvbridge.kernels.convert_blocks`. ``self`` blocks not read whole are
-reported as bad (the engine recomputes from the first of them); cross blocks
-are all or nothing.
+One :class:`RemoteLoader` per engine process (owned by ``KVBridgeWorker``, called
+from its load threads) keeps a control client and transport links per remote
+engine. A load takes the **fast path** (READ the claimed ids, then the lease's
+seal: no control RPC, the lease goes back by notification) or, without a good
+seal, the **slow path** (the owner names the blocks for decode's own names; the
+release answer confirms the lease never lapsed). The protocol and its proof:
+:mod:`kvbridge.connector.control.seal` and docs/DESIGN-NOTES.md ("Trust").
+READs land in the KV cache or, for a peer with another inner order
+(``REARRANGE``), in a staging cache converted by :func:`kvbridge.kernels.convert_blocks`.
+``self`` blocks not read whole are reported bad; cross blocks are all or nothing.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_control_server import Cluster, hashes, start_cluster, stop_cluster
 
 from kvbridge.connector.control.auth import peer_host
 from kvbridge.connector.control.leases import BlockOwner, LeaseTable, PeerCaps
@@ -13,6 +12,7 @@ from kvbridge.connector.control.server import ControlServerConfig
 from kvbridge.proto.errors import ConfigError, ControlPlaneError
 from kvbridge.proto.presets import preset_layout
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId
+from tests.harness.control import Cluster, hashes, start_cluster, stop_cluster
 
 
 class CountingOwner(BlockOwner):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from grpc_fakes import RecordingServer
 
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.peers import dial_control, normalize_address, peer_allowed
 from kvbridge.proto.errors import ConfigError, PeerError
+from tests.harness.grpc_fakes import RecordingServer
 
 
 def test_without_named_peers_only_loopback_addresses_may_be_dialed() -> None:

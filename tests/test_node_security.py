@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from grpc_fakes import HoldingProxy, RecordingServer
 
 from kvbridge.connector.control.client import ControlClient
 from kvbridge.connector.params import MAX_ID_CHARS
@@ -31,6 +30,7 @@ from kvbridge.proto.errors import AuthError, KVBridgeError
 from kvbridge.worker.engine import Engine, EngineConfig
 from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
 from kvbridge.worker.serving.router import EngineClient, Router
+from tests.harness.grpc_fakes import HoldingProxy, RecordingServer
 
 TOKEN = "n0de-t0ken"
 MAX_TOKENS = 4

@@ -97,10 +97,9 @@ def test_scheduler_lookup_on_a_hung_daemon_is_a_miss_within_its_deadline(
 def test_a_node_whose_offload_daemon_hangs_serves_a_request_without_waiting_for_it(
     hung_daemon: HungDaemon, tmp_path: Path
 ) -> None:
-    from test_pd_e2e import node_args
-
     from kvbridge.worker.serving.demo import start_node
     from kvbridge.worker.serving.router import EngineClient
+    from tests.harness.nodes import node_args
 
     prompt = list(range(1, 4 * BS + 4))  # 4 full blocks: the scheduler asks the daemon
     extra = ["--offload", hung_daemon.address]

@@ -9,7 +9,8 @@ It is also the one place where both servers get the same guards:
 
 - ``token``: :class:`~kvbridge.connector.control.auth.TokenInterceptor` rejects
   every call without the shared token (metadata
-  :data:`~kvbridge.connector.control.errors.TOKEN_KEY`) before any handler runs; ``credentials`` (:func:`tls_credentials`) serve TLS;
+  :data:`~kvbridge.connector.control.errors.TOKEN_KEY`) before any handler runs;
+  ``credentials`` (:func:`tls_credentials`) serve TLS;
 - malformed request bytes reach the handler as a
   :class:`~kvbridge.connector.control.errors.MalformedRequest`, which
   :func:`~kvbridge.connector.control.errors.call_handler` answers
