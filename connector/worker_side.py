@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.kernels import BlockMapping, convert_blocks
-from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError
+from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError, PeerError
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.connector.control.client import ControlClient
+    from kvbridge.connector.control.client import ControlClient, HandshakeResult
     from kvbridge.connector.control.types import PeerInfo
     from kvbridge.connector.offload.client import OffloadClient
     from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
@@ -110,6 +110,10 @@ class _Staging:
 class _Peer:
     client: ControlClient
     link: PeerLink
+    address: str
+    """The control address the handshake went to."""
+    metadata: bytes
+    """The peer's NIXL agent metadata: new on every start of the peer process."""
     staging: _Staging | None = None
 
 
@@ -262,7 +266,7 @@ class KVBridgeWorker(WorkerConnector):
             blocks_offloaded=m,
         )
 
-    def _load_remote(self, load: BlockLoad) -> LoadResult:
+    def _load_remote(self, load: BlockLoad, *, retry_stale: bool = True) -> LoadResult:
         groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
         local = {g: list(load.local_ids[g]) for g in groups}
         remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
@@ -270,8 +274,9 @@ class KVBridgeWorker(WorkerConnector):
         t0 = time.perf_counter()
         lease: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
         peer: _Peer | None = None
+        cached = False
         try:
-            peer = self._peer(load)
+            peer, cached = self._peer(load)
             alive = peer.client.heartbeat([lease], ttl_s=self.config.lease_ttl_s) if lease else []
             if not alive:
                 # the lease is gone: its blocks may be reused. Pin what is still there by hash.
@@ -319,6 +324,11 @@ class KVBridgeWorker(WorkerConnector):
                 )
             else:  # a bug must still fail closed and give the pin back, not hang the request
                 log.exception("request %s: unexpected load failure", load.request_id)
+            if peer is not None and cached and retry_stale and self._restarted(load, peer):
+                # the link was to an earlier process of this engine: try once more on the new one
+                if lease is not None and lease != load.lease_id:
+                    self._release(self._peers.get(EngineId(load.remote_engine), peer), lease)
+                return self._load_remote(load, retry_stale=False)
             if peer is not None:
                 self._release(peer, lease)
                 self._forget(load.remote_engine, peer)
@@ -380,32 +390,82 @@ class KVBridgeWorker(WorkerConnector):
             staging = self._staging[remote.order] = _Staging(memory, caches, free)
         return staging
 
-    def _peer(self, load: BlockLoad) -> _Peer:
+    def _peer(self, load: BlockLoad) -> tuple[_Peer, bool]:
+        """The link to ``load``'s engine and whether it was cached; handshakes (again) when
+        there is none or the engine now answers at another address (it restarted or moved)."""
         engine = EngineId(load.remote_engine)
         with self._peers_lock:
             peer = self._peers.get(engine)
-            if peer is not None:
-                return peer
-            assert self.memory is not None, "register_kv_caches was not called"
-            client = self._client_factory(load.remote_address)
-            try:
-                hs = client.handshake(self._local_info(self.memory.layout))
-                staging = None
-                target = self.memory
-                if hs.negotiation.mode is TransferMode.REARRANGE:
-                    staging = self._staging_for(hs.peer.layout)
-                    target = staging.memory
-                link = self.transport.connect(
-                    hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
+            if peer is not None and peer.address == load.remote_address:
+                return peer, True
+            client, hs = self._handshake(load)
+            fresh = self._link(load, client, hs)
+            if peer is not None:  # replaced only now that the engine proved itself
+                self._drop(peer)
+            self._peers[engine] = fresh
+            return fresh, False
+
+    def _restarted(self, load: BlockLoad, failed: _Peer) -> bool:
+        """After a load through a cached link failed: handshake again, and if the engine's
+        NIXL agent metadata changed (a new process under the same engine id), replace the
+        link. True when there is a new link to retry the load on."""
+        engine = EngineId(load.remote_engine)
+        try:
+            with self._peers_lock:
+                current = self._peers.get(engine)
+                if current is not None and current is not failed:
+                    return current.metadata != failed.metadata  # another load replaced it
+                client, hs = self._handshake(load)
+                if hs.peer.agent_metadata == failed.metadata:
+                    client.close()
+                    return False  # the same process: the failure was real
+                self._drop(failed)
+                self._peers[engine] = self._link(load, client, hs)
+        except Exception as exc:
+            log.info("re-handshake with %s failed: %s", load.remote_engine, exc)
+            return False
+        log.info("%s restarted (new NIXL agent metadata); re-handshaken", load.remote_engine)
+        return True
+
+    def _handshake(self, load: BlockLoad) -> tuple[ControlClient, HandshakeResult]:
+        """Handshake at ``load.remote_address``; the answer must name the engine the load
+        names (an address in a request is a claim, the handshake is the proof)."""
+        assert self.memory is not None, "register_kv_caches was not called"
+        client = self._client_factory(load.remote_address)
+        try:
+            hs = client.handshake(self._local_info(self.memory.layout))
+            if hs.peer.engine_id != load.remote_engine:
+                raise PeerError(
+                    f"{load.remote_address} is engine {hs.peer.engine_id!r}, but the request "
+                    f"names {load.remote_engine!r}; not reading from it"
                 )
-            except BaseException:
-                client.close()
-                raise
-            peer = self._peers[engine] = _Peer(client, link, staging)
-            log.info(
-                "connected to %s at %s (%s)", engine, load.remote_address, hs.negotiation.mode.value
+        except BaseException:
+            client.close()
+            raise
+        return client, hs
+
+    def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult) -> _Peer:
+        """Connect the transport to a handshaken peer (closes ``client`` on failure)."""
+        assert self.memory is not None
+        try:
+            staging = None
+            target = self.memory
+            if hs.negotiation.mode is TransferMode.REARRANGE:
+                staging = self._staging_for(hs.peer.layout)
+                target = staging.memory
+            link = self.transport.connect(
+                hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
             )
-            return peer
+        except BaseException:
+            client.close()
+            raise
+        log.info(
+            "connected to %s at %s (%s)",
+            hs.peer.engine_id,
+            load.remote_address,
+            hs.negotiation.mode.value,
+        )
+        return _Peer(client, link, load.remote_address, hs.peer.agent_metadata, staging)
 
     def _release(self, peer: _Peer, lease: LeaseId | None) -> None:
         if lease is None:

@@ -133,6 +133,7 @@ def start_node(
     its ready info); always stops it."""
     role = role or name
     ready = workdir / f"{name}.ready"
+    ready.unlink(missing_ok=True)  # a restart under the same name must not read the old one
     log = open(workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed in finally
     cmd = [
         sys.executable,
