@@ -369,9 +369,10 @@ class OffloadDaemonProcess:
 
 @contextmanager
 def start_offload_daemon(
-    workdir: Path, timeout_s: float, capacity: str = "256MiB"
+    workdir: Path, timeout_s: float, capacity: str = "256MiB", port: int = 0
 ) -> Iterator[OffloadDaemonProcess]:
-    """Start ``kvbridge offload serve`` on loopback; yield it once it listens; always stop it."""
+    """Start ``kvbridge offload serve`` on loopback (``port`` 0: any free one); yield it once
+    it listens; always stop it."""
     log_path = workdir / "offload.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
@@ -383,6 +384,8 @@ def start_offload_daemon(
                 "serve",
                 "--capacity",
                 capacity,
+                "--port",
+                str(port),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
