@@ -39,7 +39,13 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import BlockLoad, BlockStore, StepMetadata, WorkerConnector
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.kernels import BlockMapping, convert_blocks
-from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError, PeerError
+from kvbridge.proto.errors import (
+    ControlPlaneError,
+    KVBridgeError,
+    OutOfBlocksError,
+    PeerError,
+    TransferTimeoutError,
+)
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -324,7 +330,13 @@ class KVBridgeWorker(WorkerConnector):
                 )
             else:  # a bug must still fail closed and give the pin back, not hang the request
                 log.exception("request %s: unexpected load failure", load.request_id)
-            if peer is not None and cached and retry_stale and self._restarted(load, peer):
+            if (
+                peer is not None
+                and cached
+                and retry_stale
+                and not _timed_out(exc)  # a hung peer, not a restarted one
+                and self._restarted(load, peer)
+            ):
                 # the link was to an earlier process of this engine: try once more on the new one
                 if lease is not None and lease != load.lease_id:
                     self._release(self._peers.get(EngineId(load.remote_engine), peer), lease)
@@ -487,6 +499,13 @@ class KVBridgeWorker(WorkerConnector):
         except KVBridgeError as exc:
             log.debug("disconnect: %s", exc)
         peer.client.close()
+
+
+def _timed_out(exc: Exception) -> bool:
+    """Whether ``exc`` is a deadline that passed (the peer hangs; a restart fails fast)."""
+    return isinstance(exc, TransferTimeoutError) or (
+        isinstance(exc, ControlPlaneError) and exc.code == "DEADLINE_EXCEEDED"
+    )
 
 
 def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
