@@ -18,7 +18,7 @@ from kvbridge.worker.cli import main
 from kvbridge.worker.serving.chaos import chaos_schedule
 from kvbridge.worker.serving.soak import SoakConfig
 
-SOAK_S = float(os.environ.get("KVBRIDGE_SOAK_S", "60"))
+SOAK_S = float(os.environ.get("KVBRIDGE_SOAK_S", "50"))
 
 
 def test_chaos_schedule_is_drawn_from_the_seed_and_always_kills_and_stops() -> None:
