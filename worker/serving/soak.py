@@ -94,6 +94,8 @@ class _Tally:
     blocks_moved: int = 0
     blocks_offloaded: int = 0
     blocks_local_hit: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+    """Of answered requests."""
     errors: list[str] = field(default_factory=list)
     wrong_requests: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -184,6 +186,7 @@ def soak(config: SoakConfig, engine_args: argparse.Namespace, progress: Progress
         stops=deployment.stops,
         chaos=deployment.log,
         leaks=leaks,
+        latency_s=_percentiles(tally.latencies_s),
         errors=tally.errors[:20],
         wrong_requests=tally.wrong_requests[:20],
         config=asdict(config),
@@ -198,7 +201,8 @@ def soak(config: SoakConfig, engine_args: argparse.Namespace, progress: Progress
     progress(
         f"soak: {tally.requests} requests, {tally.answered} answered, {tally.failed} failed, "
         f"{tally.retried} retried, {tally.recomputed} recomputed, {tally.wrong} wrong, "
-        f"{tally.hangs} hangs; {deployment.kills} kills, {deployment.stops} stops; "
+        f"{tally.hangs} hangs (latency {summary['latency_s']}); {deployment.kills} kills, "
+        f"{deployment.stops} stops; "
         f"leaks: {leaks or 'none'} -> {'OK' if summary['ok'] else 'FAILED'}"
     )
     return summary
@@ -291,6 +295,7 @@ def _client(
         with tally.lock:
             tally.requests += 1
             tally.answered += 1
+            tally.latencies_s.append(elapsed)
             tally.hangs += elapsed > config.hang_s
             tally.retried += res.retries > 0
             d = res.decode
@@ -315,3 +320,12 @@ def _client(
                         "at_s": round(time.monotonic(), 3),
                     }
                 )
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    last = len(ordered) - 1
+    at = {"p50": 0.5, "p99": 0.99, "max": 1.0}
+    return {k: round(ordered[min(last, int(q * len(ordered)))], 3) for k, q in at.items()}
