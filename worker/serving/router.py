@@ -267,6 +267,8 @@ class Router:
         errors: list[str] = []
         for attempt in range(self.config.attempts):
             i = pool.pick(tried)
+            if i in tried:  # every node failed once already: give them a moment
+                time.sleep(min(1.0, 0.1 * 2**attempt))
             tried.add(i)
             client = pool.clients[i]
             # a retry on a node that may still run the abandoned attempt needs its own id
