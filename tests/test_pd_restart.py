@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,36 @@ def test_restarted_prefill_is_re_handshaken_and_the_next_request_moves_its_block
             assert check_no_leaks({"prefill": prefill, "decode": decode}) == []
             prefill.close()
         decode.close()
+
+
+def test_params_naming_another_engine_are_not_read_and_do_not_poison_the_link_cache(
+    tmp_path: Path, expected: list[list[int]]
+) -> None:
+    from kvbridge.proto import codec
+
+    args = _args()
+    with ExitStack() as stack:
+        _, d = stack.enter_context(start_node("decode", args, "block-nhd", tmp_path, None))
+        _, p1 = stack.enter_context(
+            start_node("p1", args, "block-nhd", tmp_path, None, role="prefill")
+        )
+        _, p2 = stack.enter_context(
+            start_node("p2", args, "block-nhd", tmp_path, None, role="prefill")
+        )
+        decode, prefill1, prefill2 = (
+            EngineClient(i["inference"], timeout_s=60) for i in (d, p1, p2)
+        )
+        for client in (decode, prefill1, prefill2):
+            stack.callback(client.close)
+        # a forged claim: p1's blocks, but p2's engine id
+        first = prefill1.generate(PROMPTS[0], 1, "forged", {"do_remote_decode": True})
+        params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        params["remote_engine_id"] = p2["engine_id"]
+        rest = decode.generate(PROMPTS[0] + list(first.token_ids), MAX_TOKENS - 1, "forged", params)
+        assert list(first.token_ids) + list(rest.token_ids) == expected[0]
+        assert rest.stats.blocks_moved == 0
+        assert "names" in rest.stats.load_error and p2["engine_id"] in rest.stats.load_error
+        # the genuine p2 reads p2's memory, not p1's under p2's name
+        res = Router(prefill2, decode).generate(PROMPTS[1], MAX_TOKENS, "genuine")
+        assert res.tokens == expected[1]
+        assert res.decode.blocks_moved > 0 and res.decode.load_error == ""
