@@ -15,75 +15,38 @@ READs land in the KV cache or, for a peer with another inner order
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import SealReader
+from kvbridge.connector.links import ClientFactory, LinkCache, Peer
 from kvbridge.kernels import BlockMapping, convert_blocks
-from kvbridge.proto.errors import KVBridgeError, LeaseError, OutOfBlocksError, WireError
-from kvbridge.proto.negotiate import TransferMode
-from kvbridge.proto.types import BlockId, EngineId, LeaseId, RequestId
+from kvbridge.proto.errors import (
+    ControlPlaneError,
+    KVBridgeError,
+    LeaseError,
+    TransferTimeoutError,
+    WireError,
+)
+from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.connector.control.client import ControlClient
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+    from kvbridge.connector.transport.base import LocalMemory, Transport
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["ClientFactory", "RemoteLoader"]
+__all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
 
 log = logging.getLogger(__name__)
 
-ClientFactory = Callable[[str], "ControlClient"]
-
-
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
-
-STAGING_BLOCKS = 256
-"""Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
-
-
-@dataclass(slots=True)
-class _Staging:
-    """A cache in a peer's order that blocks land in before conversion (REARRANGE)."""
-
-    memory: LocalMemory
-    caches: Mapping[str, torch.Tensor]
-    free: dict[str, list[BlockId]]
-    """Free staging blocks per group."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def take(self, group: str, n: int) -> list[BlockId]:
-        with self.lock:
-            free = self.free[group]
-            if n > len(free):
-                raise OutOfBlocksError(
-                    f"REARRANGE staging has {len(free)} free {group!r} blocks, a load needs {n}"
-                )
-            taken, free[:] = free[:n], free[n:]
-            return taken
-
-    def give_back(self, group: str, slots: list[BlockId]) -> None:
-        with self.lock:
-            self.free[group].extend(slots)
-
-
-@dataclass(slots=True)
-class _Peer:
-    client: ControlClient
-    link: PeerLink
-    staging: _Staging | None = None
-    seal_link: PeerLink | None = None
-    """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
 
 
 class RemoteLoader:
@@ -100,40 +63,35 @@ class RemoteLoader:
     ) -> None:
         self.config = config
         self.transport = transport
-        self._client_factory = client_factory
-        self._local_info = local_info
         self.memory = memory
         self.kv_caches = kv_caches
         self._seal_reader = SealReader(transport, config.max_concurrent_loads)
-        self._staging: dict[tuple[str, ...], _Staging] = {}
-        self._peers: dict[EngineId, _Peer] = {}
-        self._peers_lock = threading.Lock()
+        self._links = LinkCache(
+            transport, client_factory, local_info, memory, kv_caches, self._seal_reader
+        )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
-        with self._peers_lock:
-            peers, self._peers = self._peers, {}
-        for peer in peers.values():
-            self._drop(peer)
-        for staging in self._staging.values():
-            self.transport.unregister(staging.memory)
-        self._staging.clear()
+        self._links.close()
         self._seal_reader.close()
 
-    def load(self, load: BlockLoad) -> LoadResult:
-        """Load ``load``'s blocks from its remote engine; never raises (fail closed)."""
+    def load(self, load: BlockLoad, *, retry_stale: bool = True) -> LoadResult:
+        """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
+        that failed through a cached link to an engine that has since restarted is retried
+        once on the new process."""
         groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
         local = {g: list(load.local_ids[g]) for g in groups}
         remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
         local_self = local.get("self", [])
         t0 = time.perf_counter()
         lease: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
-        peer: _Peer | None = None
+        peer: Peer | None = None
+        cached = False
         try:
-            peer = self._peer(load)
+            peer, cached = self._links.get(load)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(peer, load, local, remote, t0)
@@ -182,6 +140,15 @@ class RemoteLoader:
                 )
             else:  # a bug must still fail closed and give the pin back, not hang the request
                 log.exception("request %s: unexpected load failure", load.request_id)
+            if (
+                peer is not None
+                and cached
+                and retry_stale
+                and not _timed_out(exc)  # a hung peer, not a restarted one
+                and self._links.restarted(load, peer)
+            ):
+                # the link was to an earlier process of this engine: once more on the new one
+                return self.load(load, retry_stale=False)
             if peer is not None:
                 self._forget(load.remote_engine, peer, lease)
             ms = (time.perf_counter() - t0) * 1e3
@@ -195,7 +162,7 @@ class RemoteLoader:
             )
 
     def _read(
-        self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]
+        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
     ) -> tuple[int, int]:
         """READ ``remote`` into ``local`` (through the staging cache if the orders differ);
         returns ``(bytes, descriptors)`` read."""
@@ -219,7 +186,7 @@ class RemoteLoader:
         return read
 
     def _read_into(
-        self, peer: _Peer, group: str, local: list[BlockId], remote: list[BlockId]
+        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
     ) -> tuple[int, int]:
         handle = self.transport.read_blocks(
             peer.link, group, local, remote, timeout_s=self.config.load_timeout_s
@@ -230,58 +197,9 @@ class RemoteLoader:
         finally:
             handle.release()
 
-    def _staging_for(self, remote: KVLayout) -> _Staging:
-        """The staging cache in ``remote``'s order (made and registered once per order)."""
-        assert self.memory is not None
-        staging = self._staging.get(remote.order)
-        if staging is None:
-            local = self.memory.layout
-            counts = {g.name: min(g.num_blocks, STAGING_BLOCKS) for g in local.groups}
-            layout = local.with_order(remote.order).with_num_blocks(**counts)
-            caches = layout.allocate(next(iter(self.kv_caches.values())).device.type)
-            memory = self.transport.register(layout, caches)
-            free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
-            staging = self._staging[remote.order] = _Staging(memory, caches, free)
-        return staging
-
-    def _peer(self, load: BlockLoad) -> _Peer:
-        engine = EngineId(load.remote_engine)
-        with self._peers_lock:
-            peer = self._peers.get(engine)
-            if peer is not None:
-                return peer
-            assert self.memory is not None, "register_kv_caches was not called"
-            client = self._client_factory(load.remote_address)
-            try:
-                hs = client.handshake(self._local_info(self.memory.layout))
-                staging = None
-                target = self.memory
-                if hs.negotiation.mode is TransferMode.REARRANGE:
-                    staging = self._staging_for(hs.peer.layout)
-                    target = staging.memory
-                link = self.transport.connect(
-                    hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
-                )
-                seal_link = None
-                if hs.peer.seal_layout is not None and self._seal_reader is not None:
-                    try:
-                        seal_link = self._seal_reader.connect(
-                            hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.seal_layout
-                        )
-                    except KVBridgeError as exc:  # no fast path with this peer, still correct
-                        log.warning("no seal link to %s: %s", engine, exc)
-            except BaseException:
-                client.close()
-                raise
-            peer = self._peers[engine] = _Peer(client, link, staging, seal_link)
-            log.info(
-                "connected to %s at %s (%s)", engine, load.remote_address, hs.negotiation.mode.value
-            )
-            return peer
-
     def _load_sealed(
         self,
-        peer: _Peer,
+        peer: Peer,
         load: BlockLoad,
         local: Mapping[str, list[BlockId]],
         remote: Mapping[str, list[BlockId]],
@@ -319,7 +237,7 @@ class RemoteLoader:
 
     def _owner_blocks(
         self,
-        peer: _Peer,
+        peer: Peer,
         load: BlockLoad,
         lease: LeaseId | None,
         local: Mapping[str, list[BlockId]],
@@ -366,7 +284,7 @@ class RemoteLoader:
         )
         return again.lease_id, remote
 
-    def _release(self, peer: _Peer, lease: LeaseId | None) -> bool:
+    def _release(self, peer: Peer, lease: LeaseId | None) -> bool:
         """Give the lease back; True only if the owner still held it, which proves the blocks
         were not reused while they were read (leases never come back once lapsed). Under a
         short deadline: an owner that does not answer costs a recompute, not the answer."""
@@ -379,26 +297,21 @@ class RemoteLoader:
             log.info("release of lease %s failed (%s); it will expire", lease, exc)
             return False
 
-    def _forget(self, engine: str, peer: _Peer, lease: LeaseId | None) -> None:
+    def _forget(self, engine: str, peer: Peer, lease: LeaseId | None) -> None:
         """Stop using ``peer`` for new loads; release ``lease`` (nothing was read under it)
         and disconnect, off the request's path."""
-        with self._peers_lock:
-            if self._peers.get(EngineId(engine)) is peer:
-                del self._peers[EngineId(engine)]
+        self._links.forget(engine, peer)
         self._releases.submit(self._release_and_drop, peer, lease)
 
-    def _release_and_drop(self, peer: _Peer, lease: LeaseId | None) -> None:
+    def _release_and_drop(self, peer: Peer, lease: LeaseId | None) -> None:
         try:
             self._release(peer, lease)
         finally:
-            self._drop(peer)
+            self._links.drop(peer)
 
-    def _drop(self, peer: _Peer) -> None:
-        for link in (peer.seal_link, peer.link):
-            if link is None:
-                continue
-            try:
-                self.transport.disconnect(link)
-            except KVBridgeError as exc:
-                log.debug("disconnect: %s", exc)
-        peer.client.close()
+
+def _timed_out(exc: Exception) -> bool:
+    """Whether ``exc`` is a deadline that passed (the peer hangs; a restart fails fast)."""
+    return isinstance(exc, TransferTimeoutError) or (
+        isinstance(exc, ControlPlaneError) and exc.code == "DEADLINE_EXCEEDED"
+    )

@@ -31,7 +31,8 @@ from kvbridge.connector.base import (
 )
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import ReleaseListener, SealTable
-from kvbridge.connector.remote_load import ClientFactory, RemoteLoader
+from kvbridge.connector.links import ClientFactory
+from kvbridge.connector.remote_load import RemoteLoader
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 

@@ -8,6 +8,9 @@ On host B:  kvbridge serve --role decode --host 0.0.0.0 --advertise B_IP:7101 \\
 
     python examples/two_hosts.py --prefill A_IP:7000 --decode B_IP:7100
 
+``--prefill`` and ``--decode`` take comma-separated lists: with a spare node of a
+role, the router retries a request on another node when one is down.
+
 Every output is compared with a single-process run of the same engine; the
 script exits non-zero if any differs or any block or lease is left behind.
 ``examples/netns_two_hosts.py`` runs the whole thing on one machine with two
@@ -36,8 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--prefill", required=True, help="prefill node's Inference address host:port")
-    p.add_argument("--decode", required=True, help="decode node's Inference address host:port")
+    p.add_argument(
+        "--prefill", required=True, type=_addresses, help="prefill Inference host:port[,...]"
+    )
+    p.add_argument(
+        "--decode", required=True, type=_addresses, help="decode Inference host:port[,...]"
+    )
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--max-tokens", type=int, default=6)
     add_engine_arguments(p)  # must match the flags the two nodes were started with
@@ -47,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = EngineConfig.preset(args.model).vocab_size
     prompts = make_workload(args.requests, 3, vocab, args.block_size, args.seed)
     expected = reference_outputs(args, prompts, [None] * len(prompts))
-    prefill, decode = EngineClient(args.prefill), EngineClient(args.decode)
-    prefill.wait_ready(30)
-    decode.wait_ready(30)
+    prefill = [EngineClient(a) for a in args.prefill]
+    decode = [EngineClient(a) for a in args.decode]
+    for client in (*prefill, *decode):
+        client.wait_ready(30)
     router = Router(prefill, decode)
     rows = []
     for i, prompt in enumerate(prompts):
@@ -69,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             f"xfer {res.decode.transfer_ms:7.2f} ms match {rows[-1]['tokens_match']}",
             flush=True,
         )
-    leaks = check_no_leaks({"prefill": prefill, "decode": decode})
+    leaks = check_no_leaks({c.address: c for c in (*prefill, *decode)})
     summary = {
         "all_match": all(r["tokens_match"] for r in rows),
         "blocks_moved": sum(int(r["blocks_moved"]) for r in rows),
@@ -78,9 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps({"requests": rows, "summary": summary}, indent=2))
-    prefill.close()
-    decode.close()
+    router.close()
     return 0 if summary["all_match"] and summary["blocks_moved"] and not leaks else 1
+
+
+def _addresses(value: str) -> list[str]:
+    addresses = [a.strip() for a in value.split(",") if a.strip()]
+    if not addresses or not all(a.rpartition(":")[2].isdigit() for a in addresses):
+        raise argparse.ArgumentTypeError(f"expected host:port[,host:port...], got {value!r}")
+    return addresses
 
 
 if __name__ == "__main__":

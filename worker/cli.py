@@ -71,12 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_layout)
 
     from kvbridge.worker.offload import cmd as offload_cmd
-    from kvbridge.worker.serving import control_cmd, demo, node_cmd
+    from kvbridge.worker.serving import control_cmd, demo, node_cmd, soak
 
     node_cmd.add_parser(sub)
     demo.add_parser(sub)
     offload_cmd.add_parser(sub)
     control_cmd.add_parser(sub)
+    soak.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)

@@ -2,9 +2,11 @@
 
 ``node`` (reference engine + connector + PeerControl and Inference servers: one
 process), ``router`` (the client that routes a request through prefill then
-decode), ``launch`` (nodes and offload daemons as child processes), ``demo``
-(both on loopback, checked token for token), ``metrics`` (the node's Prometheus
-registry) and the commands ``serve`` (``node_cmd``) and ``serve-control``
+decode, retrying on another node of a role when one is down), ``launch`` (nodes
+and offload daemons as child processes), ``demo`` (both on loopback, checked
+token for token), ``soak`` with ``chaos`` (many nodes under random kills and
+stops, checked the same way), ``metrics`` (the node's Prometheus registry) and
+the commands ``serve`` (``node_cmd``) and ``serve-control``
 (``control_cmd``).
 
 The names below load on first use, so the CLI can build its parser from
@@ -29,16 +31,24 @@ if TYPE_CHECKING:
         start_offload_daemon,
     )
     from kvbridge.worker.serving.node import GenerateResult, Node, NodeConfig
-    from kvbridge.worker.serving.router import EngineClient, RoutedResult, Router
+    from kvbridge.worker.serving.router import (
+        EngineClient,
+        NodeDownError,
+        RoutedResult,
+        Router,
+        RouterConfig,
+    )
 
 _HOME = {
     "EngineClient": "router",
     "GenerateResult": "node",
     "Node": "node",
     "NodeConfig": "node",
+    "NodeDownError": "router",
     "OffloadDaemonProcess": "launch",
     "RoutedResult": "router",
     "Router": "router",
+    "RouterConfig": "router",
     "check_no_leaks": "demo",
     "make_encoder_inputs": "demo",
     "make_workload": "demo",
@@ -52,9 +62,11 @@ __all__ = [
     "GenerateResult",
     "Node",
     "NodeConfig",
+    "NodeDownError",
     "OffloadDaemonProcess",
     "RoutedResult",
     "Router",
+    "RouterConfig",
     "check_no_leaks",
     "make_encoder_inputs",
     "make_workload",

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{pinfo['control']}), decode at {dinfo['inference']}\n"
                 )
                 rows += _run_pass(
-                    Router(prefill, decode),
+                    Router([prefill], [decode]),
                     prompts,
                     encoder_inputs,
                     expected,

@@ -95,12 +95,13 @@ class OffloadDaemonProcess:
 
 @contextmanager
 def start_offload_daemon(
-    workdir: Path, timeout_s: float, capacity: str = "256MiB"
+    workdir: Path, timeout_s: float, capacity: str = "256MiB", port: int = 0
 ) -> Iterator[OffloadDaemonProcess]:
-    """Start ``kvbridge offload serve`` on loopback (log in ``workdir/offload.log``); yield
-    it once it listens; always stop it."""
+    """Start ``kvbridge offload serve`` on loopback (``port`` 0: any free one; log in
+    ``workdir/offload.log``); yield it once it listens; always stop it."""
+    cmd = [sys.executable, "-m", "kvbridge.worker.cli", "offload", "serve"]
     with ChildProcess(
-        [sys.executable, "-m", "kvbridge.worker.cli", "offload", "serve", "--capacity", capacity],
+        [*cmd, "--capacity", capacity, "--port", str(port)],
         name="offload daemon",
         ready=listening_on,
         log=workdir / "offload.log",

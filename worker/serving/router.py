@@ -1,19 +1,32 @@
 """The P/D router: prefill computes the prompt, decode continues from its KV.
 
-For each request: send the prompt to a prefill worker with ``max_tokens=1`` and
-``{"do_remote_decode": true}`` (only when a decode hop follows, ``max_tokens > 1``:
-prefill pins blocks for decode only then); it answers with the first token and
-``kv_transfer_params``. Send prompt + first token and those params to a decode
-worker with ``max_tokens - 1``; it pulls the blocks it lacks and generates the
-rest. Both hops have deadlines. An encoder-decoder request's ``encoder_input``
-goes to both: prefill runs the encoder, decode uses it to name (and, if a load
-fails, recompute) the cross-attention blocks. Each :class:`EngineClient` sends
-the nodes' shared token and speaks TLS when given a root certificate.
+For each request: send the prompt to a prefill node with ``max_tokens=1`` and
+``{"do_remote_decode": true}`` (only when a decode hop follows, ``max_tokens >
+1``: prefill pins blocks for decode only then); it answers with the first token
+and ``kv_transfer_params``. Send prompt + first token and those params to a
+decode node with ``max_tokens - 1``; it pulls the blocks it lacks and
+generates the rest. An encoder-decoder request's ``encoder_input`` goes to
+both: prefill runs the encoder, decode uses it to name (and, if a load fails,
+recompute) the cross-attention blocks. Each :class:`EngineClient` sends the
+nodes' shared token and speaks TLS when given a root certificate.
+
+**Serving through faults.** A :class:`Router` takes one or several nodes per
+role. Each hop is tried on up to ``RouterConfig.attempts`` nodes of its role,
+each attempt under ``attempt_timeout_s``. A node that was unreachable,
+refused the connection, went away mid-request (``UNAVAILABLE``,
+``CANCELLED``, ``ABORTED``) or missed the deadline (``DEADLINE_EXCEEDED``) is
+marked down for ``down_s`` seconds, and the hop moves on to another node;
+other errors (a bad request, a load that failed under ``--on-load-error
+fail``) are answers, not faults, and are raised at once. A decode retried on
+another node is still correct: it reads only what prefill's lease proves, or
+recomputes what is gone.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +36,25 @@ from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto import engine_pb2_grpc as epb_grpc
-from kvbridge.proto.errors import KVBridgeError
+from kvbridge.proto.errors import ConfigError, KVBridgeError, PeerError
 
-__all__ = ["Router", "RoutedResult", "EngineClient"]
+__all__ = ["Router", "RouterConfig", "RoutedResult", "EngineClient", "NodeDownError"]
+
+_NODE_FAULTS = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+class NodeDownError(PeerError):
+    """A node did not answer (unreachable, gone mid-request, or past the deadline).
+
+    The router retries such a request on another node of the same role.
+    """
 
 
 class EngineClient:
@@ -60,7 +89,10 @@ class EngineClient:
         request_id: str,
         params: dict[str, Any] | None = None,
         encoder_input: bytes = b"",
+        *,
+        timeout_s: float | None = None,
     ) -> epb.GenerateResponse:
+        """One Generate call; :class:`NodeDownError` if the node did not answer."""
         req = epb.GenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -70,10 +102,11 @@ class EngineClient:
         )
         try:
             resp: epb.GenerateResponse = self._stub.Generate(
-                req, timeout=self.timeout_s, metadata=self._metadata
+                req, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise KVBridgeError(
+            kind = NodeDownError if exc.code() in _NODE_FAULTS else KVBridgeError
+            raise kind(
                 f"{self.address}: Generate {request_id} failed: {exc.code().name}: {exc.details()}"
             ) from None
         return resp
@@ -100,6 +133,25 @@ class EngineClient:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How hard the router tries before a request fails."""
+
+    attempts: int = 3
+    """Nodes tried per hop (prefill, decode), each at most once while others are left."""
+    attempt_timeout_s: float = 120.0
+    """Deadline of one Generate call; a node past it is marked down and the hop retried."""
+    down_s: float = 5.0
+    """How long a node that failed is skipped while a healthy one of its role is left."""
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigError(f"attempts must be >= 1, got {self.attempts}")
+        for knob in ("attempt_timeout_s", "down_s"):
+            if getattr(self, knob) <= 0:
+                raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
+
+
+@dataclass(frozen=True, slots=True)
 class RoutedResult:
     request_id: str
     tokens: list[int]
@@ -107,36 +159,102 @@ class RoutedResult:
     decode: epb.RequestStats
     ttft_ms: float
     total_ms: float
+    prefill_address: str = ""
+    decode_address: str = ""
+    retries: int = 0
+    """Attempts beyond the first, both hops together."""
+
+
+class _Pool:
+    """The nodes of one role, round robin over those not marked down."""
+
+    def __init__(self, role: str, clients: Sequence[EngineClient], down_s: float) -> None:
+        if not clients:
+            raise ConfigError(f"the router needs at least one {role} node")
+        self.role = role
+        self.clients = list(clients)
+        self._down_s = down_s
+        self._down_until = [0.0] * len(self.clients)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def pick(self, tried: set[int]) -> int:
+        """An untried node: the next healthy one, else the one that comes back first."""
+        now = time.monotonic()
+        with self._lock:
+            n = len(self.clients)
+            order = [(self._next + k) % n for k in range(n)]
+            fresh = [i for i in order if i not in tried] or order
+            healthy = [i for i in fresh if self._down_until[i] <= now]
+            choice = healthy[0] if healthy else min(fresh, key=lambda i: self._down_until[i])
+            self._next = (choice + 1) % n
+            return choice
+
+    def mark_down(self, i: int) -> None:
+        with self._lock:
+            self._down_until[i] = time.monotonic() + self._down_s
+
+    def mark_up(self, i: int) -> None:
+        with self._lock:
+            self._down_until[i] = 0.0
 
 
 class Router:
-    """Sends each request to prefill, then to decode with prefill's kv_transfer_params."""
+    """Sends each request to a prefill node, then to a decode node with prefill's
+    kv_transfer_params, retrying a hop on another node of its role when a node is down.
 
-    def __init__(self, prefill: EngineClient, decode: EngineClient) -> None:
-        self.prefill = prefill
-        self.decode = decode
+    ``prefill`` and ``decode`` are one :class:`EngineClient` or a sequence of them;
+    ``generate`` may be called from several threads at once.
+    """
+
+    def __init__(
+        self,
+        prefill: EngineClient | Sequence[EngineClient],
+        decode: EngineClient | Sequence[EngineClient],
+        config: RouterConfig | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self._prefill = _Pool("prefill", _as_list(prefill), self.config.down_s)
+        self._decode = _Pool("decode", _as_list(decode), self.config.down_s)
+
+    @property
+    def prefill(self) -> EngineClient:
+        """The first prefill node (single-pair deployments)."""
+        return self._prefill.clients[0]
+
+    @property
+    def decode(self) -> EngineClient:
+        """The first decode node (single-pair deployments)."""
+        return self._decode.clients[0]
 
     def generate(
         self, prompt: list[int], max_tokens: int, request_id: str, encoder_input: bytes = b""
     ) -> RoutedResult:
-        """Route one request; ``encoder_input`` (encoder-decoder models) goes to both hops."""
+        """Route one request; ``encoder_input`` (encoder-decoder models) goes to both hops.
+
+        Raises :class:`NodeDownError` if no node of a role answered in ``attempts`` tries,
+        or the node's own :class:`KVBridgeError` for a request it rejected.
+        """
         t0 = time.perf_counter()
         # no decode hop, no hand-over: prefill must not pin blocks nobody will read
         handover = {"do_remote_decode": True} if max_tokens > 1 else None
-        first = self.prefill.generate(prompt, 1, request_id, handover, encoder_input)
+        first, p_addr, p_retries = self._hop(
+            self._prefill, prompt, 1, request_id, handover, encoder_input
+        )
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if not first.token_ids:
             raise KVBridgeError(f"prefill returned no token for {request_id}")
         tokens = list(first.token_ids)
         decode_stats = epb.RequestStats()
+        d_addr, d_retries = "", 0
         if max_tokens > 1:
             params = (
                 codec.unpack(first.kv_transfer_params, "KVTransferParams")
                 if first.kv_transfer_params
                 else None
             )
-            rest = self.decode.generate(
-                prompt + tokens, max_tokens - 1, request_id, params, encoder_input
+            rest, d_addr, d_retries = self._hop(
+                self._decode, prompt + tokens, max_tokens - 1, request_id, params, encoder_input
             )
             tokens += list(rest.token_ids)
             decode_stats = rest.stats
@@ -147,4 +265,55 @@ class Router:
             decode_stats,
             ttft_ms,
             (time.perf_counter() - t0) * 1e3,
+            p_addr,
+            d_addr,
+            p_retries + d_retries,
         )
+
+    def close(self) -> None:
+        """Close every node's channel."""
+        for client in (*self._prefill.clients, *self._decode.clients):
+            client.close()
+
+    def _hop(
+        self,
+        pool: _Pool,
+        prompt: list[int],
+        max_tokens: int,
+        request_id: str,
+        params: dict[str, Any] | None,
+        encoder_input: bytes,
+    ) -> tuple[epb.GenerateResponse, str, int]:
+        tried: set[int] = set()
+        errors: list[str] = []
+        for attempt in range(self.config.attempts):
+            i = pool.pick(tried)
+            if i in tried:  # every node failed once already: give them a moment
+                time.sleep(min(1.0, 0.1 * 2**attempt))
+            tried.add(i)
+            client = pool.clients[i]
+            # a retry on a node that may still run the abandoned attempt needs its own id
+            rid = request_id if attempt == 0 else f"{request_id}.retry{attempt}"
+            try:
+                resp = client.generate(
+                    prompt,
+                    max_tokens,
+                    rid,
+                    params,
+                    encoder_input,
+                    timeout_s=self.config.attempt_timeout_s,
+                )
+            except NodeDownError as exc:
+                pool.mark_down(i)
+                errors.append(str(exc))
+                continue
+            pool.mark_up(i)
+            return resp, client.address, attempt
+        raise NodeDownError(
+            f"request {request_id}: no {pool.role} node answered in {self.config.attempts} "
+            f"attempts: " + "; ".join(errors)
+        )
+
+
+def _as_list(nodes: EngineClient | Sequence[EngineClient]) -> list[EngineClient]:
+    return [nodes] if isinstance(nodes, EngineClient) else list(nodes)

@@ -1,0 +1,231 @@
+"""The reading engine's links to remote engines: one control client and transport links each.
+
+:class:`LinkCache` belongs to :class:`~kvbridge.connector.remote_load.RemoteLoader`
+and is used from its load threads. A link is made at the first load from an
+engine (handshake over gRPC, then ``Transport.connect`` to the peer's KV memory
+and, if it publishes one, to its lease seal table) and reused while the engine
+answers at the same address. An address in a request is a claim: the handshake
+must name the engine the request names. A peer whose NIXL agent metadata
+changed after a failed load is a new process under the same engine id (it
+restarted): the link is replaced and the load may be retried once.
+
+A peer whose inner order differs (``REARRANGE``) gets a staging cache in its
+order (registered once per order) that blocks land in before conversion.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvbridge.connector.base import BlockLoad
+from kvbridge.connector.control.seal import SealReader
+from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError, PeerError
+from kvbridge.proto.negotiate import TransferMode
+from kvbridge.proto.types import BlockId, EngineId
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbridge.connector.control.client import ControlClient, HandshakeResult
+    from kvbridge.connector.control.types import PeerInfo
+    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+    from kvbridge.proto.layout import KVLayout
+
+__all__ = ["ClientFactory", "LinkCache", "Peer", "STAGING_BLOCKS", "Staging"]
+
+log = logging.getLogger(__name__)
+
+ClientFactory = Callable[[str], "ControlClient"]
+
+STAGING_BLOCKS = 256
+"""Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
+
+
+@dataclass(slots=True)
+class Staging:
+    """A cache in a peer's order that blocks land in before conversion (REARRANGE)."""
+
+    memory: LocalMemory
+    caches: Mapping[str, torch.Tensor]
+    free: dict[str, list[BlockId]]
+    """Free staging blocks per group."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, group: str, n: int) -> list[BlockId]:
+        with self.lock:
+            free = self.free[group]
+            if n > len(free):
+                raise OutOfBlocksError(
+                    f"REARRANGE staging has {len(free)} free {group!r} blocks, a load needs {n}"
+                )
+            taken, free[:] = free[:n], free[n:]
+            return taken
+
+    def give_back(self, group: str, slots: list[BlockId]) -> None:
+        with self.lock:
+            self.free[group].extend(slots)
+
+
+@dataclass(slots=True)
+class Peer:
+    """Everything the reader holds for one remote engine."""
+
+    client: ControlClient
+    link: PeerLink
+    address: str
+    """The control address the handshake went to."""
+    metadata: bytes
+    """The peer's NIXL agent metadata: new on every start of the peer process."""
+    staging: Staging | None = None
+    seal_link: PeerLink | None = None
+    """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
+
+
+class LinkCache:
+    """Links to remote engines, by engine id; thread-safe."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        client_factory: ClientFactory,
+        local_info: Callable[[KVLayout], PeerInfo],
+        memory: LocalMemory,
+        kv_caches: Mapping[str, torch.Tensor],
+        seal_reader: SealReader,
+    ) -> None:
+        self.transport = transport
+        self._client_factory = client_factory
+        self._local_info = local_info
+        self._memory = memory
+        self._kv_caches = kv_caches
+        self._seal_reader = seal_reader
+        self._staging: dict[tuple[str, ...], Staging] = {}
+        self._peers: dict[EngineId, Peer] = {}
+        self._lock = threading.Lock()
+
+    def get(self, load: BlockLoad) -> tuple[Peer, bool]:
+        """The link to ``load``'s engine and whether it was cached; handshakes (again) when
+        there is none or the engine now answers at another address (it restarted or moved)."""
+        engine = EngineId(load.remote_engine)
+        with self._lock:
+            peer = self._peers.get(engine)
+            if peer is not None and peer.address == load.remote_address:
+                return peer, True
+            client, hs = self._handshake(load)
+            fresh = self._link(load, client, hs)
+            if peer is not None:  # replaced only now that the engine proved itself
+                self.drop(peer)
+            self._peers[engine] = fresh
+            return fresh, False
+
+    def restarted(self, load: BlockLoad, failed: Peer) -> bool:
+        """After a load through a cached link failed: handshake again, and if the engine's
+        NIXL agent metadata changed (a new process under the same engine id), replace the
+        link. True when there is a new link to retry the load on."""
+        engine = EngineId(load.remote_engine)
+        try:
+            with self._lock:
+                current = self._peers.get(engine)
+                if current is not None and current is not failed:
+                    return current.metadata != failed.metadata  # another load replaced it
+                client, hs = self._handshake(load)
+                if hs.peer.agent_metadata == failed.metadata:
+                    client.close()
+                    return False  # the same process: the failure was real
+                self.drop(failed)
+                self._peers[engine] = self._link(load, client, hs)
+        except Exception as exc:
+            log.info("re-handshake with %s failed: %s", load.remote_engine, exc)
+            return False
+        log.info("%s restarted (new NIXL agent metadata); re-handshaken", load.remote_engine)
+        return True
+
+    def forget(self, engine: str, peer: Peer) -> None:
+        """Stop using ``peer`` for new loads (the caller drops it)."""
+        with self._lock:
+            if self._peers.get(EngineId(engine)) is peer:
+                del self._peers[EngineId(engine)]
+
+    def drop(self, peer: Peer) -> None:
+        """Disconnect ``peer``'s links and close its client."""
+        for link in (peer.seal_link, peer.link):
+            if link is None:
+                continue
+            try:
+                self.transport.disconnect(link)
+            except KVBridgeError as exc:
+                log.debug("disconnect: %s", exc)
+        peer.client.close()
+
+    def close(self) -> None:
+        """Drop every link and client and unregister the staging caches."""
+        with self._lock:
+            peers, self._peers = self._peers, {}
+        for peer in peers.values():
+            self.drop(peer)
+        for staging in self._staging.values():
+            self.transport.unregister(staging.memory)
+        self._staging.clear()
+
+    def _handshake(self, load: BlockLoad) -> tuple[ControlClient, HandshakeResult]:
+        """Handshake at ``load.remote_address``; the answer must name the engine the load
+        names (an address in a request is a claim, the handshake is the proof)."""
+        client = self._client_factory(load.remote_address)
+        try:
+            hs = client.handshake(self._local_info(self._memory.layout))
+            if hs.peer.engine_id != load.remote_engine:
+                raise PeerError(
+                    f"{load.remote_address} is engine {hs.peer.engine_id!r}, but the request "
+                    f"names {load.remote_engine!r}; not reading from it"
+                )
+        except BaseException:
+            client.close()
+            raise
+        return client, hs
+
+    def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult) -> Peer:
+        """Connect the transport to a handshaken peer (closes ``client`` on failure)."""
+        try:
+            staging = None
+            target = self._memory
+            if hs.negotiation.mode is TransferMode.REARRANGE:
+                staging = self._staging_for(hs.peer.layout)
+                target = staging.memory
+            link = self.transport.connect(
+                hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
+            )
+            seal_link = None
+            if hs.peer.seal_layout is not None:
+                try:
+                    seal_link = self._seal_reader.connect(
+                        hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.seal_layout
+                    )
+                except KVBridgeError as exc:  # no fast path with this peer, still correct
+                    log.warning("no seal link to %s: %s", hs.peer.engine_id, exc)
+        except BaseException:
+            client.close()
+            raise
+        log.info(
+            "connected to %s at %s (%s)",
+            hs.peer.engine_id,
+            load.remote_address,
+            hs.negotiation.mode.value,
+        )
+        return Peer(client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link)
+
+    def _staging_for(self, remote: KVLayout) -> Staging:
+        """The staging cache in ``remote``'s order (made and registered once per order)."""
+        staging = self._staging.get(remote.order)
+        if staging is None:
+            local = self._memory.layout
+            counts = {g.name: min(g.num_blocks, STAGING_BLOCKS) for g in local.groups}
+            layout = local.with_order(remote.order).with_num_blocks(**counts)
+            caches = layout.allocate(next(iter(self._kv_caches.values())).device.type)
+            memory = self.transport.register(layout, caches)
+            free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
+            staging = self._staging[remote.order] = Staging(memory, caches, free)
+        return staging
