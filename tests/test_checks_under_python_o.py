@@ -111,7 +111,7 @@ EXPECTED = {
 
 
 def run_checks(*python_flags: str) -> dict[str, object]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, *python_flags, "-c", CHECKS],
         capture_output=True,

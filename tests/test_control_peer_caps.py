@@ -6,12 +6,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvbridge.connector.control import ControlServerConfig
 from kvbridge.connector.control.auth import peer_host
 from kvbridge.connector.control.leases import BlockOwner, LeaseTable, PeerCaps
-from kvbridge.connector.control.server import ControlServerConfig
-from kvbridge.proto.errors import ConfigError, ControlPlaneError
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId
+from kvbridge.proto import (
+    BlockHash,
+    BlockId,
+    ConfigError,
+    ControlPlaneError,
+    LeaseId,
+    preset_layout,
+)
 from tests.harness.control import Cluster, hashes, start_cluster, stop_cluster
 
 

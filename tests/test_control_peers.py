@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector import ConnectorConfig
 from kvbridge.connector.control.peers import dial_control, normalize_address, peer_allowed
-from kvbridge.proto.errors import ConfigError, PeerError
+from kvbridge.proto import ConfigError, PeerError
 from tests.harness.grpc_fakes import RecordingServer
 
 

@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector import ConnectorConfig
 from kvbridge.connector.params import MAX_ID_CHARS
-from kvbridge.proto.errors import ConfigError, WireError
+from kvbridge.proto import ConfigError, WireError
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.serving.demo import make_workload
+from kvbridge.worker.serving import EngineClient, make_workload
 from kvbridge.worker.serving.inference import check_request_id
-from kvbridge.worker.serving.router import EngineClient
 
 
 def test_the_demo_workload_exists_for_one_token_blocks() -> None:
@@ -45,8 +44,8 @@ class StatsOnlyNode:
 def test_the_inference_port_disconnects_idle_clients() -> None:
     import grpc
 
+    from kvbridge.worker.serving import NodeConfig
     from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
-    from kvbridge.worker.serving.node import NodeConfig
 
     config = NodeConfig(
         engine=EngineConfig.preset("tiny", num_blocks=8),

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.proto import KVLayout, make_layout
-from kvbridge.proto.layout import LayerSpec, parse_order
-from kvbridge.proto.presets import PRESETS
+from kvbridge.proto import PRESETS, KVLayout, LayerSpec, make_layout, parse_order
 
 
 def figures(lay: KVLayout) -> dict[str, Any]:

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.proto.errors import ConfigError
+from kvbridge.proto import ConfigError
 from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
+from kvbridge.worker.offload import OffloadStats
 from kvbridge.worker.offload.metrics import METRICS, offload_registry
-from kvbridge.worker.offload.pool import OffloadStats
 
 
 def scrape(server: MetricsServer, timeout_s: float = 5.0) -> dict[str, float]:

@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.connector.base import LoadResult
-from kvbridge.proto import codec
-from kvbridge.proto.types import BlockId, RequestId
+from kvbridge.connector import LoadResult
+from kvbridge.proto import BlockId, RequestId, codec
 from kvbridge.worker.engine import RequestOutput
 from kvbridge.worker.serving.metrics import (
     LOAD_FAILURE_REASONS,
@@ -141,7 +140,7 @@ Nodes = tuple[dict[str, dict[str, str]], dict[str, "subprocess.Popen[bytes]"]]
 @pytest.fixture
 def nodes(tmp_path: Path) -> Iterator[Nodes]:
     """A prefill and a decode ``kvbridge serve`` process, each with ``--metrics-port 0``."""
-    from kvbridge.worker.serving.demo import start_node
+    from kvbridge.worker.serving import start_node
 
     args = argparse.Namespace(
         model="tiny", block_size=16, num_blocks=128, seed=0, on_load_error="recompute",
@@ -158,8 +157,7 @@ def nodes(tmp_path: Path) -> Iterator[Nodes]:
 
 @pytest.mark.slow
 def test_scrape_after_a_pd_run_shows_moved_blocks_and_a_load_failure(nodes: Nodes) -> None:
-    from kvbridge.worker.serving.demo import check_no_leaks, make_workload
-    from kvbridge.worker.serving.router import EngineClient, Router
+    from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload
 
     info, procs = nodes
     with (

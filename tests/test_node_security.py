@@ -23,13 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.connector.control.client import ControlClient
+from kvbridge.connector.control import ControlClient
 from kvbridge.connector.params import MAX_ID_CHARS
-from kvbridge.proto import codec
-from kvbridge.proto.errors import AuthError, KVBridgeError
+from kvbridge.proto import AuthError, KVBridgeError, codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
-from kvbridge.worker.serving.router import EngineClient, Router
+from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload, start_node
 from tests.harness.grpc_fakes import HoldingProxy, RecordingServer
 
 TOKEN = "n0de-t0ken"

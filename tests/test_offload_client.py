@@ -14,14 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
-from kvbridge.connector.transport.base import LocalMemory, PeerLink, TransferHandle
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.negotiate import negotiate
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, BlockId
-from kvbridge.worker.offload.server import OffloadConfig, OffloadServer, serve
+from kvbridge.connector import ConnectorConfig
+from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
+from kvbridge.connector.transport import LocalMemory, PeerLink, TransferHandle
+from kvbridge.proto import BlockHash, BlockId, KVLayout, negotiate, preset_layout
+from kvbridge.worker.offload import OffloadConfig, OffloadServer, serve
 
 TINY_BLOCK = 2 * 4 * 16 * 2 * 32 * 4
 

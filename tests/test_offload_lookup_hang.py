@@ -18,11 +18,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbridge.connector.base import RequestView
-from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector import ConnectorConfig, RequestView
+from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.scheduler import KVBridgeScheduler
-from kvbridge.proto.types import BlockHash, RequestId
+from kvbridge.proto import BlockHash, RequestId
 
 BS = 16
 
@@ -97,8 +96,7 @@ def test_scheduler_lookup_on_a_hung_daemon_is_a_miss_within_its_deadline(
 def test_a_node_whose_offload_daemon_hangs_serves_a_request_without_waiting_for_it(
     hung_daemon: HungDaemon, tmp_path: Path
 ) -> None:
-    from kvbridge.worker.serving.demo import start_node
-    from kvbridge.worker.serving.router import EngineClient
+    from kvbridge.worker.serving import EngineClient, start_node
     from tests.harness.nodes import node_args
 
     prompt = list(range(1, 4 * BS + 4))  # 4 full blocks: the scheduler asks the daemon

@@ -23,17 +23,14 @@ import torch
 
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
-from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport.base import LocalMemory
+from kvbridge.connector.transport import LocalMemory
+from kvbridge.proto import BlockHash, EngineId, KVLayout, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.types import BlockHash, EngineId
-from kvbridge.worker.engine.config import EngineConfig
-from kvbridge.worker.offload.config import OffloadConfig
-from kvbridge.worker.offload.server import OffloadServer, serve
+from kvbridge.worker.engine import EngineConfig
+from kvbridge.worker.offload import OffloadConfig, OffloadServer, serve
 from tests.harness.offload import DaemonProc, WorkerProc
 
 TINY_BLOCK = 2 * 4 * 16 * 2 * 32 * 4  # tiny preset: 2 x 4 layers x 16 tokens x 2 heads x 32 x fp32

@@ -7,11 +7,10 @@ import argparse
 import pytest
 
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.proto.errors import ConfigError, ControlPlaneError, WireError
-from kvbridge.proto.presets import preset_layout
-from kvbridge.worker.engine.config import EngineConfig
+from kvbridge.proto import ConfigError, ControlPlaneError, WireError, preset_layout
+from kvbridge.worker.engine import EngineConfig
+from kvbridge.worker.offload import OffloadConfig
 from kvbridge.worker.offload.cmd import add_parser, daemon_layout
-from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
 
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
-from kvbridge.worker.serving.router import EngineClient, Router
+from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload, start_node
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.proto import codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, start_node
-from kvbridge.worker.serving.router import EngineClient, Router
+from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, start_node
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,15 @@ import pytest
 import torch
 
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving.demo import check_no_leaks, make_workload, start_node
-from kvbridge.worker.serving.router import (
+from kvbridge.worker.serving import (
     EngineClient,
     NodeDownError,
     RoutedResult,
     Router,
     RouterConfig,
+    check_no_leaks,
+    make_workload,
+    start_node,
 )
 
 MAX_TOKENS = 4
@@ -36,7 +38,7 @@ def _closed_port() -> str:
 
 
 def test_router_config_names_the_bad_knob() -> None:
-    from kvbridge.proto.errors import ConfigError
+    from kvbridge.proto import ConfigError
 
     with pytest.raises(ConfigError, match="attempts must be >= 1"):
         RouterConfig(attempts=0)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.proto.errors import ConfigError
+from kvbridge.proto import ConfigError
 from kvbridge.worker.cli import main
 from kvbridge.worker.serving.chaos import chaos_schedule
 from kvbridge.worker.serving.soak import SoakConfig

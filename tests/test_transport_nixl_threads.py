@@ -1,7 +1,7 @@
 """NixlTransport shared by threads: no table is changed while another thread walks it.
 
-The NIXL agent runs in a subprocess (``nixl_threads.py``), as in test_transport_nixl, so
-this process loads no NIXL and a crash cannot take pytest down.
+The NIXL agent runs in a subprocess (``tests/harness/nixl_threads.py``), as in
+test_transport_nixl, so this process loads no NIXL and a crash cannot take pytest down.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ HERE = Path(__file__).parent
 def test_connect_disconnect_register_and_close_from_threads_never_break_iteration() -> None:
     if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
         pytest.skip("needs NIXL (nixl-cu12)")
-    env = dict(os.environ, UCX_MODULES="^ib", PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, UCX_MODULES="^ib")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "nixl_threads.py"), "300"],
+        [sys.executable, "-m", "tests.harness.nixl_threads", "300"],
+        cwd=HERE.parent,
         capture_output=True,
         text=True,
         timeout=240,

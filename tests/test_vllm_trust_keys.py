@@ -6,7 +6,7 @@ import pytest
 
 from kvbridge.connector.control.peers import peer_allowed
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.proto.errors import ConfigError
+from kvbridge.proto import ConfigError
 
 
 def config(**extra: object) -> VllmConnectorConfig:

@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from kvbridge.connector import ConnectorConfig
 from kvbridge.connector.base import BlockStore, StepMetadata
-from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.offload.client import OffloadStoreResult
+from kvbridge.connector.offload import OffloadStoreResult
 from kvbridge.connector.worker_side import KVBridgeWorker, StoreCounts
-from kvbridge.proto.types import BlockHash, BlockId, RequestId
+from kvbridge.proto import BlockHash, BlockId, RequestId
 
 
 class StandInDaemon:

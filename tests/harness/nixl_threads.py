@@ -20,9 +20,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
-from kvbridge.proto.errors import KVBridgeError
-from kvbridge.proto.presets import preset_layout
+from kvbridge.connector.transport import NixlConfig, NixlTransport
+from kvbridge.proto import KVBridgeError, preset_layout
 
 
 def main() -> int:
