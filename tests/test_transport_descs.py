@@ -9,12 +9,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvbridge.connector.transport.base import (
-    TransferHandle,
-    TransferState,
-    check_transfer_ids,
-    wait_async,
-)
+from kvbridge.connector.transport.base import TransferHandle, TransferState, wait_async
+from kvbridge.connector.transport.checks import check_transfer_ids
 from kvbridge.connector.transport.nixl import NixlConfig
 from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
