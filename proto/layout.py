@@ -15,8 +15,10 @@ another layer's KV, owns no memory and is never counted, registered or moved.
 The layout is frozen and msgpack-serialisable. Identity fields (model,
 block size, groups, layers, TP size) must match for two peers to exchange
 blocks; ``num_blocks``, the order, the TP rank and the registered regions are
-per-worker facts. Tensor construction lives in :mod:`kvbridge.proto.tensors`
-so that importing this module never imports torch.
+per-worker facts. The parts (dims, order presets, the spec dataclasses)
+live in :mod:`kvbridge.proto.specs` and are re-exported here; the wire form
+in :mod:`kvbridge.proto.layout_wire`. Tensor construction lives in
+:mod:`kvbridge.proto.tensors` so that importing this module never imports torch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,21 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.proto import codec
-from kvbridge.proto.errors import LayoutError, WireError
+from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.layout_wire import layout_from_bytes, layout_to_bytes, model_dict
+from kvbridge.proto.specs import (
+    DIMS,
+    DTYPE_BYTES,
+    ORDERS,
+    GroupSpec,
+    LayerSpec,
+    ModelSpec,
+    Region,
+    Span,
+    check_groups_and_layers,
+    check_order,
+    parse_order,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -44,112 +60,6 @@ __all__ = [
     "KVLayout",
     "parse_order",
 ]
-
-DIMS = ("B", "L", "KV", "N", "H", "C")
-_OUTER = frozenset(("B", "L", "KV"))
-_INNER = frozenset(("N", "H", "C"))
-
-DTYPE_BYTES: Mapping[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "uint8": 1,
-}
-
-ORDERS: Mapping[str, tuple[str, ...]] = {
-    "block-nhd": ("B", "L", "KV", "N", "H", "C"),
-    "block-hnd": ("B", "L", "KV", "H", "N", "C"),
-    "layer-nhd": ("L", "B", "KV", "N", "H", "C"),
-    "layer-hnd": ("L", "B", "KV", "H", "N", "C"),
-    # vLLM's FlashAttention layout: per layer (2, num_blocks, block_size, H, C)
-    "layer-kv-nhd": ("L", "KV", "B", "N", "H", "C"),
-}
-
-GROUP_KINDS = ("self", "cross")
-
-
-def parse_order(text: str | Sequence[str]) -> tuple[str, ...]:
-    """Accept an order preset name (``block-nhd``) or dims (``"B L KV N H C"``)."""
-    if isinstance(text, str):
-        if text in ORDERS:
-            return ORDERS[text]
-        dims = tuple(text.replace(",", " ").split())
-    else:
-        dims = tuple(text)
-    _check_order(dims)
-    return dims
-
-
-def _check_order(order: tuple[str, ...]) -> None:
-    if sorted(order) != sorted(DIMS):
-        raise LayoutError(
-            f"order {' '.join(order)!r} is not a permutation of {' '.join(DIMS)}; "
-            f"use one of {', '.join(ORDERS)} or six dims"
-        )
-    if set(order[:3]) != _OUTER:
-        raise LayoutError(
-            f"order {' '.join(order)!r}: the innermost three dims must be N, H and C "
-            "(in any order) so that each (layer, K/V) span of a block is contiguous"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """What the KV bytes mean: two workers exchange blocks only if these agree."""
-
-    name: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise LayoutError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-        for knob in ("num_layers", "num_kv_heads", "head_size"):
-            if getattr(self, knob) < 1:
-                raise LayoutError(f"ModelSpec.{knob} must be >= 1, got {getattr(self, knob)}")
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSpec:
-    """One attention layer: its KV-cache group and, if it owns no memory, whose KV it reuses."""
-
-    name: str
-    group: str = "self"
-    kv_source: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention."""
-
-    name: str
-    num_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A registered memory region: a runtime fact, not part of compatibility."""
-
-    addr: int
-    length: int
-    device: str = "cpu"
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """``length`` bytes at ``offset`` inside region ``region`` of a layout."""
-
-    region: int
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +81,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_cache", {})
-        _check_order(self.order)
+        check_order(self.order)
         if self.block_size < 1:
             raise LayoutError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -180,39 +90,7 @@ class KVLayout:
             raise LayoutError(
                 f"{self.model.num_kv_heads} KV heads cannot be split over tp_size {self.tp_size}"
             )
-        names = [g.name for g in self.groups]
-        if not names or names[0] != "self" or len(set(names)) != len(names):
-            raise LayoutError(f"groups must be 'self' first, then optionally 'cross'; got {names}")
-        for g in self.groups:
-            if g.name not in GROUP_KINDS:
-                raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS}")
-            if g.num_blocks < 1:
-                raise LayoutError(f"group {g.name!r} needs >= 1 block, got {g.num_blocks}")
-        seen: dict[str, LayerSpec] = {}
-        for layer in self.layers:
-            if layer.name in seen:
-                raise LayoutError(f"layer {layer.name!r} appears twice")
-            if layer.group not in names:
-                raise LayoutError(f"layer {layer.name!r} is in unknown group {layer.group!r}")
-            src = layer.kv_source
-            if src is not None:
-                target = seen.get(src)
-                if target is None or target.kv_source is not None:
-                    raise LayoutError(
-                        f"layer {layer.name!r} shares KV of {src!r}, which must be an "
-                        "earlier layer that owns its KV"
-                    )
-                if target.group != layer.group:
-                    raise LayoutError(f"layer {layer.name!r} shares KV across groups")
-            seen[layer.name] = layer
-        if len(self.layers) != self.model.num_layers * len(self.groups):
-            raise LayoutError(
-                f"{len(self.layers)} layers listed, expected {self.model.num_layers} per group "
-                f"for {len(self.groups)} group(s)"
-            )
-        for g in self.groups:
-            if not self.owning_layers(g.name):
-                raise LayoutError(f"group {g.name!r} has no layer that owns KV memory")
+        check_groups_and_layers(self.model.num_layers, self.groups, self.layers)
         if self.regions and len(self.regions) != self.num_regions:
             raise LayoutError(f"{len(self.regions)} regions given, layout has {self.num_regions}")
 
@@ -361,7 +239,7 @@ class KVLayout:
     def identity(self) -> dict[str, Any]:
         """The fields two peers must agree on to exchange blocks at all."""
         return {
-            "model": _model_dict(self.model),
+            "model": model_dict(self.model),
             "block_size": self.block_size,
             "groups": [g.name for g in self.groups],
             "layers": [[x.name, x.group, x.kv_source] for x in self.layers],
@@ -394,58 +272,13 @@ class KVLayout:
         return replace(self, order=parse_order(order), regions=())
 
     def to_bytes(self) -> bytes:
-        body = self.identity()
-        body.update(
-            num_blocks=[g.num_blocks for g in self.groups],
-            order=list(self.order),
-            tp_rank=self.tp_rank,
-            regions=[[r.addr, r.length, r.device] for r in self.regions],
-        )
-        return codec.pack("KVLayout", body)
+        """This layout on the wire; see :mod:`kvbridge.proto.layout_wire`."""
+        return layout_to_bytes(self)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, max_bytes: int = codec.MAX_MESSAGE_BYTES) -> KVLayout:
         """Parse a peer's layout; raises WireError (bad bytes) or LayoutError (bad values)."""
-        body = codec.unpack(data, "KVLayout", max_bytes=max_bytes)
-        try:
-            m = codec.take(body, "model", dict)
-            model = ModelSpec(
-                name=codec.take(m, "name", str),
-                dtype=codec.take(m, "dtype", str),
-                num_layers=codec.take(m, "num_layers", int),
-                num_kv_heads=codec.take(m, "num_kv_heads", int),
-                head_size=codec.take(m, "head_size", int),
-            )
-            names = codec.take(body, "groups", list)
-            counts = codec.take(body, "num_blocks", list)
-            if len(names) != len(counts):
-                raise WireError("groups and num_blocks differ in length")
-            groups = tuple(GroupSpec(_str(n), _int(c)) for n, c in zip(names, counts, strict=True))
-            layers = []
-            for item in codec.take(body, "layers", list):
-                if not isinstance(item, list) or len(item) != 3:
-                    raise WireError("each layer must be [name, group, kv_source]")
-                src = item[2]
-                layers.append(
-                    LayerSpec(_str(item[0]), _str(item[1]), None if src is None else _str(src))
-                )
-            regions = []
-            for item in codec.take(body, "regions", list):
-                if not isinstance(item, list) or len(item) != 3:
-                    raise WireError("each region must be [addr, length, device]")
-                regions.append(Region(_int(item[0]), _int(item[1]), _str(item[2])))
-            return cls(
-                model=model,
-                block_size=codec.take(body, "block_size", int),
-                groups=groups,
-                layers=tuple(layers),
-                order=tuple(_str(d) for d in codec.take(body, "order", list)),
-                tp_rank=codec.take(body, "tp_rank", int),
-                tp_size=codec.take(body, "tp_size", int),
-                regions=tuple(regions),
-            )
-        except TypeError as exc:
-            raise WireError(f"KVLayout: {exc}") from None
+        return layout_from_bytes(cls, data, max_bytes=max_bytes)
 
     # ----- tensors (torch imported lazily) ------------------------------------------------
     def allocate(self, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -503,28 +336,6 @@ class KVLayout:
                 f" total {_human(self.group_bytes(g.name))}"
             )
         return "\n".join(lines)
-
-
-def _model_dict(m: ModelSpec) -> dict[str, Any]:
-    return {
-        "name": m.name,
-        "dtype": m.dtype,
-        "num_layers": m.num_layers,
-        "num_kv_heads": m.num_kv_heads,
-        "head_size": m.head_size,
-    }
-
-
-def _str(v: object) -> str:
-    if not isinstance(v, str):
-        raise WireError(f"expected a string, got {type(v).__name__}")
-    return v
-
-
-def _int(v: object) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise WireError(f"expected an integer, got {type(v).__name__}")
-    return v
 
 
 def _human(n: int) -> str:

@@ -6,10 +6,8 @@
    module level, inside functions, under ``TYPE_CHECKING``, relative ones, and
    ``importlib.import_module("...")`` with a literal name.
 2. No module is over 400 lines, generated ``*_pb2*`` code aside. Today's offenders are listed
-   in :data:`OVERSIZE` (the lead splits them); each is an ``xfail(strict=True)``, so a split
-   module must leave the list and no new one can join it silently:
-
-   connector/transport/nixl.py, connector/transport/ucxx/transport.py, proto/layout.py.
+   in :data:`OVERSIZE` (none today); a split module must leave the list and no new one can
+   join it silently.
 3. Tests and examples reach kvbridge through each subpackage's public API (its
    ``__init__``'s ``__all__``) where it exports every name they import, and import no test
    module or ``examples/`` through ``sys.path``: shared helpers live in ``tests/harness``.
@@ -21,16 +19,10 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvbridge"
 MAX_LINES = 400
-OVERSIZE = {
-    "connector/transport/nixl.py",
-    "connector/transport/ucxx/transport.py",
-    "proto/layout.py",
-}
+OVERSIZE: set[str] = set()
 FORBIDDEN = {
     "proto": ("kvbridge.connector", "kvbridge.worker"),
     "kernels": ("kvbridge.connector", "kvbridge.worker"),
@@ -137,16 +129,10 @@ def test_no_module_is_over_400_lines_apart_from_the_listed_ones() -> None:
     assert set(long) - OVERSIZE == set(), f"split these by concept (STYLE.md 1): {long}"
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        pytest.param(m, marks=pytest.mark.xfail(strict=True, reason="to be split by the lead"))
-        for m in sorted(OVERSIZE)
-    ],
-)
-def test_listed_oversize_module_is_split(module: str) -> None:
-    """Fails (xfail) while the module is too long; once split, remove it from OVERSIZE."""
-    assert _lines(PACKAGE / module) <= MAX_LINES
+def test_every_listed_oversize_module_is_still_oversize() -> None:
+    """A module split below the limit must leave :data:`OVERSIZE` (the list only shrinks)."""
+    split = sorted(m for m in OVERSIZE if _lines(PACKAGE / m) <= MAX_LINES)
+    assert split == [], f"remove from OVERSIZE: {split}"
 
 
 def _user_sources() -> Iterator[Path]:

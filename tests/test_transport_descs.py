@@ -9,13 +9,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvbridge.connector.transport import NixlConfig
-from kvbridge.connector.transport.base import (
-    TransferHandle,
-    TransferState,
-    check_transfer_ids,
-    wait_async,
-)
+from kvbridge.connector.transport import NixlConfig, TransferHandle, TransferState
+from kvbridge.connector.transport.base import wait_async
+from kvbridge.connector.transport.checks import check_transfer_ids
 from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
     descriptor_table,

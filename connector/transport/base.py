@@ -16,13 +16,15 @@ a thread executor) or ``loop.run_in_executor`` for the whole transfer.
 
 Policy lives elsewhere: the transport never decides which blocks move, never
 pins and never evicts. It validates every id it is given against the
-layouts before anything reaches the wire (DESIGN.md §3, "bounds-checked").
+layouts before anything reaches the wire (DESIGN.md §3, "bounds-checked";
+the checks both transports share are in :mod:`kvbridge.connector.transport.checks`).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -40,10 +42,9 @@ __all__ = [
     "LocalMemory",
     "PeerLink",
     "TransferHandle",
+    "DeadlineHandle",
     "Transport",
     "LinkDownError",
-    "check_transfer_ids",
-    "check_transfer_request",
     "wait_async",
 ]
 
@@ -84,44 +85,6 @@ class PeerLink:
     prep_s: float
 
 
-def check_transfer_ids(
-    local: KVLayout,
-    remote: KVLayout,
-    group: str,
-    local_ids: Sequence[int],
-    remote_ids: Sequence[int],
-) -> None:
-    """Raise LayoutError/TransferError for any id or length that must not reach the wire.
-
-    Called by every transport before it builds a request: lists must have
-    equal length, and every id must be an int inside its side's group.
-    """
-    if len(local_ids) != len(remote_ids):
-        raise TransferError(
-            f"local_ids has {len(local_ids)} ids and remote_ids {len(remote_ids)}; "
-            "they pair one to one and must have equal length"
-        )
-    local.check_block_ids(group, local_ids)
-    remote.check_block_ids(group, remote_ids)
-
-
-def check_transfer_request(
-    link: PeerLink,
-    group: str,
-    local_ids: Sequence[int],
-    remote_ids: Sequence[int],
-    notify: bytes | None,
-    timeout_s: float,
-) -> None:
-    """Everything a transport checks before it posts a transfer on ``link``: a positive
-    deadline, ids inside both layouts (:func:`check_transfer_ids`), ``notify`` as bytes."""
-    if not timeout_s > 0:
-        raise TransferError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-    check_transfer_ids(link.local.layout, link.remote_layout, group, local_ids, remote_ids)
-    if notify is not None and not isinstance(notify, bytes):
-        raise TransferError(f"notify must be bytes, got {type(notify).__name__}")
-
-
 class TransferHandle(abc.ABC):
     """One posted transfer; owned by the thread that called read/write_blocks.
 
@@ -150,6 +113,50 @@ class TransferHandle(abc.ABC):
     @abc.abstractmethod
     def num_descriptors(self) -> int:
         """Descriptors in the request (before any merging by the backend)."""
+
+
+class DeadlineHandle(TransferHandle):
+    """What both transports' handles share: their figures, kvbridge's own deadline, ``wait``.
+
+    A subclass drives the transfer in :meth:`poll` (failing it once
+    ``_deadline`` passed) and says in :meth:`_idle` how to pass the time
+    between two polls of :meth:`wait`.
+    """
+
+    def __init__(self, deadline: float, nbytes: int, num_descriptors: int, what: str) -> None:
+        self._deadline = deadline
+        self._nbytes = nbytes
+        self._ndesc = num_descriptors
+        self._what = what
+        self._state: TransferState = "pending"
+        self._error: TransferError | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def num_descriptors(self) -> int:
+        return self._ndesc
+
+    @property
+    def error(self) -> TransferError | None:
+        return self._error
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        if timeout_s is not None:
+            self._deadline = min(self._deadline, time.monotonic() + timeout_s)
+        rounds = 0
+        while (state := self.poll()) == "pending":
+            self._idle(rounds)
+            rounds += 1
+        if state == "failed":
+            assert self._error is not None
+            raise self._error
+
+    @abc.abstractmethod
+    def _idle(self, rounds: int) -> None:
+        """Pause after the ``rounds``-th (from 0) poll of :meth:`wait` that found it pending."""
 
 
 class Transport(abc.ABC):

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.connector.transport.base import LinkDownError, PeerLink, TransferHandle, TransferState
+from kvbridge.connector.transport.base import DeadlineHandle, LinkDownError, PeerLink, TransferState
 from kvbridge.connector.transport.ucxx import wire
 from kvbridge.connector.transport.ucxx.worker import Peer, UcxxWorker, all_done, view
 from kvbridge.proto.errors import TransferError, TransferTimeoutError
@@ -51,7 +51,7 @@ class LinkState:
     down: str | None = None
 
 
-class UcxxTransferHandle(TransferHandle):
+class UcxxTransferHandle(DeadlineHandle):
     """One posted READ/WRITE with kvbridge's own deadline; see :class:`TransferHandle`.
 
     Owned by the thread that called read/write_blocks; it drives progress
@@ -73,17 +73,12 @@ class UcxxTransferHandle(TransferHandle):
         max_message_bytes: int,
         drop_peer: Callable[[str, str], None],
     ) -> None:
+        super().__init__(deadline, nbytes, num_descriptors, what)
         self._ucx = ucx
         self._link = state
         self._op = op
-        self._deadline = deadline
-        self._nbytes = nbytes
-        self._ndesc = num_descriptors
-        self._what = what
         self._max_message_bytes = max_message_bytes
         self._drop_peer = drop_peer
-        self._state: TransferState = "pending"
-        self._error: TransferError | None = None
         self._peer: Peer | None = None
         self._plan: wire.Plan | None = None
         self._data: list[Any] = []
@@ -93,21 +88,9 @@ class UcxxTransferHandle(TransferHandle):
         self._done_upto = 0
 
     @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    @property
-    def num_descriptors(self) -> int:
-        return self._ndesc
-
-    @property
     def num_messages(self) -> int:
         """Tagged data messages this transfer uses (after merging adjacent runs)."""
         return len(self._plan) if self._plan is not None else 0
-
-    @property
-    def error(self) -> TransferError | None:
-        return self._error
 
     def poll(self) -> TransferState:
         if self._state != "pending":
@@ -125,14 +108,8 @@ class UcxxTransferHandle(TransferHandle):
                 self._step()
         return self._state
 
-    def wait(self, timeout_s: float | None = None) -> None:
-        if timeout_s is not None:
-            self._deadline = min(self._deadline, time.monotonic() + timeout_s)
-        while (state := self.poll()) == "pending":
-            self._ucx.idle_wait(min(1e-3, max(0.0, self._deadline - time.monotonic())))
-        if state == "failed":
-            assert self._error is not None
-            raise self._error
+    def _idle(self, rounds: int) -> None:
+        self._ucx.idle_wait(min(1e-3, max(0.0, self._deadline - time.monotonic())))
 
     def release(self) -> None:
         with self._ucx.lock:

@@ -14,8 +14,9 @@ Every UCX call is made under one lock. Neither the service thread nor a
 waiting caller spins: with nothing to do they arm the UCX worker and sleep
 in ``select`` on its event fd (woken by UCX events, at most ``idle_wait_s``).
 
-**Modules.** This one holds registrations, links, posting, notifications
-and the lifecycle; :mod:`~kvbridge.connector.transport.ucxx.config` the config and the
+**Modules.** This one holds registrations, posting, notifications and the
+lifecycle; :mod:`~kvbridge.connector.transport.ucxx.links` the links, the peers and
+the hello; :mod:`~kvbridge.connector.transport.ucxx.config` the config and the
 lazy ucxx import; :mod:`~kvbridge.connector.transport.ucxx.worker` the UCX
 worker, its lock and the endpoints; :mod:`~kvbridge.connector.transport.ucxx.handle` the
 initiator's side of a transfer; :mod:`~kvbridge.connector.transport.ucxx.service` the
@@ -28,31 +29,8 @@ it is the liveness signal (a killed peer closes it at once). ``data`` has
 none, so on one host bulk data goes over CMA/shared memory; elsewhere over
 TCP or RDMA as UCX picks.
 
-**Protocol** (control messages are kvbridge msgpack envelopes with tag
-``CTRL``; replies carry tag ``REPLY|xfer|step`` and a 4-byte length):
-
-- ``metadata()`` is ``{name, UCX worker address}``. ``connect()`` opens the
-  endpoints and sends ``hello {from, address, xfer}``; the peer opens
-  endpoints back and replies, which proves its service thread answers.
-- READ: the reader plans *runs* (descriptor rows from
-  :func:`~kvbridge.connector.transport.nixl_descs.descriptor_table`, neighbours adjacent
-  on both sides merged), pre-posts one tagged receive per run into its own
-  memory (tag ``DATA|xfer|i``, ``xfer`` its own never-reused transfer id),
-  then sends ``read {from, xfer, mem, group, per_span, rows, sizes, notify,
-  timeout_s}``. The target checks every row and size against its own table
-  and regions, tag-sends each run from its memory and replies ok (or the
-  reason it refused). Done when every run and the reply arrived.
-- WRITE: the writer sends ``write`` with the same fields; the target checks,
-  pre-posts receives into its memory (tags from *its* transfer ids, since
-  many writers share its worker), replies ``go {tag}``; the writer sends the
-  runs; the target replies ``done`` when all arrived (or its deadline passed).
-- ``notify`` bytes reach the owner's :meth:`poll_notifications`, under the
-  initiator's name, once the owner's side of the transfer completed;
-  :meth:`send_notification` sends a ``notify`` message.
-- A peer message that fails a check is answered with an error reply when it
-  names a transfer, else logged and dropped; it never touches memory and
-  never stops the service thread. Unexpected data or reply messages (a late
-  message of a timed-out transfer) are drained into scratch buffers.
+**Protocol**: hello, READ, WRITE and notify messages are described in
+:mod:`~kvbridge.connector.transport.ucxx.wire`, beside their formats.
 
 **Failure model** (as :mod:`kvbridge.connector.transport.nixl`): a failed or
 timed-out transfer marks every link to that peer down, fails its pending
@@ -65,22 +43,12 @@ link up: nothing of it is in flight.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.transport.base import (
-    LinkDownError,
-    LocalMemory,
-    PeerLink,
-    Transport,
-    check_transfer_request,
-)
-from kvbridge.connector.transport.nixl_descs import (
-    descriptor_indices,
-    descriptor_table,
-    descriptors_per_block,
-)
+from kvbridge.connector.transport.base import LinkDownError, LocalMemory, PeerLink, Transport
+from kvbridge.connector.transport.checks import check_memory_unlinked, checked_request
+from kvbridge.connector.transport.nixl_descs import descriptor_indices
 from kvbridge.connector.transport.ucxx import wire
 from kvbridge.connector.transport.ucxx.config import (
     UcxxConfig,
@@ -88,17 +56,11 @@ from kvbridge.connector.transport.ucxx.config import (
     check_host_memory,
     load_ucxx,
 )
-from kvbridge.connector.transport.ucxx.handle import REPLY_BYTES, LinkState, UcxxTransferHandle
+from kvbridge.connector.transport.ucxx.handle import LinkState, UcxxTransferHandle
+from kvbridge.connector.transport.ucxx.links import UcxxLinks
 from kvbridge.connector.transport.ucxx.service import MAX_NOTIFY, Registration, UcxxService
 from kvbridge.connector.transport.ucxx.worker import UcxxWorker
-from kvbridge.proto.errors import (
-    IncompatibleLayoutError,
-    LayoutError,
-    PeerError,
-    TransferError,
-    WireError,
-)
-from kvbridge.proto.negotiate import TransferMode, negotiate
+from kvbridge.proto.errors import LayoutError, PeerError, TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -125,12 +87,12 @@ class UcxxTransport(Transport):
         self._ucx = UcxxWorker(*load_ucxx())
         self._registrations: dict[int, Registration] = {}
         self._registered_addrs: dict[tuple[int, int], int] = {}
-        self._links: dict[int, LinkState] = {}
         self._abandoned = 0
         self._closed = False
         self._service = UcxxService(
             self._ucx, config, find_memory=self._registration_at, drop_peer=self._peer_failed
         )
+        self._links = UcxxLinks(self._ucx, config, self._service)
         self._service.start()
 
     @property
@@ -166,12 +128,7 @@ class UcxxTransport(Transport):
         return memory
 
     def unregister(self, memory: LocalMemory) -> None:
-        for state in self._links.values():
-            if state.link.local.memory_id == memory.memory_id and state.down is None:
-                raise LayoutError(
-                    f"memory {memory.memory_id} is still used by link {state.link.link_id} "
-                    f"to {state.link.peer_name!r}; disconnect it first"
-                )
+        check_memory_unlinked(memory, self._links.states.values())
         with self._ucx.lock:
             # a peer's transfer being served keeps the tensors alive until it ends or times out
             if self._registrations.pop(memory.memory_id, None) is None:
@@ -199,70 +156,10 @@ class UcxxTransport(Transport):
         self._check_open()
         if local.memory_id not in self._registrations:
             raise LayoutError(f"local memory {local.memory_id} is not registered here")
-        try:
-            info = wire.UcxxAgentInfo.from_bytes(peer_metadata)
-        except WireError as exc:
-            raise PeerError(
-                f"metadata of {peer_name!r} is not UCXX agent metadata ({exc}); "
-                "do both sides run the UCXX transport?"
-            ) from exc
-        if info.name != peer_name:
-            raise PeerError(f"metadata is of agent {info.name!r}, expected {peer_name!r}")
-        negotiation = negotiate(local.layout, remote_layout)
-        if negotiation.mode in (TransferMode.INCOMPATIBLE, TransferMode.REARRANGE):
-            raise IncompatibleLayoutError(
-                f"{negotiation.mode.value}: {negotiation.reason}"
-                + (
-                    "; stage through a buffer in the remote's order and convert locally"
-                    if negotiation.mode is TransferMode.REARRANGE
-                    else ""
-                )
-            )
-        if any(r.device != "cpu" for r in remote_layout.regions):
-            raise LayoutError("the UCXX transport here is host-only; the remote memory is not")
-        for i, region in enumerate(remote_layout.regions):
-            if region.length != remote_layout.region_bytes(i):
-                raise LayoutError(
-                    f"remote region {i} is {region.length} bytes, its layout says "
-                    f"{remote_layout.region_bytes(i)}"
-                )
-        per_span = negotiation.mode is TransferMode.PER_SPAN
-        t0 = time.perf_counter()
-        tables = {
-            g.name: (
-                descriptor_table(local.layout, g.name, per_span),
-                descriptor_table(remote_layout, g.name, per_span),
-            )
-            for g in local.layout.groups
-        }
-        self._ensure_peer(info)
-        prep_s = time.perf_counter() - t0
-        link = PeerLink(
-            link_id=self._ucx.next_id(),
-            peer_name=peer_name,
-            local=local,
-            remote_layout=remote_layout,
-            mode=negotiation.mode,
-            descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
-            prep_s=prep_s,
-        )
-        with self._ucx.lock:
-            self._links[link.link_id] = LinkState(link, tables)
-        log.info(
-            "linked to %s over UCXX: %s, %d descriptor(s) per block, ready in %.1f ms",
-            peer_name,
-            link.mode.value,
-            link.descriptors_per_block,
-            prep_s * 1e3,
-        )
-        return link
+        return self._links.connect(peer_name, peer_metadata, remote_layout, local)
 
     def disconnect(self, link: PeerLink) -> None:
-        # the endpoints stay open for the next connect; close() or a failure closes them
-        with self._ucx.lock:
-            state = self._links.pop(link.link_id, None)
-            if state is not None:
-                self._drop_link(state, "disconnected")
+        self._links.disconnect(link)
 
     # ----- transfers -----------------------------------------------------------------------
     def read_blocks(
@@ -300,21 +197,17 @@ class UcxxTransport(Transport):
         timeout_s: float,
     ) -> UcxxTransferHandle:
         state = self._live_link(link)
-        check_transfer_request(link, group, local_ids, remote_ids, notify, timeout_s)
+        req = checked_request(op, link, group, local_ids, remote_ids, notify, timeout_s)
         if notify is not None and len(notify) > MAX_NOTIFY:
             raise TransferError(f"notify has {len(notify)} bytes; at most {MAX_NOTIFY}")
-        deadline = time.monotonic() + timeout_s
-        per_span = link.mode is TransferMode.PER_SPAN
-        per = descriptors_per_block(link.local.layout, group, per_span)
-        what = f"{op} of {len(local_ids)} block(s) of {group!r} with {link.peer_name!r}"
-        nbytes = len(local_ids) * link.local.layout.block_bytes(group)
+        what = req.what
         handle = UcxxTransferHandle(
             self._ucx,
             state,
             op,
-            deadline,
-            nbytes,
-            len(local_ids) * per,
+            req.deadline,
+            req.nbytes,
+            req.num_descriptors,
             what,
             max_message_bytes=self._config.max_message_bytes,
             drop_peer=self._peer_failed,
@@ -328,8 +221,8 @@ class UcxxTransport(Transport):
         plan = wire.plan_runs(
             local_table,
             remote_table,
-            descriptor_indices(local_ids, per),
-            descriptor_indices(remote_ids, per),
+            descriptor_indices(local_ids, req.descriptors_per_block),
+            descriptor_indices(remote_ids, req.descriptors_per_block),
             self._config.coalesce,
         )
         if len(plan) > wire.MAX_MESSAGES:
@@ -343,7 +236,7 @@ class UcxxTransport(Transport):
                 "xfer": xfer,
                 "mem": [first.addr, first.length],
                 "group": group,
-                "per_span": per_span,
+                "per_span": req.per_span,
                 **plan.wire(),
                 "notify": notify,
                 "timeout_s": float(timeout_s),
@@ -384,7 +277,7 @@ class UcxxTransport(Transport):
     def stats(self) -> UcxxStats:
         """A snapshot of links, handles, peers and served requests (thread-safe)."""
         with self._ucx.lock:
-            live = [s for s in self._links.values()]
+            live = [s for s in self._links.states.values()]
             return UcxxStats(
                 pending=sum(len(s.handles) for s in live),
                 links=len(live),
@@ -403,10 +296,7 @@ class UcxxTransport(Transport):
         self._closed = True
         self._service.stop()
         with self._ucx.lock:
-            for link_id in list(self._links):
-                self._drop_link(self._links.pop(link_id), "transport closed")
-            for name in list(self._ucx.peers):
-                self._peer_failed(name, "transport closed")
+            self._links.close()
             self._service.clear()
             self._abandoned = self._ucx.close(grace_s=2.0)
             self._registrations.clear()
@@ -418,70 +308,15 @@ class UcxxTransport(Transport):
     def __enter__(self) -> UcxxTransport:
         return self
 
-    # ----- internals (under the lock unless they take it) ---------------------------------
-    def _ensure_peer(self, info: wire.UcxxAgentInfo) -> None:
-        """Open endpoints to ``info`` unless open and alive; say hello and wait for the reply."""
-        with self._ucx.lock:
-            known = self._ucx.peers.get(info.name)
-            if known is not None and known.address == info.address and known.ctl.alive:
-                return
-            if known is not None:
-                self._peer_failed(info.name, "peer reconnected with new metadata")
-            peer = self._ucx.open_peer(info.name, info.address)
-            xfer = self._ucx.next_id()
-            buf = bytearray(REPLY_BYTES)
-            req = peer.ctl.tag_recv(self._ucx.array(buf), self._ucx.tag(wire.reply_tag(xfer, 0)))
-            self._ucx.send_ctrl(
-                peer, {"t": "hello", "from": self.name, "address": self._ucx.address, "xfer": xfer}
-            )
-        deadline = time.monotonic() + self._config.connect_timeout_s
-        while True:
-            with self._ucx.lock:
-                self._ucx.progress()
-                if req.completed:
-                    break
-                alive = peer.ctl.alive
-            if not alive or time.monotonic() > deadline:
-                with self._ucx.lock:
-                    self._peer_failed(info.name, "no answer to hello")
-                raise PeerError(
-                    f"UCXX peer {info.name!r} did not answer hello within "
-                    f"{self._config.connect_timeout_s:.0f} s (alive={alive}); is it running?"
-                )
-            self._ucx.idle_wait(1e-3)
-        try:
-            req.check_error()
-            body = wire.decode_reply(buf, self._config.max_message_bytes)
-        except Exception as exc:
-            with self._ucx.lock:
-                self._peer_failed(info.name, "bad answer to hello")
-            raise PeerError(f"UCXX peer {info.name!r} answered hello badly: {exc!r}") from exc
-        if body.get("ok") is not True:
-            with self._ucx.lock:
-                self._peer_failed(info.name, "hello refused")
-            raise PeerError(f"UCXX peer {info.name!r} refused hello: {body.get('error')}")
-
+    # ----- internals ---------------------------------------------------------------------
     def _registration_at(self, addr: int, length: int) -> Registration | None:
         """The registration whose region is ``length`` bytes at ``addr`` (for the service)."""
         memory_id = self._registered_addrs.get((addr, length))
         return self._registrations.get(memory_id) if memory_id is not None else None
 
     def _peer_failed(self, name: str, reason: str) -> None:
-        """Forget ``name``: links down, handles failed, serving stopped, endpoints closed."""
-        for state in self._links.values():
-            if state.link.peer_name == name and state.down is None:
-                self._drop_link(state, reason)
-        self._service.forget(name)
-        # dropping the last reference closes the endpoints (UCXX's close() of an endpoint
-        # that already failed returns no request to wait on)
-        self._ucx.peers.pop(name, None)
-
-    def _drop_link(self, state: LinkState, reason: str) -> None:
-        state.down = reason
-        for handle in list(state.handles):
-            handle._fail(LinkDownError(f"{handle._what}: link down ({reason})"), drop_link=False)
-        state.handles.clear()
-        state.tables = {}
+        """Take every link to ``name`` down (the service's and the handles' ``drop_peer``)."""
+        self._links.peer_failed(name, reason)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -489,12 +324,4 @@ class UcxxTransport(Transport):
 
     def _live_link(self, link: PeerLink) -> LinkState:
         self._check_open()
-        state = self._links.get(link.link_id)
-        if state is None:
-            raise LinkDownError(f"link {link.link_id} to {link.peer_name!r} was disconnected")
-        if state.down is not None:
-            raise LinkDownError(
-                f"link {link.link_id} to {link.peer_name!r} is down ({state.down}); "
-                "connect again with the peer's fresh metadata"
-            )
-        return state
+        return self._links.live(link)

@@ -2,8 +2,33 @@
 
 Pure numpy and msgpack, no UCX: :mod:`kvbridge.connector.transport.ucxx.transport` (in
 every process that runs a UCXX transport) builds and parses what is here,
-and tests exercise the checks without a peer. See that module's docstring
-for the protocol these pieces make up.
+and tests exercise the checks without a peer.
+
+**Protocol** (control messages are kvbridge msgpack envelopes with tag
+``CTRL``; replies carry tag ``REPLY|xfer|step`` and a 4-byte length):
+
+- ``metadata()`` is ``{name, UCX worker address}``. ``connect()`` opens the
+  endpoints and sends ``hello {from, address, xfer}``; the peer opens
+  endpoints back and replies, which proves its service thread answers.
+- READ: the reader plans *runs* (descriptor rows from
+  :func:`~kvbridge.connector.transport.nixl_descs.descriptor_table`, neighbours adjacent
+  on both sides merged), pre-posts one tagged receive per run into its own
+  memory (tag ``DATA|xfer|i``, ``xfer`` its own never-reused transfer id),
+  then sends ``read {from, xfer, mem, group, per_span, rows, sizes, notify,
+  timeout_s}``. The target checks every row and size against its own table
+  and regions, tag-sends each run from its memory and replies ok (or the
+  reason it refused). Done when every run and the reply arrived.
+- WRITE: the writer sends ``write`` with the same fields; the target checks,
+  pre-posts receives into its memory (tags from *its* transfer ids, since
+  many writers share its worker), replies ``go {tag}``; the writer sends the
+  runs; the target replies ``done`` when all arrived (or its deadline passed).
+- ``notify`` bytes reach the owner's :meth:`UcxxTransport.poll_notifications`, under the
+  initiator's name, once the owner's side of the transfer completed;
+  :meth:`UcxxTransport.send_notification` sends a ``notify`` message.
+- A peer message that fails a check is answered with an error reply when it
+  names a transfer, else logged and dropped; it never touches memory and
+  never stops the service thread. Unexpected data or reply messages (a late
+  message of a timed-out transfer) are drained into scratch buffers.
 
 Tags are 64 bits: the top 4 say what a message is (:data:`CTRL` to a peer's
 service thread, :data:`REPLY` to one of our transfers, :data:`DATA` for

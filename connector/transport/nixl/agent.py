@@ -1,0 +1,222 @@
+"""The NIXL agent of one process behind one lock, and the thread that progresses it.
+
+Owned by :class:`~kvbridge.connector.transport.nixl.transport.NixlTransport`
+(one per process) and used by its handles. Every NIXL call kvbridge makes
+goes through :class:`NixlAgent`, under :attr:`NixlAgent.lock`; the lock is
+re-entrant because the transport holds it across several calls while it
+changes its own tables.
+
+The agent is created with NIXL's progress thread **off** (DESIGN.md §5: an
+idle one burns a core on 2-core machines). kvbridge drives progress itself:
+a waiting transfer polls its own state, and a small background thread of
+ours (``progress_interval_s``, sleeping between polls, stopped by
+:meth:`NixlAgent.stop_progress`) polls notifications, which also progresses
+UCX for peers that READ from us over TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.connector.transport.nixl.config import NixlConfig, load_nixl
+from kvbridge.connector.transport.nixl_descs import mem_type
+from kvbridge.proto.errors import PeerError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+    from kvbridge.proto.layout import Region
+
+__all__ = ["NixlAgent"]
+
+log = logging.getLogger(__name__)
+
+
+class NixlAgent:
+    """One NIXL agent: its remote agents, unreleased requests, notifications and progress.
+
+    ``peers`` maps each loaded remote agent's name to the metadata it was
+    loaded from; ``leaked`` holds requests NIXL would not release yet (retried
+    at :meth:`close`). Both are read and changed only under ``lock``.
+    """
+
+    def __init__(self, config: NixlConfig) -> None:
+        api = load_nixl()
+        self._config = config
+        self.lock = threading.RLock()
+        self._agent: Any = api.nixl_agent(
+            config.name,
+            api.nixl_agent_config(enable_prog_thread=False, backends=list(config.backends)),
+        )
+        self.peers: dict[str, bytes] = {}
+        self.leaked: list[Any] = []
+        self._notifs: dict[str, list[bytes]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if config.progress_interval_s is not None:
+            self._thread = threading.Thread(
+                target=self._progress_loop, name=f"kvbridge-nixl-{config.name}", daemon=True
+            )
+            self._thread.start()
+
+    # ----- memory and metadata -------------------------------------------------------------
+    def metadata(self) -> bytes:
+        with self.lock:
+            md: bytes = self._agent.get_agent_metadata()
+        return md
+
+    def register_memory(self, rows: list[tuple[int, int, int, str]], device: str) -> Any:
+        with self.lock:
+            return self._agent.register_memory(rows, mem_type(device))
+
+    def deregister_memory(self, reg_descs: Any) -> None:
+        with self.lock:
+            self._agent.deregister_memory(reg_descs)
+
+    # ----- remote agents and prepped lists ---------------------------------------------------
+    def add_peer(self, peer_name: str, peer_metadata: bytes) -> None:
+        """Load a remote agent from its metadata; PeerError if it is not ``peer_name``'s."""
+        with self.lock:
+            try:
+                loaded = self._agent.add_remote_agent(peer_metadata)
+            except Exception as exc:
+                raise PeerError(f"could not load metadata of {peer_name!r}: {exc!r}") from exc
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != peer_name:
+                self._agent.remove_remote_agent(name)
+                raise PeerError(f"metadata is of agent {name!r}, expected {peer_name!r}")
+            self.peers[peer_name] = peer_metadata
+
+    def remove_peer(self, peer_name: str) -> None:
+        with self.lock:
+            if self.peers.pop(peer_name, None) is None:
+                return
+            try:
+                self._agent.remove_remote_agent(peer_name)
+            except Exception as exc:
+                log.warning("removing peer %s: %r", peer_name, exc)
+
+    def prep_dlists(
+        self,
+        peer_name: str,
+        local_tables: Mapping[str, npt.NDArray[np.uint64]],
+        local_device: str,
+        remote_tables: Mapping[str, npt.NDArray[np.uint64]],
+        remote_regions: Sequence[Region],
+    ) -> dict[str, tuple[Any, Any]]:
+        """Prep a (local, remote) descriptor list pair per group; all or none (PeerError)."""
+        dlists: dict[str, tuple[Any, Any]] = {}
+        with self.lock:
+            try:
+                for group, table in local_tables.items():
+                    lh = self._agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", table, mem_type(local_device)
+                    )
+                    dev = remote_regions[0].device
+                    rh = self._agent.prep_xfer_dlist(peer_name, remote_tables[group], mem_type(dev))
+                    dlists[group] = (lh, rh)
+            except Exception as exc:
+                self.release_dlists(dlists)
+                raise PeerError(
+                    f"could not prepare descriptors for {peer_name!r}: {exc!r}; does its "
+                    "metadata include the memory in its layout (register before exporting "
+                    "metadata)?"
+                ) from exc
+        return dlists
+
+    def release_dlists(self, dlists: Mapping[str, tuple[Any, Any]]) -> None:
+        with self.lock:
+            for pair in dlists.values():
+                for dlist in pair:
+                    try:
+                        dlist.release()
+                    except Exception as exc:
+                        log.warning("releasing a prepped descriptor list: %r", exc)
+
+    # ----- requests ------------------------------------------------------------------------
+    def make_xfer(
+        self, op: str, local_h: Any, local_idx: Any, remote_h: Any, remote_idx: Any, notify: bytes
+    ) -> Any:
+        with self.lock:
+            return self._agent.make_prepped_xfer(
+                op, local_h, local_idx, remote_h, remote_idx, notify
+            )
+
+    def start(self, xfer: Any) -> str:
+        """Post ``xfer``: ``DONE``, ``PROC`` (in flight) or NIXL's word for a failure."""
+        with self.lock:
+            status: str = self._agent.transfer(xfer)
+        return status
+
+    def check(self, xfer: Any) -> str:
+        """The state of a posted request; an exception comes back as ``error ...``."""
+        try:
+            with self.lock:
+                status: str = self._agent.check_xfer_state(xfer)
+        except Exception as exc:
+            return f"error {exc!r}"
+        return status
+
+    def release_xfer(self, xfer: Any) -> None:
+        if xfer is None:
+            return
+        with self.lock:
+            try:
+                xfer.release()
+            except Exception as exc:
+                log.debug("transfer request not released yet (%r); retrying at close", exc)
+                self.leaked.append(xfer)
+
+    # ----- notifications and progress ----------------------------------------------------
+    def send_notification(self, peer_name: str, message: bytes) -> None:
+        with self.lock:
+            try:
+                self._agent.send_notif(peer_name, message)
+            except Exception as exc:
+                raise PeerError(f"notification to {peer_name!r} failed: {exc!r}") from exc
+
+    def take_notifications(self) -> dict[str, list[bytes]]:
+        """Messages received since the last call, by sending peer's agent name."""
+        self.pump()
+        with self.lock:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    def pump(self) -> None:
+        try:
+            with self.lock:
+                if self._agent is None:
+                    return
+                new = self._agent.get_new_notifs()
+                for peer, messages in new.items():
+                    self._notifs.setdefault(str(peer), []).extend(messages)
+        except Exception as exc:
+            log.debug("polling notifications: %r", exc)
+
+    def _progress_loop(self) -> None:
+        interval = self._config.progress_interval_s
+        assert interval is not None
+        while not self._stop.wait(interval):
+            self.pump()
+
+    # ----- lifecycle -----------------------------------------------------------------------
+    def stop_progress(self) -> None:
+        """Stop and join the progress thread; call it without holding ``lock``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Release the requests left in ``leaked`` and drop the agent (peers unloaded first)."""
+        with self.lock:
+            for xfer in self.leaked:
+                try:
+                    xfer.release()
+                except Exception as exc:
+                    log.warning("a transfer request could not be released at close: %r", exc)
+            self.leaked.clear()
+            self._agent = None

@@ -1,0 +1,69 @@
+"""Settings and the lazy NIXL import of the NIXL transport.
+
+Used by :mod:`kvbridge.connector.transport.nixl.agent` (which loads NIXL when
+a transport is made) and by whoever builds a transport at the edge (the
+serving node, the offload daemon, the vLLM worker, benchmarks). Importing
+this module loads neither nixl nor torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.proto.errors import ConfigError
+
+__all__ = ["NixlConfig", "load_nixl"]
+
+
+def load_nixl() -> Any:
+    """Import NIXL's Python API lazily (``nixl_cu12._api``, else ``nixl._api``).
+
+    Sets ``UCX_MODULES=^ib`` first unless the environment says otherwise:
+    without it every process segfaults at exit on these machines.
+    """
+    os.environ.setdefault("UCX_MODULES", "^ib")
+    try:
+        import nixl_cu12._api as api
+    except ImportError:
+        try:
+            import nixl._api as api  # type: ignore[no-redef]
+        except ImportError as exc:
+            raise ConfigError(
+                "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (after torch)"
+            ) from exc
+    return api
+
+
+@dataclass(frozen=True, slots=True)
+class NixlConfig:
+    """Settings of one process's NIXL transport; built once at the edge.
+
+    ``strided_descriptors`` preps NIXL's compressed Nx5 lists (one row per
+    region, :func:`~kvbridge.connector.transport.nixl_descs.strided_table`) instead of
+    one Nx3 row per descriptor (:func:`~kvbridge.connector.transport.nixl_descs.descriptor_table`);
+    both move the same bytes with the same descriptors. See DESIGN-NOTES.md,
+    "NIXL descriptor lists".
+    """
+
+    name: str
+    progress_interval_s: float | None = 0.002
+    backends: tuple[str, ...] = ("UCX",)
+    strided_descriptors: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ConfigError("NixlConfig.name must be a non-empty agent name, unique per process")
+        if self.progress_interval_s is not None and not 0 < self.progress_interval_s <= 1:
+            raise ConfigError(
+                f"NixlConfig.progress_interval_s={self.progress_interval_s} must be in (0, 1] "
+                "seconds, or None for no background progress thread"
+            )
+        if not self.backends:
+            raise ConfigError("NixlConfig.backends must name at least one NIXL backend")
+        if not isinstance(self.strided_descriptors, bool):
+            raise ConfigError(
+                f"NixlConfig.strided_descriptors={self.strided_descriptors!r} must be True "
+                "(compressed Nx5 descriptor lists) or False (one Nx3 row per descriptor)"
+            )

@@ -1,0 +1,103 @@
+"""A :class:`~kvbridge.proto.layout.KVLayout` on the wire: msgpack bytes and back.
+
+Peers send their bound layout in the handshake (``layout.to_bytes()``) and
+parse the other side's with ``KVLayout.from_bytes``; both methods delegate
+here. The body is the layout's identity (:meth:`KVLayout.identity`) plus its
+per-worker facts (block counts, order, TP rank, regions), in a
+:mod:`kvbridge.proto.codec` envelope named ``KVLayout``. Decoding is
+size-limited and type-checked field by field: bad bytes raise WireError, bad
+values the layout's own LayoutError.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.proto import codec
+from kvbridge.proto.errors import WireError
+from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region
+
+if TYPE_CHECKING:
+    from kvbridge.proto.layout import KVLayout
+
+__all__ = ["layout_from_bytes", "layout_to_bytes", "model_dict"]
+
+
+def model_dict(m: ModelSpec) -> dict[str, Any]:
+    """``m`` as the plain dict that identity, fingerprint and wire form use."""
+    return {
+        "name": m.name,
+        "dtype": m.dtype,
+        "num_layers": m.num_layers,
+        "num_kv_heads": m.num_kv_heads,
+        "head_size": m.head_size,
+    }
+
+
+def layout_to_bytes(layout: KVLayout) -> bytes:
+    body = layout.identity()
+    body.update(
+        num_blocks=[g.num_blocks for g in layout.groups],
+        order=list(layout.order),
+        tp_rank=layout.tp_rank,
+        regions=[[r.addr, r.length, r.device] for r in layout.regions],
+    )
+    return codec.pack("KVLayout", body)
+
+
+def layout_from_bytes(
+    cls: type[KVLayout], data: bytes, *, max_bytes: int = codec.MAX_MESSAGE_BYTES
+) -> KVLayout:
+    """Parse a peer's layout into ``cls``; raises WireError (bad bytes) or LayoutError."""
+    body = codec.unpack(data, "KVLayout", max_bytes=max_bytes)
+    try:
+        m = codec.take(body, "model", dict)
+        model = ModelSpec(
+            name=codec.take(m, "name", str),
+            dtype=codec.take(m, "dtype", str),
+            num_layers=codec.take(m, "num_layers", int),
+            num_kv_heads=codec.take(m, "num_kv_heads", int),
+            head_size=codec.take(m, "head_size", int),
+        )
+        names = codec.take(body, "groups", list)
+        counts = codec.take(body, "num_blocks", list)
+        if len(names) != len(counts):
+            raise WireError("groups and num_blocks differ in length")
+        groups = tuple(GroupSpec(_str(n), _int(c)) for n, c in zip(names, counts, strict=True))
+        layers = []
+        for item in codec.take(body, "layers", list):
+            if not isinstance(item, list) or len(item) != 3:
+                raise WireError("each layer must be [name, group, kv_source]")
+            src = item[2]
+            layers.append(
+                LayerSpec(_str(item[0]), _str(item[1]), None if src is None else _str(src))
+            )
+        regions = []
+        for item in codec.take(body, "regions", list):
+            if not isinstance(item, list) or len(item) != 3:
+                raise WireError("each region must be [addr, length, device]")
+            regions.append(Region(_int(item[0]), _int(item[1]), _str(item[2])))
+        return cls(
+            model=model,
+            block_size=codec.take(body, "block_size", int),
+            groups=groups,
+            layers=tuple(layers),
+            order=tuple(_str(d) for d in codec.take(body, "order", list)),
+            tp_rank=codec.take(body, "tp_rank", int),
+            tp_size=codec.take(body, "tp_size", int),
+            regions=tuple(regions),
+        )
+    except TypeError as exc:
+        raise WireError(f"KVLayout: {exc}") from None
+
+
+def _str(v: object) -> str:
+    if not isinstance(v, str):
+        raise WireError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _int(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise WireError(f"expected an integer, got {type(v).__name__}")
+    return v

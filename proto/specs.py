@@ -1,0 +1,183 @@
+"""The parts a :class:`~kvbridge.proto.layout.KVLayout` is made of, and their checks.
+
+Dimension names, dtypes and order presets; the frozen spec dataclasses
+(model, layer, group, region, span); :func:`parse_order` and the checks that
+a set of groups and layers is consistent. Used by :mod:`kvbridge.proto.layout`
+(which re-exports every public name here), by :mod:`kvbridge.proto.tensors`,
+:mod:`kvbridge.proto.presets` and the layout's wire form
+(:mod:`kvbridge.proto.layout_wire`). Pure Python: no torch, no numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvbridge.proto.errors import LayoutError
+
+__all__ = [
+    "DIMS",
+    "DTYPE_BYTES",
+    "GROUP_KINDS",
+    "ORDERS",
+    "GroupSpec",
+    "LayerSpec",
+    "ModelSpec",
+    "Region",
+    "Span",
+    "check_groups_and_layers",
+    "check_order",
+    "parse_order",
+]
+
+DIMS = ("B", "L", "KV", "N", "H", "C")
+_OUTER = frozenset(("B", "L", "KV"))
+_INNER = frozenset(("N", "H", "C"))
+
+DTYPE_BYTES: Mapping[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+}
+
+ORDERS: Mapping[str, tuple[str, ...]] = {
+    "block-nhd": ("B", "L", "KV", "N", "H", "C"),
+    "block-hnd": ("B", "L", "KV", "H", "N", "C"),
+    "layer-nhd": ("L", "B", "KV", "N", "H", "C"),
+    "layer-hnd": ("L", "B", "KV", "H", "N", "C"),
+    # vLLM's FlashAttention layout: per layer (2, num_blocks, block_size, H, C)
+    "layer-kv-nhd": ("L", "KV", "B", "N", "H", "C"),
+}
+
+GROUP_KINDS = ("self", "cross")
+
+
+def parse_order(text: str | Sequence[str]) -> tuple[str, ...]:
+    """Accept an order preset name (``block-nhd``) or dims (``"B L KV N H C"``)."""
+    if isinstance(text, str):
+        if text in ORDERS:
+            return ORDERS[text]
+        dims = tuple(text.replace(",", " ").split())
+    else:
+        dims = tuple(text)
+    check_order(dims)
+    return dims
+
+
+def check_order(order: tuple[str, ...]) -> None:
+    """Raise LayoutError unless ``order`` is six dims with ``N``, ``H``, ``C`` innermost."""
+    if sorted(order) != sorted(DIMS):
+        raise LayoutError(
+            f"order {' '.join(order)!r} is not a permutation of {' '.join(DIMS)}; "
+            f"use one of {', '.join(ORDERS)} or six dims"
+        )
+    if set(order[:3]) != _OUTER:
+        raise LayoutError(
+            f"order {' '.join(order)!r}: the innermost three dims must be N, H and C "
+            "(in any order) so that each (layer, K/V) span of a block is contiguous"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """What the KV bytes mean: two workers exchange blocks only if these agree."""
+
+    name: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise LayoutError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        for knob in ("num_layers", "num_kv_heads", "head_size"):
+            if getattr(self, knob) < 1:
+                raise LayoutError(f"ModelSpec.{knob} must be >= 1, got {getattr(self, knob)}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One attention layer: its KV-cache group and, if it owns no memory, whose KV it reuses."""
+
+    name: str
+    group: str = "self"
+    kv_source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention."""
+
+    name: str
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A registered memory region: a runtime fact, not part of compatibility."""
+
+    addr: int
+    length: int
+    device: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """``length`` bytes at ``offset`` inside region ``region`` of a layout."""
+
+    region: int
+    offset: int
+    length: int
+
+
+def check_groups_and_layers(
+    num_layers: int, groups: Sequence[GroupSpec], layers: Sequence[LayerSpec]
+) -> None:
+    """Raise LayoutError unless ``groups`` and ``layers`` make one consistent layout.
+
+    Groups: ``self`` first, then optionally ``cross``, each with >= 1 block.
+    Layers: unique names in known groups, ``num_layers`` per group, a
+    ``kv_source`` only to an earlier owning layer of the same group, and at
+    least one owning layer in every group.
+    """
+    names = [g.name for g in groups]
+    if not names or names[0] != "self" or len(set(names)) != len(names):
+        raise LayoutError(f"groups must be 'self' first, then optionally 'cross'; got {names}")
+    for g in groups:
+        if g.name not in GROUP_KINDS:
+            raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS}")
+        if g.num_blocks < 1:
+            raise LayoutError(f"group {g.name!r} needs >= 1 block, got {g.num_blocks}")
+    seen: dict[str, LayerSpec] = {}
+    for layer in layers:
+        if layer.name in seen:
+            raise LayoutError(f"layer {layer.name!r} appears twice")
+        if layer.group not in names:
+            raise LayoutError(f"layer {layer.name!r} is in unknown group {layer.group!r}")
+        src = layer.kv_source
+        if src is not None:
+            target = seen.get(src)
+            if target is None or target.kv_source is not None:
+                raise LayoutError(
+                    f"layer {layer.name!r} shares KV of {src!r}, which must be an "
+                    "earlier layer that owns its KV"
+                )
+            if target.group != layer.group:
+                raise LayoutError(f"layer {layer.name!r} shares KV across groups")
+        seen[layer.name] = layer
+    if len(layers) != num_layers * len(groups):
+        raise LayoutError(
+            f"{len(layers)} layers listed, expected {num_layers} per group "
+            f"for {len(groups)} group(s)"
+        )
+    for g in groups:
+        if not any(x.group == g.name and x.kv_source is None for x in layers):
+            raise LayoutError(f"group {g.name!r} has no layer that owns KV memory")
