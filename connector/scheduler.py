@@ -53,6 +53,7 @@ from kvbridge.connector.base import (
     StepMetadata,
 )
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import KVBridgeError, WireError
@@ -80,10 +81,7 @@ class LeaseIssuer(ABC):
 
     @abstractmethod
     def lease_request(
-        self,
-        request_id: RequestId,
-        blocks: Mapping[str, Sequence[BlockId]],
-        hashes: Mapping[str, Sequence[BlockHash]],
+        self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         """Take a reference on ``blocks`` and put it under a new lease: ``(lease_id, ttl_s)``."""
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
 from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -105,10 +106,7 @@ class HoldIssuer(LeaseIssuer):
         return min(len(block_ids), len(hashes)) if group == "self" else 0
 
     def lease_request(
-        self,
-        request_id: RequestId,
-        blocks: Mapping[str, Sequence[BlockId]],
-        hashes: Mapping[str, Sequence[BlockHash]],
+        self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         lease_id = LeaseId(secrets.token_hex(16))
         order = HoldOrder(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvbridge.connector.control.leases import BlockOwner, LeaseTable
+from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.scheduler import LeaseIssuer
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -68,10 +68,7 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
         return n
 
     def lease_request(
-        self,
-        request_id: RequestId,
-        blocks: Mapping[str, Sequence[BlockId]],
-        hashes: Mapping[str, Sequence[BlockHash]],
+        self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         with self._engine.lock:
             for group, ids in blocks.items():
