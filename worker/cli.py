@@ -81,9 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that print and save JSON + PNG figures")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from kvbridge.worker.bench import control, hash, kernels, offload, prefill_skip, transfer
+    from kvbridge.worker.bench import (
+        control,
+        hash,
+        kernels,
+        load,
+        offload,
+        prefill_skip,
+        transfer,
+    )
 
-    for bench_module in (hash, transfer, kernels, control, offload, prefill_skip):
+    for bench_module in (hash, transfer, kernels, control, load, offload, prefill_skip):
         bench_module.add_parser(bench_sub)
     return parser
 

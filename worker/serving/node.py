@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from concurrent import futures
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -231,8 +230,8 @@ class Node:
             for out in outputs:
                 if out.finished:
                     self._finish(out)
-            if engine.num_forwards == before:
-                time.sleep(0.0005)  # waiting on loads: do not spin a core
+            if engine.num_forwards == before:  # waiting on loads: sleep until one finishes
+                self.worker_connector.wait_for_loads(0.005)
 
     def _admit(self) -> None:
         while True:

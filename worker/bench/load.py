@@ -1,0 +1,174 @@
+"""``kvbridge bench load``: one decode load, with and without control RPCs, in one run.
+
+An owner process holds a KV pool, a lease table with its seal table, a
+PeerControl server and a release listener; this process reads from it as a
+decode does, request after request, alternating the two load protocols:
+
+- ``owner`` (what every load did before lease seals, and the slow path now):
+  Pin by request id (the owner names the blocks), READ, Release (its answer
+  confirms the lease held): two blocking RPCs around the READ;
+- ``sealed`` (the default now): READ, READ of the lease's seal slots, release by
+  NIXL notification: no RPC.
+
+Each is timed against a bare READ of the same blocks (``read``), for 1 to 6
+blocks of the chosen preset, so the figure is what a protocol adds to the READ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
+from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
+
+__all__ = ["add_parser", "run"]
+
+PROTOCOLS = ("read", "sealed", "owner")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("load", help="one decode load: sealed (no RPC) vs owner-named (2 RPCs)")
+    p.add_argument("--preset", default="tiny", help="layout preset (default tiny)")
+    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    p.add_argument("--requests", type=int, default=200, help="loads per protocol and size")
+    add_output_arguments(p, "load")
+    p.set_defaults(func=run)
+
+
+def _owner(preset: str, leases: int, blocks: int, out: Any, stop: Any) -> None:
+    """The owner process: pool, seal table, control server, release listener."""
+    from kvbridge.connector.control import LeaseTable, PeerInfo, Role, serve
+    from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes
+    from kvbridge.connector.control.seal import ReleaseListener, SealTable
+    from kvbridge.connector.transport import NixlConfig, NixlTransport
+    from kvbridge.proto import BlockHash, BlockId, EngineId, RequestId, preset_layout
+
+    class Owner(BlockOwner):  # the blocks stay put: the bench never reuses them
+        def num_blocks(self, group: str) -> int:
+            return layout.group(group).num_blocks if group == "self" else 0
+
+        def pin_hashes(self, group_hashes: GroupHashes) -> dict[str, list[BlockId]]:
+            return {g: [] for g in group_hashes}
+
+        def unpin(self, blocks: GroupBlocks) -> None:
+            pass
+
+    layout = preset_layout(preset, num_blocks=blocks)
+    with NixlTransport(NixlConfig("bench-owner")) as transport:
+        memory = transport.register(layout, layout.allocate("cpu"))
+        seal = SealTable(64 * leases)  # sparse: every lease finds a free probe slot
+        seal_memory = transport.register(seal.layout, seal.tensors)
+        table = LeaseTable(Owner(), seal=seal)
+        info = PeerInfo(
+            EngineId("bench-owner"), Role.PREFILL, memory.layout, transport.metadata(),
+            seal_layout=seal_memory.layout,
+        )  # fmt: skip
+        server = serve(info, table)
+        listener = ReleaseListener(transport, table.release)
+        names = [BlockHash(bytes([i % 256]) * 32) for i in range(blocks)]
+        made = []
+        for i in range(leases):
+            ids = [BlockId((i * 7 + j) % blocks) for j in range(6)]
+            lease = table.create(
+                {"self": ids}, ttl_s=600, hashes={"self": names[:6]}, request_id=RequestId(f"r{i}")
+            )
+            made.append((lease.lease_id, ids))
+        out.put((server.address, made, [bytes(n) for n in names[:6]]))
+        stop.get()
+        listener.close()
+        server.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.connector.control import ControlClient, PeerInfo, Role
+    from kvbridge.connector.control.seal import SealReader, seal_digest
+    from kvbridge.connector.transport import NixlConfig, NixlTransport
+    from kvbridge.proto import BlockHash, BlockId, EngineId, LeaseId, RequestId, preset_layout
+
+    per_size = args.requests
+    leases_needed = 2 * per_size * len(args.blocks)
+    num_blocks = 64
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Queue()
+    owner = ctx.Process(
+        target=_owner, args=(args.preset, leases_needed, num_blocks, out, stop), daemon=True
+    )
+    owner.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        address, made, raw_names = out.get(timeout=120)
+        names = [BlockHash(n) for n in raw_names]
+        layout = preset_layout(args.preset, num_blocks=num_blocks)
+        with NixlTransport(NixlConfig("bench-reader")) as transport:
+            memory = transport.register(layout, layout.allocate("cpu"))
+            reader = SealReader(transport, 1)
+            client = ControlClient(address, timeout_s=10)
+            local = PeerInfo(EngineId("bench-reader"), Role.DECODE, memory.layout)
+            hs = client.handshake(local)
+            assert hs.peer.seal_layout is not None
+            link = transport.connect("bench-owner", hs.peer.agent_metadata, hs.peer.layout, memory)
+            seal_link = reader.connect("bench-owner", hs.peer.agent_metadata, hs.peer.seal_layout)
+            leases = iter(enumerate(made))
+
+            def read(ids: list[BlockId]) -> None:
+                handle = transport.read_blocks(link, "self", ids, ids, timeout_s=10)
+                try:
+                    handle.wait(10)
+                finally:
+                    handle.release()
+
+            def sealed(n: int) -> None:
+                _, (lease, ids) = next(leases)
+                read(ids[:n])
+                digest = seal_digest({"self": ids}, {"self": names})
+                if not reader.holds(seal_link, lease, digest, 10):
+                    raise RuntimeError(f"the seal of lease {lease} did not hold")
+                reader.release(seal_link, lease)
+
+            def owned(n: int) -> None:
+                i, (lease, _) = next(leases)
+                pinned = client.pin_request(RequestId(f"r{i}"), ttl_s=30)
+                read(list(pinned.blocks["self"][:n]))
+                if not client.release(LeaseId(lease)):
+                    raise RuntimeError(f"lease {lease} lapsed")
+
+            for n in args.blocks:
+                times: dict[str, list[float]] = {p: [] for p in PROTOCOLS}
+                steps: dict[str, Callable[[], None]] = {
+                    "read": lambda n=n: read([BlockId(b) for b in range(n)]),  # type: ignore[misc]
+                    "sealed": lambda n=n: sealed(n),  # type: ignore[misc]
+                    "owner": lambda n=n: owned(n),  # type: ignore[misc]
+                }
+                for _ in range(per_size):
+                    for protocol in PROTOCOLS:  # interleaved: the machine's noise hits all
+                        t0 = time.perf_counter()
+                        steps[protocol]()
+                        times[protocol].append((time.perf_counter() - t0) * 1e3)
+                row: dict[str, Any] = {"blocks": n}
+                for protocol in PROTOCOLS:
+                    ordered = sorted(times[protocol])
+                    row[f"{protocol}_p50_ms"] = ordered[len(ordered) // 2]
+                    row[f"{protocol}_p90_ms"] = ordered[int(len(ordered) * 0.9)]
+                row["sealed_over_read_ms"] = row["sealed_p50_ms"] - row["read_p50_ms"]
+                row["owner_over_read_ms"] = row["owner_p50_ms"] - row["read_p50_ms"]
+                rows.append(row)
+            client.close()
+            transport.disconnect(seal_link)
+            transport.disconnect(link)
+            reader.close()
+    finally:
+        stop.put(1)
+        owner.join(30)
+    print_table(rows, ["blocks", *(f"{p}_p50_ms" for p in PROTOCOLS), "sealed_over_read_ms"])
+    json_path, png_path = output_paths(args.out)
+    payload = {"settings": settings_of(args), "machine": machine_info(), "rows": rows}
+    print(f"wrote {write_json(json_path, payload)}")
+    series = {p: [r[f"{p}_p50_ms"] for r in rows] for p in PROTOCOLS}
+    labels = [f"{r['blocks']} blocks" for r in rows]
+    if bar_plot(png_path, "one decode load, p50", labels, series, "ms"):
+        print(f"wrote {png_path}")
+    return 0
