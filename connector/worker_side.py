@@ -17,7 +17,6 @@ Nothing here raises into the engine's step.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -97,7 +96,6 @@ class KVBridgeWorker(WorkerConnector):
         self.kv_caches: Mapping[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(config.max_concurrent_loads, thread_name_prefix="kvb-load")
         self._state = _State()
-        self._progress = threading.Event()
 
     # ----- WorkerConnector -----------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], layout: KVLayout) -> None:
@@ -131,21 +129,9 @@ class KVBridgeWorker(WorkerConnector):
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
         for load in metadata.loads:
-            job = self._pool.submit(self._load, load)
-            job.add_done_callback(self._wake)
-            self._state.jobs[load.request_id] = (load, job)
+            self._state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:
             self._state.stores[store.request_id] = self._pool.submit(self._store, store)
-
-    def wait_for_loads(self, timeout_s: float) -> None:
-        """Block until a load job finishes (or ``timeout_s``): an engine with nothing to
-        compute but loads to wait for sleeps here instead of polling, which on a small
-        machine would keep the load threads from the interpreter lock."""
-        self._progress.wait(timeout_s)
-        self._progress.clear()
-
-    def _wake(self, job: Future[LoadResult]) -> None:
-        self._progress.set()
 
     @property
     def seal_layout(self) -> KVLayout | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent import futures
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -230,8 +231,8 @@ class Node:
             for out in outputs:
                 if out.finished:
                     self._finish(out)
-            if engine.num_forwards == before:  # waiting on loads: sleep until one finishes
-                self.worker_connector.wait_for_loads(0.005)
+            if engine.num_forwards == before:
+                time.sleep(0.0005)  # waiting on loads: do not spin a core
 
     def _admit(self) -> None:
         while True:
