@@ -331,7 +331,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     ) -> None:
         ids = blocks.get_block_ids()[0]
         self.scheduler.after_alloc(
-            RequestId(request.request_id), [BlockId(b) for b in ids], num_external_tokens
+            RequestId(request.request_id),
+            request.prompt_token_ids or (),
+            [BlockId(b) for b in ids],
+            num_external_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

@@ -200,10 +200,15 @@ class VllmScheduler:
         return self.planner.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def after_alloc(
-        self, request_id: RequestId, block_ids: Sequence[BlockId], num_external_tokens: int
+        self,
+        request_id: RequestId,
+        prompt: Sequence[int],
+        block_ids: Sequence[BlockId],
+        num_external_tokens: int,
     ) -> None:
-        """vLLM allocated ``block_ids`` (the request's whole block table)."""
-        view = self._view(request_id, (), None)  # the plan was made in num_matched
+        """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
+        :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
+        view = self._view(request_id, prompt, None)
         self.planner.update_state_after_alloc(view, {"self": block_ids}, num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
