@@ -125,6 +125,18 @@ def test_decode_plans_the_daemons_blocks_first_and_the_rest_from_prefill() -> No
     assert load.remote_engine == "prefill-0" and load.lease_id == "lease-1"
 
 
+def test_a_request_handed_over_to_decode_keeps_its_blocks_until_the_worker_says_done() -> None:
+    prefill = _scheduler(role="kv_producer")
+    prefill.offload_lookup = None  # no store: the hold alone must keep the blocks
+    ids = [BlockId(b) for b in range(5)]
+    delay_free, params = prefill.request_finished(
+        RID, PROMPT, {"do_remote_decode": True}, ids, True
+    )
+    # vLLM frees the blocks at once unless told to wait for done_sending (the lease's end)
+    assert params is not None and delay_free is True
+    assert [o.request_id for o in prefill.build_step()[1]] == [RID]
+
+
 def test_a_decodes_load_names_its_blocks_as_the_prefill_leased_them() -> None:
     prefill = _scheduler(role="kv_producer")
     ids = [BlockId(b) for b in (20, 21, 22, 23, 24)]

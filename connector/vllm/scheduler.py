@@ -121,6 +121,10 @@ class HoldIssuer(LeaseIssuer):
         self._orders.append(order)
         return lease_id, self.ttl_s
 
+    def ordered(self, request_id: RequestId) -> bool:
+        """Whether a hold for ``request_id`` waits to go to the worker."""
+        return any(o.request_id == request_id for o in self._orders)
+
     def take(self) -> tuple[HoldOrder, ...]:
         orders, self._orders = tuple(self._orders), []
         return orders
@@ -227,4 +231,7 @@ class VllmScheduler:
         ``prompt_done``: it finished normally with its whole prompt computed."""
         view = self._view(request_id, prompt, raw_params, prompt_done)
         delay_free, params = self.planner.request_finished(view, {"self": block_ids})
+        # a request put under a hold must keep its blocks until the worker reports the
+        # lease over (done_sending): vLLM frees them at once otherwise
+        delay_free = delay_free or self.holds.ordered(request_id)
         return delay_free, None if params is None else to_json_params(params)
