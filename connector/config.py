@@ -7,10 +7,14 @@ from dataclasses import dataclass
 from kvbridge.connector.control.peers import parse_allowed_peers
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["ConnectorConfig", "ROLES", "LOAD_ERROR_POLICIES"]
+__all__ = ["ConnectorConfig", "DEFAULT_MAX_CONCURRENT_LOADS", "ROLES", "LOAD_ERROR_POLICIES"]
 
 ROLES = ("prefill", "decode", "both")
 LOAD_ERROR_POLICIES = ("recompute", "fail")
+DEFAULT_MAX_CONCURRENT_LOADS = 4
+"""Loads (and offload stores) one engine runs at once; also the cap on handshakes with new
+peers in flight. Loads mostly wait on the network and the peer, so a few overlap well even
+on two cores."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +40,7 @@ class ConnectorConfig:
     """Test hook: sleep this long between the owner's answer and the READ, as a decode
     stalled by GC, SIGSTOP or CPU starvation would (0 in production)."""
     on_load_error: str = "recompute"
-    max_concurrent_loads: int = 4
+    max_concurrent_loads: int = DEFAULT_MAX_CONCURRENT_LOADS
     offload_address: str = ""
     """host:port of the node's CPU offload daemon; empty: no offloading."""
 

@@ -1,13 +1,17 @@
 """The reading engine's links to remote engines: one control client and transport links each.
 
 :class:`LinkCache` belongs to :class:`~kvbridge.connector.remote_load.RemoteLoader`
-and is used from its load threads. A link is made at the first load from an
-engine (handshake over gRPC, then ``Transport.connect`` to the peer's KV memory
-and, if it publishes one, to its lease seal table) and reused while the engine
-answers at the same address. An address in a request is a claim: the handshake
-must name the engine the request names. A peer whose NIXL agent metadata
-changed after a failed load is a new process under the same engine id (it
-restarted): the link is replaced and the load may be retried once.
+and is used from its load threads. A link is made once per engine (handshake
+over gRPC, then ``Transport.connect`` to the peer's KV memory and, if it
+publishes one, to its lease seal table) and reused while the engine answers at
+the same address. The handshake runs on a small pool of its own (at most
+``max_handshakes`` at once), started by :meth:`LinkCache.connect_ahead` as soon
+as a step names a new engine; every load from that engine waits for that one
+handshake, and a slow engine never holds up loads from the others. An address
+in a request is a claim: the handshake must name the engine the request names.
+A peer whose NIXL agent metadata changed after a failed load is a new process
+under the same engine id (it restarted): the link is replaced and the load may
+be retried once.
 
 A peer whose inner order differs (``REARRANGE``) gets a staging cache in its
 order (registered once per order) that blocks land in before conversion.
@@ -18,12 +22,19 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad
 from kvbridge.connector.control.seal import SealReader
-from kvbridge.proto.errors import KVBridgeError, OutOfBlocksError, PeerError
+from kvbridge.proto.errors import (
+    KVBridgeError,
+    OutOfBlocksError,
+    PeerError,
+    TransferTimeoutError,
+)
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockId, EngineId
 
@@ -96,6 +107,9 @@ class LinkCache:
         memory: LocalMemory,
         kv_caches: Mapping[str, torch.Tensor],
         seal_reader: SealReader,
+        *,
+        max_handshakes: int = 1,
+        handshake_wait_s: float = 15.0,
     ) -> None:
         self.transport = transport
         self._client_factory = client_factory
@@ -104,23 +118,77 @@ class LinkCache:
         self._kv_caches = kv_caches
         self._seal_reader = seal_reader
         self._staging: dict[tuple[str, ...], Staging] = {}
+        self._staging_lock = threading.Lock()
         self._peers: dict[EngineId, Peer] = {}
+        self._pending: dict[tuple[EngineId, str], Future[Peer]] = {}
+        """Handshakes in flight, by (engine, address): loads from it wait for this one."""
+        self._handshakes = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kvb-handshake")
+        self._wait_s = handshake_wait_s
+        self._closed = False
         self._lock = threading.Lock()
+
+    def connect_ahead(self, load: BlockLoad) -> None:
+        """Start the handshake with ``load``'s engine unless it is linked at that address or
+        a handshake is already on its way; never blocks (the engine's step calls it)."""
+        if not load.remote_engine:
+            return
+        with self._lock:
+            if not self._closed and self._cached(load) is None:
+                self._start(load)
 
     def get(self, load: BlockLoad) -> tuple[Peer, bool]:
         """The link to ``load``'s engine and whether it was cached; handshakes (again) when
-        there is none or the engine now answers at another address (it restarted or moved)."""
-        engine = EngineId(load.remote_engine)
+        there is none or the engine now answers at another address (it restarted or moved),
+        or waits for the handshake :meth:`connect_ahead` started."""
         with self._lock:
-            peer = self._peers.get(engine)
-            if peer is not None and peer.address == load.remote_address:
+            peer = self._cached(load)
+            if peer is not None:
                 return peer, True
+            if self._closed:
+                raise PeerError("the link cache is closed")
+            pending = self._start(load)
+        try:
+            return pending.result(timeout=self._wait_s), False
+        except FutureTimeout:
+            raise TransferTimeoutError(
+                f"no handshake with {load.remote_engine} at {load.remote_address} "
+                f"in {self._wait_s:.1f}s"
+            ) from None
+        except CancelledError:
+            raise PeerError("the link cache closed during the handshake") from None
+
+    def _cached(self, load: BlockLoad) -> Peer | None:
+        peer = self._peers.get(EngineId(load.remote_engine))
+        return peer if peer is not None and peer.address == load.remote_address else None
+
+    def _start(self, load: BlockLoad) -> Future[Peer]:
+        """The handshake with ``load``'s engine at its address, started if none is pending
+        (call with the lock held)."""
+        key = (EngineId(load.remote_engine), load.remote_address)
+        pending = self._pending.get(key)
+        if pending is None:
+            pending = self._pending[key] = self._handshakes.submit(self._connect, load)
+        return pending
+
+    def _connect(self, load: BlockLoad) -> Peer:
+        """Handshake and link on the handshake pool; the new link replaces the engine's old
+        one only once the engine proved itself."""
+        engine = EngineId(load.remote_engine)
+        key = (engine, load.remote_address)
+        try:
             client, hs = self._handshake(load)
             fresh = self._link(load, client, hs)
-            if peer is not None:  # replaced only now that the engine proved itself
-                self.drop(peer)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(key, None)
+            raise
+        with self._lock:
+            self._pending.pop(key, None)
+            old = self._peers.get(engine)
             self._peers[engine] = fresh
-            return fresh, False
+        if old is not None:
+            self.drop(old)
+        return fresh
 
     def restarted(self, load: BlockLoad, failed: Peer) -> bool:
         """After a load through a cached link failed: handshake again, and if the engine's
@@ -162,7 +230,11 @@ class LinkCache:
         peer.client.close()
 
     def close(self) -> None:
-        """Drop every link and client and unregister the staging caches."""
+        """Stop the handshakes, drop every link and client and unregister the staging
+        caches."""
+        with self._lock:
+            self._closed = True
+        self._handshakes.shutdown(wait=True, cancel_futures=True)  # each under its deadline
         with self._lock:
             peers, self._peers = self._peers, {}
         for peer in peers.values():
@@ -219,13 +291,14 @@ class LinkCache:
 
     def _staging_for(self, remote: KVLayout) -> Staging:
         """The staging cache in ``remote``'s order (made and registered once per order)."""
-        staging = self._staging.get(remote.order)
-        if staging is None:
-            local = self._memory.layout
-            counts = {g.name: min(g.num_blocks, STAGING_BLOCKS) for g in local.groups}
-            layout = local.with_order(remote.order).with_num_blocks(**counts)
-            caches = layout.allocate(next(iter(self._kv_caches.values())).device.type)
-            memory = self.transport.register(layout, caches)
-            free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
-            staging = self._staging[remote.order] = Staging(memory, caches, free)
-        return staging
+        with self._staging_lock:
+            staging = self._staging.get(remote.order)
+            if staging is None:
+                local = self._memory.layout
+                counts = {g.name: min(g.num_blocks, STAGING_BLOCKS) for g in local.groups}
+                layout = local.with_order(remote.order).with_num_blocks(**counts)
+                caches = layout.allocate(next(iter(self._kv_caches.values())).device.type)
+                memory = self.transport.register(layout, caches)
+                free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
+                staging = self._staging[remote.order] = Staging(memory, caches, free)
+            return staging

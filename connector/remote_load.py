@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -67,7 +67,14 @@ class RemoteLoader:
         self.kv_caches = kv_caches
         self._seal_reader = SealReader(transport, config.max_concurrent_loads)
         self._links = LinkCache(
-            transport, client_factory, local_info, memory, kv_caches, self._seal_reader
+            transport,
+            client_factory,
+            local_info,
+            memory,
+            kv_caches,
+            self._seal_reader,
+            max_handshakes=config.max_concurrent_loads,
+            handshake_wait_s=config.control_timeout_s + config.load_timeout_s,
         )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
@@ -77,6 +84,12 @@ class RemoteLoader:
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
         self._links.close()
         self._seal_reader.close()
+
+    def connect_ahead(self, loads: Sequence[BlockLoad]) -> None:
+        """Start the handshake with each engine these loads name that is not linked yet, so
+        the loads find it done or under way (called from the engine's step; never blocks)."""
+        for load in loads:
+            self._links.connect_ahead(load)
 
     def load(self, load: BlockLoad, *, retry_stale: bool = True) -> LoadResult:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load

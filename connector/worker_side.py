@@ -128,6 +128,8 @@ class KVBridgeWorker(WorkerConnector):
             )
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
+        if self._remote is not None:  # handshakes with new peers start now, once per peer
+            self._remote.connect_ahead(metadata.loads)
         for load in metadata.loads:
             self._state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:

@@ -70,7 +70,7 @@ def test_offload_hits_after_the_local_prefix_load_from_the_daemon_alone() -> Non
     # vLLM's own cache holds block 0: the daemon is asked from block 1 on
     assert sched.num_matched(RID, PROMPT, None, num_computed_tokens=BS) == (2 * BS, True)
     assert daemon.asked == [names[1:4]]  # block 4 is partial; 4 full blocks, 1 local
-    sched.after_alloc(RID, [BlockId(b) for b in (10, 11, 12, 13, 14)], 2 * BS)
+    sched.after_alloc(RID, PROMPT, [BlockId(b) for b in (10, 11, 12, 13, 14)], 2 * BS)
     load = _only_load(sched)
     assert load.remote_engine == "" and load.remote_ids == {}
     assert load.local_ids == {"self": (11, 12)}
@@ -117,7 +117,7 @@ def test_decode_plans_the_daemons_blocks_first_and_the_rest_from_prefill() -> No
     raw = _prefill_params(sched, PROMPT)
     # no local hit: every prompt token is external
     assert sched.num_matched(RID, PROMPT, raw, 0) == (len(PROMPT), True)
-    sched.after_alloc(RID, [BlockId(b) for b in range(5)], len(PROMPT))
+    sched.after_alloc(RID, PROMPT, [BlockId(b) for b in range(5)], len(PROMPT))
     load = _only_load(sched)
     assert load.offload_hashes == tuple(names[:2])
     assert load.local_ids == {"self": (0, 1, 2, 3, 4)}
@@ -125,11 +125,40 @@ def test_decode_plans_the_daemons_blocks_first_and_the_rest_from_prefill() -> No
     assert load.remote_engine == "prefill-0" and load.lease_id == "lease-1"
 
 
+def test_a_request_handed_over_to_decode_keeps_its_blocks_until_the_worker_says_done() -> None:
+    prefill = _scheduler(role="kv_producer")
+    prefill.offload_lookup = None  # no store: the hold alone must keep the blocks
+    ids = [BlockId(b) for b in range(5)]
+    delay_free, params = prefill.request_finished(
+        RID, PROMPT, {"do_remote_decode": True}, ids, True
+    )
+    # vLLM frees the blocks at once unless told to wait for done_sending (the lease's end)
+    assert params is not None and delay_free is True
+    assert [o.request_id for o in prefill.build_step()[1]] == [RID]
+
+
+def test_a_decodes_load_names_its_blocks_as_the_prefill_leased_them() -> None:
+    prefill = _scheduler(role="kv_producer")
+    ids = [BlockId(b) for b in (20, 21, 22, 23, 24)]
+    _, params = prefill.request_finished(RID, PROMPT, {"do_remote_decode": True}, ids, True)
+    _, (order,) = prefill.build_step()
+    assert params is not None and len(order.block_hashes) == 5  # 4 full blocks and the tail
+    decode = _scheduler(role="kv_consumer")
+    decode.offload_lookup = None
+    rid = RequestId("d1")
+    assert decode.num_matched(rid, PROMPT, params, 0) == (len(PROMPT), True)
+    decode.after_alloc(rid, PROMPT, [BlockId(b) for b in range(5)], len(PROMPT))
+    load = _only_load(decode)
+    # the owner answers with the names it leased; a load asking for others is refused
+    assert tuple(load.remote_hashes["self"]) == order.block_hashes
+    assert load.seal and load.remote_request_id == RID
+
+
 def test_a_failed_load_is_not_offered_twice() -> None:
     sched = _scheduler()
     sched.offload_lookup = FakeDaemon(_names(sched, PROMPT))
     assert sched.num_matched(RID, PROMPT, None, 0)[0] > 0
-    sched.after_alloc(RID, [BlockId(b) for b in range(5)], 4 * BS)
+    sched.after_alloc(RID, PROMPT, [BlockId(b) for b in range(5)], 4 * BS)
     # vLLM asks again after the load reported errors: recompute, never a second load
     assert sched.num_matched(RID, PROMPT, None, 0) == (0, False)
 

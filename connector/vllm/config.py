@@ -26,7 +26,8 @@ adapter passes plain values.
 ``max_lease_ttl_s``      longest lease a decode peer may ask for; longer asks are clamped
                          (default 600, at least ``lease_ttl_s``)
 ``load_timeout_s``       deadline of one READ (default 10)
-``max_concurrent_loads`` parallel READs (default 1: see docs/VLLM.md, "Known issues")
+``max_concurrent_loads`` loads (and offload stores) run at once, and handshakes with new peers
+                         (default 4)
 ``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
                          requests load the blocks it holds after their local prefix-cache hit,
                          and finished requests store their full prompt blocks in it
@@ -40,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.connector.config import ConnectorConfig
+from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
@@ -117,7 +118,7 @@ class VllmConnectorConfig:
             lease_ttl_s=lease_ttl_s,
             max_lease_ttl_s=float(extra.get("max_lease_ttl_s", max(600.0, lease_ttl_s))),
             load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
-            max_concurrent_loads=_int(extra, "max_concurrent_loads", 1),
+            max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
         )
         return cls(

@@ -32,11 +32,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.vllm import stats
 from kvbridge.connector.vllm.config import VllmConnectorConfig
+from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import LayoutError
@@ -51,7 +60,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KVBridgeConnector", "KVBridgeMetadata", "logical_views"]
+__all__ = [
+    "KVBridgeConnector",
+    "KVBridgeMetadata",
+    "KVBridgePromMetrics",
+    "KVBridgeStats",
+    "logical_views",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +84,67 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     step: StepMetadata
     holds: tuple[HoldOrder, ...] = ()
+
+
+@dataclass
+class KVBridgeStats(KVConnectorStats):
+    """kvbridge's loads in vLLM's stats (worker → scheduler → logger); the rules are in
+    :mod:`kvbridge.connector.vllm.stats`."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = stats.empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        stats.merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return stats.reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return stats.is_empty(self.data)
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """kvbridge's histograms and counters on vLLM's Prometheus endpoint
+    (:data:`~kvbridge.connector.vllm.stats.PROM_HISTOGRAMS`, ``PROM_COUNTERS``)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(
+                    name=name, documentation=doc, buckets=list(buckets), labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for name, key, doc, buckets in stats.PROM_HISTOGRAMS
+        }
+        self._counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, key, doc in stats.PROM_COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._histograms.items():
+            for value in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx].observe(value)
+        for key, per_engine in self._counters.items():
+            if n := transfer_stats_data.get(key, 0):
+                per_engine[engine_idx].inc(n)
 
 
 def logical_views(
@@ -116,6 +192,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        follow_vllm_logging()
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         model = vllm_config.model_config
@@ -207,6 +284,26 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return {int(b) for b in self.worker.load_errors()}
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This step's loads (vLLM calls it every step, on both halves; the scheduler has
+        none), reset as they are taken."""
+        data = None if self._worker is None else self._worker.stats.take()
+        return None if data is None else KVBridgeStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVBridgeStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -234,7 +331,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     ) -> None:
         ids = blocks.get_block_ids()[0]
         self.scheduler.after_alloc(
-            RequestId(request.request_id), [BlockId(b) for b in ids], num_external_tokens
+            RequestId(request.request_id),
+            request.prompt_token_ids or (),
+            [BlockId(b) for b in ids],
+            num_external_tokens,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

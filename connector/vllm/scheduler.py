@@ -119,6 +119,10 @@ class HoldIssuer(LeaseIssuer):
         self._orders.append(order)
         return lease_id, self.ttl_s
 
+    def ordered(self, request_id: RequestId) -> bool:
+        """Whether a hold for ``request_id`` waits to go to the worker."""
+        return any(o.request_id == request_id for o in self._orders)
+
     def take(self) -> tuple[HoldOrder, ...]:
         orders, self._orders = tuple(self._orders), []
         return orders
@@ -198,10 +202,15 @@ class VllmScheduler:
         return self.planner.get_num_new_matched_tokens(view, num_computed_tokens)
 
     def after_alloc(
-        self, request_id: RequestId, block_ids: Sequence[BlockId], num_external_tokens: int
+        self,
+        request_id: RequestId,
+        prompt: Sequence[int],
+        block_ids: Sequence[BlockId],
+        num_external_tokens: int,
     ) -> None:
-        """vLLM allocated ``block_ids`` (the request's whole block table)."""
-        view = self._view(request_id, (), None)  # the plan was made in num_matched
+        """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
+        :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
+        view = self._view(request_id, prompt, None)
         self.planner.update_state_after_alloc(view, {"self": block_ids}, num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
@@ -220,4 +229,7 @@ class VllmScheduler:
         ``prompt_done``: it finished normally with its whole prompt computed."""
         view = self._view(request_id, prompt, raw_params, prompt_done)
         delay_free, params = self.planner.request_finished(view, {"self": block_ids})
+        # a request put under a hold must keep its blocks until the worker reports the
+        # lease over (done_sending): vLLM frees them at once otherwise
+        delay_free = delay_free or self.holds.ordered(request_id)
         return delay_free, None if params is None else to_json_params(params)

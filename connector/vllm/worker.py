@@ -40,6 +40,7 @@ from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.vllm.scheduler import HoldOrder
+from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -87,6 +88,8 @@ class VllmWorker:
         self.results: dict[RequestId, LoadResult] = {}
         """The newest :data:`RESULTS_KEPT` load reports, oldest first, for stats; vLLM itself
         never reads them, so a long-running worker keeps a window, not every request."""
+        self.stats = TransferStats()
+        """Loads since vLLM last collected them (``get_kv_connector_stats``, every step)."""
         self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
@@ -179,6 +182,7 @@ class VllmWorker:
                 result = self.loader.pop_result(rid)
                 if result is not None:
                     self._keep_result(rid, result)
+                    self.stats.record(result)
         return self._sends.done([*released, *stored]), receiving
 
     def _keep_result(self, rid: RequestId, result: LoadResult) -> None:

@@ -57,10 +57,13 @@ class Engine:
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 240.0,
         wait: bool = True,
+        log_stats: bool = False,
     ) -> None:
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if log_stats:
+            cmd.append("--log-stats")
         self.log = log
         self.child = ChildProcess(
             cmd,
@@ -71,6 +74,9 @@ class Engine:
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                 "OMP_NUM_THREADS": "1",
                 "VLLM_CPU_KVCACHE_SPACE": "1",
+                # vLLM's log lines (and kvbridge's, which follow them) into ``log``: stdout
+                # carries the answers
+                "VLLM_LOGGING_STREAM": "ext://sys.stderr",
                 "PYTHONUNBUFFERED": "1",
                 **(env or {}),
             },

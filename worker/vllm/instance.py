@@ -10,11 +10,14 @@ Commands, one JSON object per line; each gets one answer line, ``KVB-JSON {...}`
 
     {"cmd": "generate", "prompts": [[ids...], ...], "max_tokens": 8, "params": [obj|null, ...]}
     {"cmd": "stats"}     # blocks in use, leases held, per-request load results
+    {"cmd": "metrics"}   # the Prometheus text vLLM's /metrics serves (with --log-stats)
     {"cmd": "drain", "timeout_s": 10}   # step until nothing is held or running
     {"cmd": "quit"}
 
 Start (in ``.venv-vllm``): ``python -m kvbridge.worker.vllm.instance --model DIR
-[--kv-transfer-config JSON]``; its first answer line is ``{"ready": true, ...}``.
+[--kv-transfer-config JSON] [--log-stats]``; its first answer line is
+``{"ready": true, ...}``. ``--log-stats`` turns on vLLM's stat loggers (the periodic
+log line and the Prometheus metrics), which an offline engine leaves off.
 :class:`kvbridge.worker.vllm.Engine` does that from the main environment.
 """
 
@@ -57,6 +60,7 @@ class Instance:
             enable_prefix_caching=True,
             enforce_eager=True,
             seed=0,
+            disable_log_stats=not args.log_stats,
             **kw,
         )
         self.startup_s = time.perf_counter() - t0
@@ -156,6 +160,11 @@ class Instance:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
         return out
 
+    def metrics(self) -> dict[str, Any]:
+        import prometheus_client
+
+        return {"text": prometheus_client.generate_latest().decode()}
+
     def drain(self, cmd: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + float(cmd.get("timeout_s", 10))
         while self.scheduler.has_requests() and time.monotonic() < deadline:
@@ -173,6 +182,7 @@ def main() -> None:
     parser.add_argument("--kv-transfer-config", default="")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--log-stats", action="store_true")
     args = parser.parse_args()
     inst = Instance(args)
     _reply({"ready": True, "startup_s": inst.startup_s})
@@ -192,6 +202,7 @@ def main() -> None:
             handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
                 "generate": inst.generate,
                 "stats": lambda c: inst.stats(),
+                "metrics": lambda c: inst.metrics(),
             }
             handler = handlers.get(cmd["cmd"])
             if cmd["cmd"] == "drain":

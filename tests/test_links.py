@@ -1,0 +1,190 @@
+"""The reading engine's link cache: one handshake per new engine, started ahead of its loads.
+
+Real control servers on loopback gRPC (a handshake hook holds or refuses
+handshakes and counts them); the transport is a hand-written stand-in that
+counts links, since the peers here have no KV memory to connect to.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvbridge.connector import BlockLoad
+from kvbridge.connector.control import ControlClient, ControlServer, PeerInfo, Role, serve
+from kvbridge.connector.links import LinkCache, Peer
+from kvbridge.connector.transport import LocalMemory
+from kvbridge.proto import (
+    BlockId,
+    IncompatibleLayoutError,
+    KVLayout,
+    Negotiation,
+    RequestId,
+    TransferTimeoutError,
+    preset_layout,
+)
+from tests.harness.control import FakeOwner, peer
+
+LAYOUT = preset_layout("tiny", num_blocks=16)
+WAIT_S = 20.0
+"""How long a test waits for something that happens at once when the code is right."""
+
+
+class LinkCounter:
+    """Stands in for the transport: counts links made and dropped."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.connected: list[str] = []
+        self.disconnected = 0
+
+    def connect(self, engine: str, metadata: bytes, layout: KVLayout, target: object) -> object:
+        with self.lock:
+            self.connected.append(engine)
+        return object()
+
+    def disconnect(self, link: object) -> None:
+        with self.lock:
+            self.disconnected += 1
+
+
+@dataclass
+class Prefill:
+    """A real control server whose handshakes a test can hold, refuse and count."""
+
+    engine: str
+    server: ControlServer = field(init=False)
+    gate: threading.Event = field(default_factory=threading.Event)
+    arrived: threading.Event = field(default_factory=threading.Event)
+    refuse: int = 0
+    handshakes: int = 0
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+        self.server = serve(peer(LAYOUT, self.engine, Role.PREFILL), FakeOwner(LAYOUT), None, self)
+
+    def __call__(self, remote: PeerInfo, negotiation: Negotiation) -> None:
+        self.handshakes += 1
+        self.arrived.set()
+        self.gate.wait(WAIT_S)
+        if self.refuse:
+            self.refuse -= 1
+            raise IncompatibleLayoutError("refused by the test")
+
+    def load(self, rid: str = "r1") -> BlockLoad:
+        ids = {"self": (BlockId(0),)}
+        return BlockLoad(RequestId(rid), self.engine, self.server.address, ids, ids)
+
+
+@pytest.fixture
+def prefills() -> Iterator[dict[str, Prefill]]:
+    started = {name: Prefill(name) for name in ("prefill-a", "prefill-b")}
+    yield started
+    for p in started.values():
+        p.gate.set()
+        p.server.close()
+
+
+@pytest.fixture
+def links() -> Iterator[tuple[LinkCache, LinkCounter]]:
+    counter = LinkCounter()
+    cache = LinkCache(
+        counter,  # type: ignore[arg-type]
+        lambda address: ControlClient(address, timeout_s=5.0),
+        lambda layout: peer(layout, "decode-0", Role.DECODE),
+        LocalMemory(1, LAYOUT, "cpu"),
+        {},
+        None,  # type: ignore[arg-type]  # these peers publish no seal table
+        max_handshakes=4,
+        handshake_wait_s=WAIT_S,
+    )
+    yield cache, counter
+    cache.close()
+    assert counter.disconnected == len(counter.connected), "a link was left connected"
+
+
+def _get_in_threads(cache: LinkCache, loads: list[BlockLoad]) -> list[tuple[Peer, bool]]:
+    got: list[tuple[Peer, bool]] = []
+    threads = [threading.Thread(target=lambda x=x: got.append(cache.get(x))) for x in loads]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    return got
+
+
+def test_loads_from_a_new_engine_wait_for_the_one_handshake_started_ahead(
+    links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
+) -> None:
+    cache, counter = links
+    a = prefills["prefill-a"]
+    a.gate.clear()
+    cache.connect_ahead(a.load())  # returns at once: the handshake is held at the server
+    assert a.arrived.wait(WAIT_S), "connect_ahead did not start the handshake"
+    threading.Timer(0.1, a.gate.set).start()  # let the handshake through while loads wait
+    got = _get_in_threads(cache, [a.load(f"r{i}") for i in range(3)])
+    assert len(got) == 3
+    assert len({id(p) for p, _ in got}) == 1  # one link for every load
+    assert a.handshakes == 1 and counter.connected == ["prefill-a"]
+    assert cache.get(a.load())[1] is True  # cached from now on
+    cache.connect_ahead(a.load())
+    assert a.handshakes == 1  # a linked engine is not handshaken again
+
+
+def test_a_held_handshake_does_not_hold_up_loads_from_another_engine(
+    links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
+) -> None:
+    cache, _ = links
+    a, b = prefills["prefill-a"], prefills["prefill-b"]
+    a.gate.clear()
+    stuck: list[tuple[Peer, bool]] = []
+    waiter = threading.Thread(target=lambda: stuck.append(cache.get(a.load())))
+    waiter.start()
+    assert a.arrived.wait(WAIT_S)
+    peer_b, cached = cache.get(b.load())  # while a's handshake is still held
+    assert not cached and b.handshakes == 1
+    assert waiter.is_alive() and not stuck, "b's load waited for a's handshake"
+    a.gate.set()
+    waiter.join(WAIT_S)
+    assert len(stuck) == 1 and stuck[0][0] is not peer_b
+
+
+def test_a_refused_handshake_fails_its_loads_and_the_next_load_tries_again(
+    links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
+) -> None:
+    cache, counter = links
+    a = prefills["prefill-a"]
+    a.refuse = 1
+    cache.connect_ahead(a.load())
+    with pytest.raises(IncompatibleLayoutError, match="refused by the test"):
+        cache.get(a.load())
+    assert counter.connected == []
+    _, cached = cache.get(a.load())
+    assert not cached and a.handshakes == 2 and counter.connected == ["prefill-a"]
+
+
+def test_a_load_waits_for_a_handshake_no_longer_than_its_deadline(
+    prefills: dict[str, Prefill],
+) -> None:
+    a = prefills["prefill-a"]
+    a.gate.clear()
+    counter = LinkCounter()
+    cache = LinkCache(
+        counter,  # type: ignore[arg-type]
+        lambda address: ControlClient(address, timeout_s=5.0),
+        lambda layout: peer(layout, "decode-0", Role.DECODE),
+        LocalMemory(1, LAYOUT, "cpu"),
+        {},
+        None,  # type: ignore[arg-type]
+        handshake_wait_s=0.2,
+    )
+    try:
+        with pytest.raises(TransferTimeoutError, match="no handshake with prefill-a"):
+            cache.get(a.load())
+    finally:
+        a.gate.set()
+        cache.close()  # waits for the held handshake, then drops its link
+    assert counter.disconnected == len(counter.connected)
