@@ -100,7 +100,10 @@ class RemoteLoader:
         remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
         local_self = local.get("self", [])
         t0 = time.perf_counter()
-        lease: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
+        # the lease id in the params is a claim (maybe another request's); ``lease`` is set
+        # once the owner named it for this load: the only lease this load may release
+        claimed: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
+        lease: LeaseId | None = None
         peer: Peer | None = None
         cached = False
         try:
@@ -110,7 +113,7 @@ class RemoteLoader:
             sealed = self._load_sealed(peer, load, local, remote, t0)
             if sealed is not None:
                 return sealed
-            lease, remote = self._owner_blocks(peer, load, lease, local)
+            lease, remote = self._owner_blocks(peer, load, claimed, local)
             moved: dict[str, int] = {}
             reads: list[tuple[int, int]] = []
             n = len(remote.get("self", ()))
@@ -279,7 +282,7 @@ class RemoteLoader:
                 names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
                 ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]
                 if names != want or len(ids) != len(local[g]):
-                    self._release(peer, pinned.lease_id)
+                    # not released: the lease belongs to whichever request the params named
                     raise WireError(
                         f"the owner's lease for request {load.remote_request_id!r} holds other "
                         f"{g!r} blocks than this prompt's (forged or mismatched params)"

@@ -354,6 +354,39 @@ def test_with_a_token_a_peer_without_it_learns_nothing() -> None:
         stop_cluster(c)
 
 
+def test_callers_without_the_token_cannot_hold_the_servers_threads() -> None:
+    """A caller without the token opens calls and never sends their body: each is refused at
+    once, so the honest caller still gets its answer from a two-thread server."""
+    layout = preset_layout("tiny", num_blocks=NUM_BLOCKS)
+    c = start_cluster(layout, ControlServerConfig(token="s3cret", max_workers=2))
+    stop = threading.Event()
+
+    def never_sends() -> Iterator[bytes]:
+        stop.wait(30)
+        yield b""
+
+    channels = [
+        grpc.insecure_channel(c.server.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(6)
+    ]
+    try:
+        held = [
+            ch.stream_unary("/kvbridge.proto.PeerControl/Health").future(never_sends())
+            for ch in channels
+        ]
+        deadline = time.monotonic() + 5
+        while not all(call.done() for call in held) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(call.done() for call in held), "a half-open call holds a server thread"
+        assert {call.code() for call in held} == {grpc.StatusCode.UNAUTHENTICATED}
+        assert c.client(token="s3cret").health(timeout_s=3).engine_id == "prefill-0"
+    finally:
+        stop.set()
+        for ch in channels:
+            ch.close()
+        stop_cluster(c)
+
+
 def test_without_a_token_configured_any_peer_may_call(cluster: Cluster) -> None:
     assert cluster.client(token="anything").health().engine_id == "prefill-0"
 

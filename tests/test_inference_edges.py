@@ -102,3 +102,13 @@ def test_serve_reads_the_token_file_and_trusts_its_own_certificate_by_default(
     assert args.allow_peer == ["10.0.0.1:7001", "10.0.0.2:7001"]
     with pytest.raises(ConfigError, match="--tls-key"):
         security_settings(serve_args("--tls-cert", str(tmp_path / "cert.pem")))
+
+
+def test_a_prefill_listening_on_every_interface_must_say_where_peers_reach_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvbridge.worker.cli import main
+
+    code = main(["serve", "--role", "prefill", "--host", "0.0.0.0", "--model", "tiny"])
+    assert code == 2
+    assert "--advertise HOST:PORT" in capsys.readouterr().err

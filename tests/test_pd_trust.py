@@ -170,3 +170,26 @@ def test_honest_loads_are_proven_by_the_seal_and_forged_ids_by_the_owner(tmp_pat
         assert check_no_leaks({"decode": pair.decode}) == []
     finally:
         pair.close()
+
+
+def test_a_forged_hop_naming_another_requests_lease_does_not_release_it(tmp_path: Path) -> None:
+    victim, other = _prompt(30, 4 * BS + 5), _prompt(31, 4 * BS + 5)
+    expected_victim, expected_other = reference([victim, other])
+    pair = Pair(tmp_path, [], [], num_blocks=256)
+    try:
+        first_v = pair.prefill.generate(victim, 1, "v", {"do_remote_decode": True})
+        first_o = pair.prefill.generate(other, 1, "o", {"do_remote_decode": True})
+        forged = codec.unpack(first_o.kv_transfer_params, "KVTransferParams")
+        honest = codec.unpack(first_v.kv_transfer_params, "KVTransferParams")
+        # other's prompt and hashes, but the victim's request and lease: the owner refuses it
+        forged["request_id"], forged["lease_id"] = honest["request_id"], honest["lease_id"]
+        rest = pair.decode.generate(other + list(first_o.token_ids), MAX_TOKENS - 1, "o", forged)
+        assert list(first_o.token_ids) + list(rest.token_ids) == expected_other
+        assert rest.stats.blocks_moved == 0
+        assert pair.prefill.stats().active_leases == 2, "the forged hop released a lease"
+        # the victim's own decode still reads every block of its lease
+        rest = pair.decode.generate(victim + list(first_v.token_ids), MAX_TOKENS - 1, "v", honest)
+        assert list(first_v.token_ids) + list(rest.token_ids) == expected_victim
+        assert rest.stats.blocks_moved == 5 and rest.stats.blocks_recomputed == 0
+    finally:
+        pair.close()

@@ -36,12 +36,14 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-        def deny(request: bytes, context: Any) -> None:
+        def deny(requests: object, context: Any) -> None:
             code, kind, message = status_for(AuthError("missing or wrong kvbridge token"))
             context.set_trailing_metadata(((ERROR_KIND_KEY, kind),))
             context.abort(code, message)
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        # stream_unary: the answer goes out without waiting for the request body, so a
+        # caller that opens calls and never sends one cannot hold the server's threads
+        self._deny = grpc.stream_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         for key, value in details.invocation_metadata or ():

@@ -81,8 +81,10 @@ def check_peer(address: str, allowed: Iterable[str]) -> None:
         return
     scope = f"the allowed peers {sorted(named)}" if named else "loopback (no peers were named)"
     raise PeerError(
-        f"control address {address[:64]!r} is not in {scope}; not dialing it. Name it with "
-        "`kvbridge serve --allow-peer HOST:PORT` or the allowed_peers extra config"
+        f"control address {address[:64]!r} is not in {scope}; not dialing it. If that is a "
+        "prefill you trust, name it with `kvbridge serve --allow-peer HOST:PORT` or the "
+        "allowed_peers extra config; if it is an unspecified address (0.0.0.0), start that "
+        "prefill with --advertise HOST:PORT"
     )
 
 

@@ -236,6 +236,14 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     engine_id = args.engine_id or f"{args.role}-{os.getpid()}"
+    if args.role != "decode" and not args.advertise and args.host in ("0.0.0.0", "::", ""):
+        from kvbridge.proto.errors import ConfigError
+
+        raise ConfigError(
+            f"--host {args.host or '(empty)'} listens on every interface, but peers cannot dial "
+            "that address: pass --advertise HOST:PORT (this node's reachable address and its "
+            "--control-port) so decode nodes can reach its control server"
+        )
     security = security_settings(args)
     if security.token is None and not is_loopback(f"{args.host}:0"):
         log.warning(
