@@ -8,8 +8,6 @@ checks).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -391,27 +389,10 @@ def test_without_a_token_configured_any_peer_may_call(cluster: Cluster) -> None:
     assert cluster.client(token="anything").health().engine_id == "prefill-0"
 
 
-@pytest.fixture
-def tls_files(tmp_path: Path) -> tuple[bytes, bytes]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert.read_bytes(), key.read_bytes()
-
-
 def test_tls_server_talks_to_a_client_that_trusts_its_certificate(
-    tls_files: tuple[bytes, bytes],
+    tls_files: tuple[Path, Path],
 ) -> None:
-    cert, key = tls_files
+    cert, key = (path.read_bytes() for path in tls_files)
     layout = preset_layout("tiny", num_blocks=NUM_BLOCKS)
     c = start_cluster(layout, ControlServerConfig(tls_cert=cert, tls_key=key, token="t"))
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -263,32 +262,18 @@ def test_a_node_that_fails_to_start_closes_what_it_built() -> None:
 # ------------------------------------------------------------------------------------- TLS
 
 
-@pytest.fixture
-def tls_files(tmp_path: Path) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(tmp_path / "key.pem"), "-out", str(tmp_path / "cert.pem"),
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return tmp_path
-
-
-def test_tls_nodes_serve_only_tls_and_decode_reads_prefill_over_it(tls_files: Path) -> None:
-    cert = tls_files / "cert.pem"
-    tls = ["--tls-cert", str(cert), "--tls-key", str(tls_files / "key.pem")]
+def test_tls_nodes_serve_only_tls_and_decode_reads_prefill_over_it(
+    tls_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cert, key = tls_files
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key)]
     args = node_args()
     with ExitStack() as stack:
         _, pinfo = stack.enter_context(
-            start_node("prefill", args, "block-nhd", tls_files, None, tls, token=TOKEN)
+            start_node("prefill", args, "block-nhd", tmp_path, None, tls, token=TOKEN)
         )
         _, dinfo = stack.enter_context(
-            start_node("decode", args, "block-nhd", tls_files, None, tls, token=TOKEN)
+            start_node("decode", args, "block-nhd", tmp_path, None, tls, token=TOKEN)
         )
         root = cert.read_bytes()
         clients: dict[str, Any] = {

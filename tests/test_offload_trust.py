@@ -10,8 +10,6 @@ commit for slots nobody wrote, bytes that are not protobuf.
 from __future__ import annotations
 
 import hashlib
-import shutil
-import subprocess
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -147,23 +145,6 @@ def test_without_the_token_a_caller_learns_nothing_and_cannot_fix_the_pool_layou
             if c is not None:
                 c.close()
         daemon.stop()
-
-
-@pytest.fixture
-def tls_files(tmp_path: Path) -> tuple[Path, Path]:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl CLI not installed")
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
-            "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
 
 
 @pytest.mark.slow
