@@ -7,65 +7,24 @@ single-process engine.
 
 from __future__ import annotations
 
-import argparse
 import random
 import threading
 import time
 import urllib.request
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.proto import codec
-from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, start_node
+from kvbridge.worker.serving import check_no_leaks
+from tests.harness.nodes import NodePair, node_args, reference
 
 pytestmark = pytest.mark.slow
 
 BS = 16
 MAX_TOKENS = 6
-
-
-def reference(prompts: list[list[int]]) -> list[list[int]]:
-    torch.set_num_threads(1)
-    engine = Engine(EngineConfig.preset("tiny", num_blocks=256))
-    return [engine.generate([p], MAX_TOKENS)[0] for p in prompts]
-
-
-class Pair:
-    """A prefill node, a decode node and a router over them."""
-
-    def __init__(
-        self, tmp: Path, prefill_extra: list[str], decode_extra: list[str], num_blocks: int
-    ) -> None:
-        args = argparse.Namespace(
-            model="tiny",
-            block_size=BS,
-            num_blocks=num_blocks,
-            seed=0,
-            on_load_error="recompute",
-            startup_timeout=90.0,
-        )
-        self._stack = ExitStack()
-        self.prefill_proc, pinfo = self._stack.enter_context(
-            start_node("prefill", args, "block-nhd", tmp, None, prefill_extra)
-        )
-        self.decode_proc, dinfo = self._stack.enter_context(
-            start_node("decode", args, "block-nhd", tmp, None, decode_extra)
-        )
-        self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
-        self._stack.callback(self.prefill.close)
-        self.decode = EngineClient(dinfo["inference"], timeout_s=60)
-        self._stack.callback(self.decode.close)
-        self.router = Router(self.prefill, self.decode)
-        self.decode_metrics = str(dinfo.get("metrics", ""))
-
-    def close(self) -> None:
-        self._stack.close()
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -75,8 +34,8 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def test_swapped_block_ids_under_a_valid_lease_load_the_owners_blocks(tmp_path: Path) -> None:
     a, b = _prompt(1, 5 * BS + 7), _prompt(2, 5 * BS + 7)
-    expected_a, expected_b = reference([a, b])
-    pair = Pair(tmp_path, [], [], num_blocks=256)
+    expected_a, expected_b = reference([a, b], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args())
     try:
         first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
         first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
@@ -100,10 +59,12 @@ def test_a_decode_stalled_past_the_lease_while_prefill_reuses_the_blocks_recompu
 ) -> None:
     prompt = _prompt(3, 5 * BS + 7)
     fillers = [_prompt(100 + i, 6 * BS + 3) for i in range(9)]
-    (expected,) = reference([prompt])
+    (expected,) = reference([prompt], MAX_TOKENS)
     prefill_extra = ["--lease-ttl", "1.0", "--load-timeout", "0.9"]
     decode_extra = [*prefill_extra, "--stall-before-read", "4.0"]
-    pair = Pair(tmp_path, prefill_extra, decode_extra, num_blocks=48)
+    pair = NodePair(
+        tmp_path, node_args(num_blocks=48), prefill_extra=prefill_extra, decode_extra=decode_extra
+    )
     try:
         first = pair.prefill.generate(prompt, 1, "s", {"do_remote_decode": True})
         params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
@@ -145,13 +106,13 @@ def _loads_by_path(url: str) -> dict[str, float]:
 def test_honest_loads_are_proven_by_the_seal_and_forged_ids_by_the_owner(tmp_path: Path) -> None:
     prompts = [_prompt(10 + i, BS * (1 + i % 6) + i) for i in range(6)]
     a, b = _prompt(20, 4 * BS + 3), _prompt(21, 4 * BS + 3)
-    expected = reference([*prompts, a, b])
+    expected = reference([*prompts, a, b], MAX_TOKENS)
     extra = ["--metrics-port", "0"]
-    pair = Pair(tmp_path, [], extra, num_blocks=256)
+    pair = NodePair(tmp_path, node_args(), decode_extra=extra)
     try:
         for i, prompt in enumerate(prompts):  # 1 to 6 blocks each
             assert pair.router.generate(prompt, MAX_TOKENS, f"h{i}").tokens == expected[i]
-        assert _loads_by_path(pair.decode_metrics) == {"sealed": 6.0, "owner": 0.0}
+        assert _loads_by_path(pair.info["decode"]["metrics"]) == {"sealed": 6.0, "owner": 0.0}
         # swapped ids: the seal does not hold, the owner names a's blocks
         first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
         first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
@@ -161,7 +122,7 @@ def test_honest_loads_are_proven_by_the_seal_and_forged_ids_by_the_owner(tmp_pat
         ]
         rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
         assert list(first_a.token_ids) + list(rest.token_ids) == expected[6]
-        assert _loads_by_path(pair.decode_metrics) == {"sealed": 6.0, "owner": 1.0}
+        assert _loads_by_path(pair.info["decode"]["metrics"]) == {"sealed": 6.0, "owner": 1.0}
         # leases given back by notification (and by the owner path's release): only b's is left
         deadline = time.monotonic() + 10
         while pair.prefill.stats().active_leases > 1 and time.monotonic() < deadline:
@@ -174,8 +135,8 @@ def test_honest_loads_are_proven_by_the_seal_and_forged_ids_by_the_owner(tmp_pat
 
 def test_a_forged_hop_naming_another_requests_lease_does_not_release_it(tmp_path: Path) -> None:
     victim, other = _prompt(30, 4 * BS + 5), _prompt(31, 4 * BS + 5)
-    expected_victim, expected_other = reference([victim, other])
-    pair = Pair(tmp_path, [], [], num_blocks=256)
+    expected_victim, expected_other = reference([victim, other], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args())
     try:
         first_v = pair.prefill.generate(victim, 1, "v", {"do_remote_decode": True})
         first_o = pair.prefill.generate(other, 1, "o", {"do_remote_decode": True})

@@ -60,6 +60,9 @@ class NodePair:
                     decode_extra,
                 )
             )
+            self.info = {"prefill": pinfo, "decode": dinfo}
+            """Each node's ready info (``inference``, ``control``, ``metrics`` with
+            ``--metrics-port``)."""
             self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
             self._stack.callback(self.prefill.close)
             self.decode = EngineClient(dinfo["inference"], timeout_s=60)
