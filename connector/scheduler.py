@@ -225,7 +225,8 @@ class KVBridgeScheduler(SchedulerConnector):
         end = -(-params.num_tokens // self.block_size)
         local = {"self": tuple(block_ids["self"][first:end])}
         remote = {"self": params.block_ids["self"][first:end]}
-        hashes = {"self": self._names(request, params.num_tokens)[first:]}
+        names = self._names(request, params.num_tokens)
+        hashes = {"self": names[first:]}
         if self._load_cross(request, block_ids, params):
             local["cross"] = tuple(block_ids["cross"])
             remote["cross"] = params.block_ids["cross"]
@@ -242,16 +243,18 @@ class KVBridgeScheduler(SchedulerConnector):
                 offload_hashes=offload_hashes,
                 remote_request_id=params.request_id,
                 first_block=first,
-                seal=self._seal(request, params),
+                seal=self._seal(request, params, names),
             )
         )
 
-    def _seal(self, request: RequestView, params: KVTransferParams) -> bytes:
-        """The seal prefill's lease carries if its claimed ids hold this prompt's blocks."""
-        names = {"self": self._names(request, params.num_tokens)}
+    @staticmethod
+    def _seal(request: RequestView, params: KVTransferParams, names: Sequence[BlockHash]) -> bytes:
+        """The seal prefill's lease carries if its claimed ids hold this prompt's blocks
+        (``names``: the prompt's names of the leased ``self`` blocks)."""
+        groups = {"self": names}
         if "cross" in params.block_ids:
-            names["cross"] = tuple(request.block_hashes.get("cross", ()))
-        return seal_digest(params.block_ids, names)
+            groups["cross"] = tuple(request.block_hashes.get("cross", ()))
+        return seal_digest(params.block_ids, groups)
 
     def _names(self, request: RequestView, num_tokens: int) -> tuple[BlockHash, ...]:
         """Names of the first ``num_tokens`` prompt tokens' blocks, a partial last one included

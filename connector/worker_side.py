@@ -17,7 +17,7 @@ Nothing here raises into the engine's step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -34,7 +34,7 @@ from kvbridge.connector.control.seal import ReleaseListener, SealTable
 from kvbridge.connector.links import ClientFactory
 from kvbridge.connector.remote_load import RemoteLoader
 from kvbridge.proto.errors import KVBridgeError
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -145,10 +145,6 @@ class KVBridgeWorker(WorkerConnector):
         ``release``); stopped by :meth:`close`."""
         if self._release_listener is None:
             self._release_listener = ReleaseListener(self.transport, release)
-
-    def offload_lookup(self, hashes: Sequence[BlockHash]) -> int:
-        """Leading blocks of ``hashes`` the offload daemon holds (0 without one, or on error)."""
-        return 0 if self.offload is None else self.offload.lookup(hashes)
 
     def get_finished(
         self, finished_request_ids: set[RequestId]

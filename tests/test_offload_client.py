@@ -184,6 +184,6 @@ def test_the_engines_worker_connector_sends_its_token_to_the_daemon(
         worker.register_kv_caches(layout.allocate(), layout)
         assert worker.offload is not None
         assert worker.offload.store([BlockId(0), BlockId(1)], names(2)).stored == 2
-        assert worker.offload_lookup(names(3)) == 2
+        assert worker.offload.lookup(names(3)) == 2
     finally:
         worker.close()
