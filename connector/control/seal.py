@@ -151,6 +151,9 @@ class SealTable:
         (tensor,) = self.tensors.values()
         self._slots = slot_rows(tensor, num_slots)
         self._taken: dict[str, int] = {}
+        """Slot of each sealed lease."""
+        self._used: set[int] = set()
+        """The slots in ``_taken``, for the probe."""
         self._lock = threading.Lock()
 
     @property
@@ -167,11 +170,11 @@ class SealTable:
         except ValueError:
             return False
         with self._lock:
-            used = set(self._taken.values())
             for slot in probe_slots(lease_id, self.num_slots):
-                if slot not in used:
+                if slot not in self._used:
                     self._slots[slot] = torch.frombuffer(bytearray(seal), dtype=torch.uint8)
                     self._taken[lease_id] = slot
+                    self._used.add(slot)
                     return True
         return False
 
@@ -181,6 +184,7 @@ class SealTable:
             slot = self._taken.pop(lease_id, None)
             if slot is not None:
                 self._slots[slot].zero_()
+                self._used.discard(slot)
 
     def num_sealed(self) -> int:
         with self._lock:
