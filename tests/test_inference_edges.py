@@ -83,13 +83,13 @@ def serve_args(*argv: str) -> Any:
 def test_serve_reads_the_token_file_and_trusts_its_own_certificate_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvbridge.worker.serving.node_cmd import security_settings
+    from kvbridge.worker.server_auth import read_auth
 
     (tmp_path / "token").write_text("from-a-file\n")
     (tmp_path / "cert.pem").write_bytes(b"CERT")
     (tmp_path / "key.pem").write_bytes(b"KEY")
     tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
-    got = security_settings(serve_args("--token-file", str(tmp_path / "token"), *tls))
+    got = read_auth(serve_args("--token-file", str(tmp_path / "token"), *tls))
     assert (got.token, got.tls_cert, got.tls_key, got.tls_root_cert) == (
         "from-a-file",
         b"CERT",
@@ -98,10 +98,10 @@ def test_serve_reads_the_token_file_and_trusts_its_own_certificate_by_default(
     )
     monkeypatch.setenv("KVBRIDGE_TOKEN", "from-env")
     args = serve_args("--allow-peer", "10.0.0.1:7001", "--allow-peer", "10.0.0.2:7001")
-    assert security_settings(args).token == "from-env"
+    assert read_auth(args).token == "from-env"
     assert args.allow_peer == ["10.0.0.1:7001", "10.0.0.2:7001"]
     with pytest.raises(ConfigError, match="--tls-key"):
-        security_settings(serve_args("--tls-cert", str(tmp_path / "cert.pem")))
+        read_auth(serve_args("--tls-cert", str(tmp_path / "cert.pem")))
 
 
 def test_a_prefill_listening_on_every_interface_must_say_where_peers_reach_it(

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 import signal
 import sys
 import threading
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
+
+from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
@@ -97,13 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--seed", type=int, default=0, help="the engine's --seed with a `kvbridge serve` model"
     )
-    p.add_argument(
-        "--token",
-        default=os.environ.get("KVBRIDGE_TOKEN"),
-        help="shared auth token every call must carry (default: $KVBRIDGE_TOKEN; none)",
-    )
-    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    add_auth_arguments(p, callers="the daemon", dials=False)
     p.add_argument(
         "--max-stores-per-writer",
         type=int,
@@ -142,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.offload.metrics import offload_registry
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
+    auth = read_auth(args)
     layout = None
     if args.preset is not None:
         layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
@@ -153,9 +148,9 @@ def run(args: argparse.Namespace) -> int:
         order=None if args.order is None else parse_order(args.order),
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
-        token=args.token or None,
-        tls_cert=_read(args.tls_cert, "--tls-cert"),
-        tls_key=_read(args.tls_key, "--tls-key"),
+        token=auth.token,
+        tls_cert=auth.tls_cert,
+        tls_key=auth.tls_key,
         max_stores_per_writer=args.max_stores_per_writer,
         max_pinned_per_writer=args.max_pinned_per_writer,
         max_sessions=args.max_sessions,
@@ -166,12 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_port is None
         else MetricsServerConfig(host=args.host, port=args.metrics_port)
     )
-    if config.token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "offload daemon on %s without --token: anyone who reaches the port may store "
-            "and load blocks (set --token or $KVBRIDGE_TOKEN)",
-            args.host,
-        )
+    warn_if_open(log, args.host, auth, "store and load blocks")
     instance = new_instance()
     stop = threading.Event()
 
@@ -221,17 +211,6 @@ def daemon_layout(name: str, block_size: int, tp_size: int, seed: int) -> KVLayo
         return preset_layout(name, block_size=block_size, tp_size=tp_size)
     names = ", ".join([*ENGINE_PRESETS, *(n for n in PRESETS if n not in ENGINE_PRESETS)])
     raise ConfigError(f"--model {name!r} is not one of {names}")
-
-
-def _read(path: str | None, flag: str) -> bytes | None:
-    from kvbridge.proto.errors import ConfigError
-
-    if path is None:
-        return None
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path!r}: {exc.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

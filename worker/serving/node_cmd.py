@@ -9,11 +9,11 @@ import os
 import signal
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 __all__ = [
     "add_parser",
@@ -22,8 +22,6 @@ __all__ = [
     "engine_config_from_args",
     "engine_model_flags",
     "add_security_arguments",
-    "security_settings",
-    "Security",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,24 +108,7 @@ def engine_model_flags(args: argparse.Namespace) -> list[str]:
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
     """Token, TLS and peer allowlist flags of ``serve`` (README "Security")."""
-    auth = p.add_mutually_exclusive_group()
-    auth.add_argument(
-        "--token",
-        default=os.environ.get("KVBRIDGE_TOKEN"),
-        help="shared token every caller of the Inference and control ports must send, and "
-        "that this node sends to allowed peers (default: $KVBRIDGE_TOKEN; none)",
-    )
-    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
-    p.add_argument(
-        "--tls-cert", type=Path, help="PEM certificate of both ports (with --tls-key): TLS only"
-    )
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        help="PEM roots peers' control certificates must chain to; dials peers over TLS "
-        "(default with --tls-cert: that certificate)",
-    )
+    add_auth_arguments(p, callers="the Inference and control ports", dials=True)
     p.add_argument(
         "--allow-peer",
         action="append",
@@ -135,35 +116,6 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="a prefill control address decode may dial (repeatable); default: loopback "
         "addresses only. A request naming any other address is recomputed, never dialed",
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Security:
-    """What the token and TLS flags say, files read."""
-
-    token: str | None
-    tls_cert: bytes | None
-    tls_key: bytes | None
-    tls_root_cert: bytes | None
-
-
-def security_settings(args: argparse.Namespace) -> Security:
-    """The token (``--token``, ``--token-file``, ``$KVBRIDGE_TOKEN``) and TLS files."""
-    from kvbridge.proto.errors import ConfigError
-
-    token = args.token
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("--tls-cert and --tls-key go together")
-    cert = None if args.tls_cert is None else args.tls_cert.read_bytes()
-    ca = args.tls_ca or args.tls_cert
-    return Security(
-        token=token or None,
-        tls_cert=cert,
-        tls_key=None if args.tls_key is None else args.tls_key.read_bytes(),
-        tls_root_cert=None if ca is None else ca.read_bytes(),
     )
 
 
@@ -230,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
-    from kvbridge.connector.control.peers import is_loopback
     from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.serving.node import Node, NodeConfig
 
@@ -244,13 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "that address: pass --advertise HOST:PORT (this node's reachable address and its "
             "--control-port) so decode nodes can reach its control server"
         )
-    security = security_settings(args)
-    if security.token is None and not is_loopback(f"{args.host}:0"):
-        log.warning(
-            "serving on %s without a token: anyone who reaches these ports may generate, "
-            "pin blocks and read KV; set --token or $KVBRIDGE_TOKEN",
-            args.host,
-        )
+    security = read_auth(args)
+    warn_if_open(log, args.host, security, "generate, pin blocks and read KV")
     config = NodeConfig(
         engine=engine_config_from_args(args),  # type: ignore[arg-type]
         connector=ConnectorConfig(

@@ -1,0 +1,69 @@
+"""``kvbridge serve`` and ``kvbridge offload serve`` take the same token and TLS flags,
+read them the same way and warn the same way (kvbridge.worker.server_auth)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pytest
+
+from kvbridge.proto import ConfigError
+from kvbridge.worker.cli import build_parser
+from kvbridge.worker.server_auth import read_auth, warn_if_open
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.mark.parametrize("command", [["serve"], ["offload", "serve"]])
+def test_both_servers_read_a_token_file_and_tls_files(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVBRIDGE_TOKEN", raising=False)
+    (tmp_path / "token").write_text("secret\n")
+    (tmp_path / "cert.pem").write_bytes(b"CERT")
+    (tmp_path / "key.pem").write_bytes(b"KEY")
+    tls = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    got = read_auth(parse(*command, "--token-file", str(tmp_path / "token"), *tls))
+    assert (got.token, got.tls_cert, got.tls_key) == ("secret", b"CERT", b"KEY")
+    # only the node dials peers: it trusts its own certificate by default, the daemon nothing
+    assert got.tls_root_cert == (b"CERT" if command == ["serve"] else None)
+    assert read_auth(parse(*command)).token is None
+    monkeypatch.setenv("KVBRIDGE_TOKEN", "from-env")
+    assert read_auth(parse(*command)).token == "from-env"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["offload", "serve"]])
+def test_missing_or_half_given_files_are_config_errors_naming_the_flag(
+    command: list[str], tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key go together"):
+        read_auth(parse(*command, "--tls-cert", str(tmp_path / "cert.pem")))
+    missing = ["--tls-cert", str(tmp_path / "no.pem"), "--tls-key", str(tmp_path / "no.pem")]
+    with pytest.raises(ConfigError, match=r"--tls-cert .*no\.pem"):
+        read_auth(parse(*command, *missing))
+    with pytest.raises(ConfigError, match="--token-file"):
+        read_auth(parse(*command, "--token-file", str(tmp_path / "none")))
+    with pytest.raises(SystemExit):  # argparse: one of --token / --token-file
+        parse(*command, "--token", "a", "--token-file", str(tmp_path / "token"))
+
+
+def test_only_an_unguarded_non_loopback_listener_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = logging.getLogger("kvbridge.test.server_auth")
+    open_auth = read_auth(parse("offload", "serve", "--token", ""))
+    guarded = read_auth(parse("offload", "serve", "--token", "t"))
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        warn_if_open(log, "127.0.0.1", open_auth, "store and load blocks")
+        warn_if_open(log, "::1", open_auth, "store and load blocks")
+        warn_if_open(log, "10.0.0.1", guarded, "store and load blocks")
+        assert caplog.records == []
+        warn_if_open(log, "0.0.0.0", open_auth, "store and load blocks")
+    assert [r.getMessage() for r in caplog.records] == [
+        "listening on 0.0.0.0 without a token: anyone who reaches the port may store and "
+        "load blocks; set --token or $KVBRIDGE_TOKEN"
+    ]

@@ -1,0 +1,98 @@
+"""The token and TLS flags every kvbridge server command takes, read one way.
+
+``kvbridge serve`` (a serving node) and ``kvbridge offload serve`` (the CPU
+offload daemon) both listen on gRPC ports that hand out or accept KV blocks, so
+both take the same ``--token`` / ``--token-file`` / ``$KVBRIDGE_TOKEN`` and
+``--tls-cert`` / ``--tls-key`` flags (README "Security"), read files the same
+way (a missing file is a :class:`ConfigError` naming the flag) and warn the same
+way when they listen beyond loopback without a token. Nothing heavy is imported
+here: ``kvbridge --help`` builds these parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ServerAuth", "add_auth_arguments", "read_auth", "warn_if_open"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerAuth:
+    """What the token and TLS flags say, files read."""
+
+    token: str | None
+    tls_cert: bytes | None
+    tls_key: bytes | None
+    tls_root_cert: bytes | None
+    """Roots a peer's certificate must chain to when this process dials out over TLS
+    (``--tls-ca``, default ``--tls-cert``); None for servers that never dial."""
+
+
+def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool) -> None:
+    """``--token``/``--token-file`` (one of them), ``--tls-cert``, ``--tls-key`` and, when the
+    command also dials peers (``dials``), ``--tls-ca``. ``callers`` names who must send the
+    token, for the help text."""
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--token",
+        default=os.environ.get("KVBRIDGE_TOKEN"),
+        help=f"shared token every caller of {callers} must send"
+        + (", and that this node sends to allowed peers" if dials else "")
+        + " (default: $KVBRIDGE_TOKEN; none)",
+    )
+    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    if dials:
+        p.add_argument(
+            "--tls-ca",
+            type=Path,
+            help="PEM roots peers' control certificates must chain to; dials peers over TLS "
+            "(default with --tls-cert: that certificate)",
+        )
+
+
+def read_auth(args: argparse.Namespace) -> ServerAuth:
+    """The token (``--token``, ``--token-file``, ``$KVBRIDGE_TOKEN``) and the TLS files."""
+    from kvbridge.proto.errors import ConfigError
+
+    token = args.token
+    if args.token_file is not None:
+        token = _read(args.token_file, "--token-file").decode().strip()
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    ca = getattr(args, "tls_ca", None)
+    dials = hasattr(args, "tls_ca")
+    roots = ca or (args.tls_cert if dials else None)
+    return ServerAuth(
+        token=token or None,
+        tls_cert=None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert"),
+        tls_key=None if args.tls_key is None else _read(args.tls_key, "--tls-key"),
+        tls_root_cert=None if roots is None else _read(roots, "--tls-ca"),
+    )
+
+
+def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str) -> None:
+    """Warn once at start when ``host`` is not loopback and no token guards the ports."""
+    from kvbridge.connector.control.peers import is_loopback
+
+    if auth.token is None and not is_loopback(f"{host}:0"):
+        log.warning(
+            "listening on %s without a token: anyone who reaches the port may %s; "
+            "set --token or $KVBRIDGE_TOKEN",
+            host,
+            exposes,
+        )
+
+
+def _read(path: Path, flag: str) -> bytes:
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {str(path)!r}: {exc.strerror}") from None
