@@ -122,7 +122,7 @@ class RemoteLoader:
             moved["self"] = n
             bad, error = (
                 local_self[n:],
-                "" if n == len(local_self) else "lease expired: partial prefix",
+                "" if n == len(local_self) else "lease gone (expired or released): partial prefix",
             )
             if "cross" in groups:
                 if len(remote["cross"]) == len(local["cross"]):

@@ -98,7 +98,9 @@ def test_a_failed_load_is_counted_by_a_bounded_reason() -> None:
     )
     metrics.observe(
         output("b", recomputed=1),
-        LoadResult(RequestId("b"), 2, 1, bad[1:], 5.0, "lease expired: partial prefix"),
+        LoadResult(
+            RequestId("b"), 2, 1, bad[1:], 5.0, "lease gone (expired or released): partial prefix"
+        ),
     )
     got = local(metrics)
     assert failures(got) == {"other": 1, "lease_expired": 1}
@@ -111,6 +113,7 @@ def test_a_failed_load_is_counted_by_a_bounded_reason() -> None:
     ("error", "reason"),
     [
         ("lease expired: partial prefix", "lease_expired"),
+        ("lease gone (expired or released): partial prefix", "lease_expired"),
         ("cross blocks no longer held by the peer", "cross_blocks_gone"),
         ("READ of 4 blocks did not finish before its deadline", "timeout"),
         ("Pin: failed to connect to all addresses; last error: UNAVAILABLE", "peer_unreachable"),

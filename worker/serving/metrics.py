@@ -36,6 +36,7 @@ the owner over the control plane."""
 # (substring of the load error, reason); the first match wins
 _REASONS: tuple[tuple[str, str], ...] = (
     ("lease expired", "lease_expired"),
+    ("lease gone", "lease_expired"),
     ("lease lapsed", "lease_expired"),
     ("holds other", "mismatch"),
     ("cross blocks", "cross_blocks_gone"),
