@@ -91,11 +91,20 @@ class Deployment:
         self.kills = 0
         self.stops = 0
         self.log: list[str] = []
-        """One line per chaos event, with seconds since the deployment started."""
+        """One line per chaos event, stamped with :meth:`elapsed`."""
         self._slots: dict[str, _Slot] = {}
         self._clients: dict[str, EngineClient] = {}
         self._offload_address = ""
         self._t0 = time.monotonic()
+
+    def start_clock(self) -> None:
+        """Zero :meth:`elapsed`: the soak calls it as its load phase starts."""
+        self._t0 = time.monotonic()
+
+    def elapsed(self) -> float:
+        """Seconds since :meth:`start_clock` (or since the deployment was made): the one
+        clock of the soak's progress lines, chaos log and wrong-answer records."""
+        return time.monotonic() - self._t0
 
     # ----- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -248,7 +257,7 @@ class Deployment:
         )
 
     def _note(self, line: str) -> None:
-        line = f"{time.monotonic() - self._t0:7.1f}s {line}"
+        line = f"{self.elapsed():7.1f}s {line}"
         self.log.append(line)
         self.progress(f"chaos: {line}")
 

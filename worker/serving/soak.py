@@ -229,7 +229,7 @@ def _drive(
     clients = [
         threading.Thread(
             target=_client,
-            args=(k, config, router, prompts, expected, tally, stop),
+            args=(k, config, router, prompts, expected, tally, stop, deployment.elapsed),
             name=f"soak-client-{k}",
             daemon=True,
         )
@@ -238,14 +238,14 @@ def _drive(
     chaos = threading.Thread(
         target=deployment.run_chaos, args=(events, stop), name="soak-chaos", daemon=True
     )
-    t0 = time.monotonic()
+    deployment.start_clock()
     for thread in (*clients, chaos):
         thread.start()
-    while time.monotonic() - t0 < config.duration_s:
-        time.sleep(min(5.0, max(0.1, config.duration_s - (time.monotonic() - t0))))
+    while deployment.elapsed() < config.duration_s:
+        time.sleep(min(5.0, max(0.1, config.duration_s - deployment.elapsed())))
         with tally.lock:
             progress(
-                f"soak: t={time.monotonic() - t0:5.0f}s requests {tally.requests} answered "
+                f"soak: t={deployment.elapsed():5.0f}s requests {tally.requests} answered "
                 f"{tally.answered} failed {tally.failed} retried {tally.retried} wrong "
                 f"{tally.wrong} hangs {tally.hangs}; kills {deployment.kills} stops "
                 f"{deployment.stops}"
@@ -273,6 +273,7 @@ def _client(
     expected: list[list[int]],
     tally: _Tally,
     stop: threading.Event,
+    clock: Callable[[], float],
 ) -> None:
     rng = random.Random(config.seed * 1000 + k)
     n = 0
@@ -317,7 +318,7 @@ def _client(
                         "blocks_moved": d.blocks_moved,
                         "blocks_offloaded": d.blocks_offloaded,
                         "load_error": d.load_error,
-                        "at_s": round(time.monotonic(), 3),
+                        "at_s": round(clock(), 3),
                     }
                 )
 
