@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import KVBridgeError
 
 __all__ = ["ChildProcess", "LaunchError", "json_object", "listening_on", "ready_prefix"]
@@ -82,7 +83,7 @@ def listening_on(line: str) -> dict[str, Any] | None:
     return {"address": rest[0].rstrip(",") if rest else "", "banner": line}
 
 
-class ChildProcess:
+class ChildProcess(Closing):
     """A started child; :meth:`wait_ready` (or ``with``) waits for its readiness line."""
 
     def __init__(
@@ -277,9 +278,6 @@ class ChildProcess:
             self.close(grace_s=0)
             raise
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ChildProcess({self.name!r}, pid={self.proc.pid}, rc={self.proc.poll()})"

@@ -15,13 +15,13 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -95,7 +95,7 @@ class _Server(ThreadingWSGIServer):
             self._slots.release()
 
 
-class MetricsServer:
+class MetricsServer(Closing):
     """Serves ``registry`` from a daemon thread until :meth:`close`."""
 
     def __init__(self, registry: CollectorRegistry, config: MetricsServerConfig) -> None:
@@ -123,14 +123,3 @@ class MetricsServer:
             self._httpd.shutdown()
             self._thread.join()
         self._httpd.server_close()
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

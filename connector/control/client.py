@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
@@ -35,6 +34,7 @@ from kvbridge.connector.control.types import (
 )
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, WireError
 from kvbridge.proto.negotiate import Negotiation, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
@@ -52,7 +52,7 @@ class HandshakeResult:
     negotiation: Negotiation
 
 
-class ControlClient:
+class ControlClient(Closing):
     """One channel to one peer's control service; close it (or use ``with``)."""
 
     def __init__(
@@ -182,17 +182,6 @@ class ControlClient:
         if not self._closed:
             self._closed = True
             self._channel.close()
-
-    def __enter__(self) -> ControlClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # ---------------------------------------------------------------- helpers
 

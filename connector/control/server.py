@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -36,6 +35,7 @@ from kvbridge.connector.control.types import (
 )
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import (
     BlockPoolError,
     ConfigError,
@@ -301,7 +301,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
         return call_handler(self._h.health, request, context)
 
 
-class ControlServer:
+class ControlServer(Closing):
     """A running gRPC server for one :class:`ControlHandlers`, plus its lease reaper.
 
     ``close()`` stops accepting calls, stops the reaper and releases every
@@ -356,17 +356,6 @@ class ControlServer:
         released = self.leases.release_all()
         if released:
             log.info("control server closed; released %d lease(s)", released)
-
-    def __enter__(self) -> ControlServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def serve(

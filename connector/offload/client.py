@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -47,6 +46,7 @@ from kvbridge.connector.offload.types import (
 from kvbridge.connector.offload.wire import call_metadata, open_channel, store_notification
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import (
     ConfigError,
     ControlPlaneError,
@@ -71,7 +71,7 @@ UNAVAILABLE = (ControlPlaneError, TransferError, PeerError, WireError, LayoutErr
 as ControlPlaneError): a miss. Other exceptions are bugs and propagate."""
 
 
-class OffloadClient:
+class OffloadClient(Closing):
     """One worker's session with the node's offload daemon; thread-safe; close it."""
 
     def __init__(
@@ -231,17 +231,6 @@ class OffloadClient:
             self._closed = True
             self._drop_session()
         self._channel.close()
-
-    def __enter__(self) -> OffloadClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -------------------------------------------------------------- helpers
 

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import PeerError, TransferError
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ class DeadlineHandle(TransferHandle):
         """Pause after the ``rounds``-th (from 0) poll of :meth:`wait` that found it pending."""
 
 
-class Transport(abc.ABC):
+class Transport(Closing, abc.ABC):
     """Moves blocks between registered KV memories of two processes; one per process.
 
     Lifecycle: ``register`` → ``metadata`` (send to peers) → ``connect`` →
@@ -231,12 +232,6 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release every handle, link and registration; idempotent."""
-
-    def __enter__(self) -> Transport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 async def wait_async(handle: TransferHandle, timeout_s: float | None = None) -> None:

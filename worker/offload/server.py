@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 import secrets
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.control.errors import call_handler
 from kvbridge.connector.control.grpc_server import ReapingServer, tls_credentials
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
+from kvbridge.proto.closing import Closing
 from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.handlers import OffloadHandlers
 
@@ -64,7 +64,7 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
         return call_handler(self._h.stats, request, context)
 
 
-class OffloadServer:
+class OffloadServer(Closing):
     """A running ``OffloadStore`` gRPC server plus the reaper that expires dead stores/loads."""
 
     def __init__(self, handlers: OffloadHandlers) -> None:
@@ -104,17 +104,6 @@ class OffloadServer:
         """Stop serving, stop the reaper, drop pending work and unregister the pool."""
         if self._grpc.close(grace_s):
             self.handlers.close()
-
-    def __enter__(self) -> OffloadServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def new_instance() -> str:

@@ -32,6 +32,7 @@ from kvbridge.connector.scheduler import KVBridgeScheduler
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.connector.worker_side import KVBridgeWorker
 from kvbridge.proto import engine_pb2 as epb
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError, KVBridgeError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import EngineId, RequestId
@@ -101,7 +102,7 @@ class _Submission:
     future: futures.Future[GenerateResult] = field(default_factory=futures.Future)
 
 
-class Node:
+class Node(Closing):
     """One engine with its connector and servers; ``close()`` stops everything.
 
     Construction is all or nothing: if a step fails (a port taken, a bad
@@ -301,12 +302,6 @@ class Node:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all("server shutting down")
-
-    def __enter__(self) -> Node:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _with_address(cc: ConnectorConfig, address: str) -> ConnectorConfig:
