@@ -67,18 +67,22 @@ class Instance:
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.nixl_transfer_s: list[float] = []
+        self.nixl_failed = 0
         conn = self._worker_connector()
         if conn is not None and not hasattr(conn, "_worker"):
             self._tap_stats(conn)
 
     def _tap_stats(self, conn: Any) -> None:
-        """Keep a copy of NixlConnector's transfer durations (the engine drains its stats)."""
+        """Keep a copy of NixlConnector's transfer durations and failed transfers and
+        handshakes (the engine drains its stats)."""
         original = conn.get_kv_connector_stats
 
         def tapped() -> Any:
             stats = original()
             if stats is not None:
                 self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
+                for key in ("num_failed_transfers", "num_failed_handshakes"):
+                    self.nixl_failed += len(stats.data.get(key, []))
             return stats
 
         conn.get_kv_connector_stats = tapped
@@ -158,6 +162,7 @@ class Instance:
             }
         elif conn is not None:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
+            out["nixl_failed"], self.nixl_failed = self.nixl_failed, 0
         return out
 
     def metrics(self) -> dict[str, Any]:
