@@ -189,6 +189,7 @@ def box_plot(path: Path, payload: Mapping[str, Any]) -> Path | None:
                 whis=(10, 90),
                 patch_artist=True,
                 showfliers=True,
+                medianprops={"color": "black"},
             )
             color = f"C{i}"
             for patch in box["boxes"]:
