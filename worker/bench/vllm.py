@@ -141,18 +141,23 @@ class _Loads:
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
+        self.detail: dict[str, Any] = {}
+        """The last request's descriptors (and kvbridge's bytes and load path)."""
 
     def take(self, stats: dict[str, Any]) -> tuple[float | None, bool, str | None]:
+        self.detail = {}
         if "loads" in stats:  # kvbridge: one new load result per request
             new = [v for k, v in stats["loads"].items() if k not in self.seen]
             self.seen.update(stats["loads"])
             if len(new) != 1:
                 return None, False, f"{len(new)} new kvbridge load results"
             load = new[0]
+            self.detail = {k: load.get(k) for k in ("descriptors", "bytes", "path")}
             if load["error"] or not load["moved"]:
                 return load["transfer_ms"], False, load["error"] or "no block moved"
             return float(load["transfer_ms"]), True, None
         durations = stats.get("nixl_transfer_s") or []
+        self.detail = {"descriptors": sum(stats.get("nixl_descriptors") or [])}
         if stats.get("nixl_failed"):
             return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
         if not durations:
@@ -179,7 +184,7 @@ def _request(prefill: Any, decode: Any, prompt: list[int], loads: _Loads) -> dic
         "loaded": loaded and bool(params),
         "error": error if params else "prefill returned no kv_transfer_params",
         "same_first_token": dec["outputs"][0]["tokens"][:1] == first,
-    }
+    } | loads.detail
 
 
 def run_pair(

@@ -68,6 +68,7 @@ class Instance:
         self.scheduler = self.core.scheduler
         self.nixl_transfer_s: list[float] = []
         self.nixl_failed = 0
+        self.nixl_descriptors: list[int] = []
         conn = self._worker_connector()
         if conn is not None and not hasattr(conn, "_worker"):
             self._tap_stats(conn)
@@ -81,6 +82,7 @@ class Instance:
             stats = original()
             if stats is not None:
                 self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
+                self.nixl_descriptors.extend(stats.data.get("num_descriptors", []))
                 for key in ("num_failed_transfers", "num_failed_handshakes"):
                     self.nixl_failed += len(stats.data.get(key, []))
             return stats
@@ -156,6 +158,8 @@ class Instance:
                     "offloaded": r.blocks_offloaded,
                     "transfer_ms": r.transfer_ms,
                     "bytes": r.bytes_moved,
+                    "descriptors": r.descriptors,
+                    "path": r.path,
                     "error": r.error,
                 }
                 for rid, r in worker.results.items()
@@ -163,6 +167,7 @@ class Instance:
         elif conn is not None:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
             out["nixl_failed"], self.nixl_failed = self.nixl_failed, 0
+            out["nixl_descriptors"], self.nixl_descriptors = self.nixl_descriptors, []
         return out
 
     def metrics(self) -> dict[str, Any]:
