@@ -29,7 +29,7 @@ def test_one_round_of_both_connectors_loads_every_request(tmp_path: Path) -> Non
     payload = json.loads(prefix.with_suffix(".json").read_text())
     assert payload["trustworthy"] and payload["problems"] == []
     assert {"machine", "settings", "summary", "ratios", "rounds", "requests"} <= set(payload)
-    assert payload["settings"]["nproc"] >= 1 and payload["settings"]["max_model_len"] >= 140
+    assert payload["settings"]["nproc"] >= 1
     rounds = payload["rounds"]
     assert [(r["connector"], r["round"]) for r in rounds] == [("kvbridge", 0), ("nixl", 0)]
     for r in rounds:
@@ -42,6 +42,7 @@ def test_one_round_of_both_connectors_loads_every_request(tmp_path: Path) -> Non
         ("nixl", "long"),
         ("nixl", "short"),
     ]
+    assert payload["settings"]["max_model_len"] > max(r["prompt_tokens"] for r in requests)
     for r in requests:
         assert r["loaded"] and r["same_first_token"] and r["error"] is None, r
         assert 0 < r["transfer_ms"] < r["decode_ttft_ms"] < r["e2e_ms"], r
