@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="The same vLLM P/D workload through kvbridge and NixlConnector, "
         "alternating fresh engine pairs, with medians and spread per model and prompt length."
         " The default run (2 models x 2 connectors x 3 rounds, 4 short + 4 long prompts "
-        "each) takes about 8-10 minutes on 2 idle cores; --rounds 1 --models 4L about 1. "
+        "each) takes about 8-10 minutes on 2 idle cores; --rounds 1 --models 4L about 2. "
         "Engines are pinned to cores 0 and 1, so other work on the machine skews the "
         "figures: the JSON records the load average before and after each round. Exits 1 "
         "when a request was recomputed instead of loaded (the figures are then flagged).",
