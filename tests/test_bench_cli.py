@@ -17,7 +17,7 @@ from kvbridge.worker.bench.cli_args import output_paths
 from kvbridge.worker.bench.report import progress
 from kvbridge.worker.cli import build_parser
 
-BENCHES = ["control", "hash", "kernels", "load", "offload", "prefill-skip", "transfer"]
+BENCHES = ["control", "hash", "kernels", "load", "offload", "prefill-skip", "transfer", "vllm"]
 
 
 def bench_parser(name: str) -> argparse.ArgumentParser:

@@ -89,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         offload,
         prefill_skip,
         transfer,
+        vllm,
     )
 
-    for bench_module in (hash, transfer, kernels, control, load, offload, prefill_skip):
+    for bench_module in (hash, transfer, kernels, control, load, offload, prefill_skip, vllm):
         bench_module.add_parser(bench_sub)
     return parser
 

@@ -58,8 +58,11 @@ class Engine:
         startup_timeout_s: float = 240.0,
         wait: bool = True,
         log_stats: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
+        if max_model_len is not None:
+            cmd += ["--max-model-len", str(max_model_len)]
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if log_stats:

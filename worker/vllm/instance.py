@@ -67,18 +67,24 @@ class Instance:
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.nixl_transfer_s: list[float] = []
+        self.nixl_failed = 0
+        self.nixl_descriptors: list[int] = []
         conn = self._worker_connector()
         if conn is not None and not hasattr(conn, "_worker"):
             self._tap_stats(conn)
 
     def _tap_stats(self, conn: Any) -> None:
-        """Keep a copy of NixlConnector's transfer durations (the engine drains its stats)."""
+        """Keep a copy of NixlConnector's transfer durations and failed transfers and
+        handshakes (the engine drains its stats)."""
         original = conn.get_kv_connector_stats
 
         def tapped() -> Any:
             stats = original()
             if stats is not None:
                 self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
+                self.nixl_descriptors.extend(stats.data.get("num_descriptors", []))
+                for key in ("num_failed_transfers", "num_failed_handshakes"):
+                    self.nixl_failed += len(stats.data.get(key, []))
             return stats
 
         conn.get_kv_connector_stats = tapped
@@ -152,12 +158,16 @@ class Instance:
                     "offloaded": r.blocks_offloaded,
                     "transfer_ms": r.transfer_ms,
                     "bytes": r.bytes_moved,
+                    "descriptors": r.descriptors,
+                    "path": r.path,
                     "error": r.error,
                 }
                 for rid, r in worker.results.items()
             }
         elif conn is not None:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
+            out["nixl_failed"], self.nixl_failed = self.nixl_failed, 0
+            out["nixl_descriptors"], self.nixl_descriptors = self.nixl_descriptors, []
         return out
 
     def metrics(self) -> dict[str, Any]:

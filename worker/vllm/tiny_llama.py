@@ -7,6 +7,9 @@ tokenizer: start vLLM with ``skip_tokenizer_init=True`` and send token ids.
 
 Run it to write the model: ``python -m kvbridge.worker.vllm.tiny_llama /tmp/tiny-llama``
 (needs ``safetensors``; :func:`kvbridge.worker.vllm.write_model` runs it in ``.venv-vllm``).
+``--layers``, ``--kv-heads``, ``--head-dim`` and ``--hidden`` change its shape (default:
+4 layers, 2 KV heads of 64, hidden 256); e.g. ``--layers 8 --kv-heads 8 --head-dim 128
+--hidden 512`` is the 8-layer model ``kvbridge bench vllm`` uses (2 MiB per 32-token block).
 """
 
 from __future__ import annotations
@@ -37,15 +40,37 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def write_model(path: Path, seed: int = 0) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` under ``path`` (idempotent)."""
+def shaped(
+    layers: int = 4, kv_heads: int = 2, head_dim: int = 64, hidden: int = 256
+) -> dict[str, Any]:
+    """:data:`CONFIG` with another shape: query heads = KV heads (at least 4), MLP 2 x hidden."""
+    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if value < 1:
+            raise ValueError(f"tiny Llama {name} must be >= 1, got {value}")
+    if hidden < 8 or hidden % 2:
+        raise ValueError(f"tiny Llama hidden must be an even number >= 8, got {hidden}")
+    heads = kv_heads * max(1, 4 // kv_heads)
+    return CONFIG | {
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "num_hidden_layers": layers,
+    }
+
+
+def write_model(path: Path, seed: int = 0, config: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` under ``path`` (idempotent for one
+    config: a directory holding another config is rewritten)."""
     import torch
     from safetensors.torch import save_file
 
+    c = config or CONFIG
     path.mkdir(parents=True, exist_ok=True)
-    if (path / "model.safetensors").exists() and (path / "config.json").exists():
+    done = (path / "model.safetensors").exists() and (path / "config.json").exists()
+    if done and json.loads((path / "config.json").read_text()) == c:
         return path
-    c = CONFIG
     hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q_out, kv_out = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
     gen = torch.Generator().manual_seed(seed)
@@ -78,8 +103,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
-    print(write_model(args.path, args.seed))
+    config = shaped(args.layers, args.kv_heads, args.head_dim, args.hidden)
+    print(write_model(args.path, args.seed, config))
 
 
 if __name__ == "__main__":

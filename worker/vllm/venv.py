@@ -64,10 +64,20 @@ def _imports_ok() -> bool:
     return subprocess.run([str(PYTHON), "-c", code], capture_output=True).returncode == 0
 
 
-def write_model(path: Path, seed: int = 0) -> Path:
-    """The tiny Llama (:mod:`.tiny_llama`) under ``path``, written with the vLLM venv."""
+def write_model(path: Path, seed: int = 0, **shape: int) -> Path:
+    """The tiny Llama (:mod:`.tiny_llama`) under ``path``, written with the vLLM venv;
+    ``shape`` takes its options (``layers=8, kv_heads=8, head_dim=128, hidden=512``)."""
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
     subprocess.run(
-        [str(PYTHON), "-m", "kvbridge.worker.vllm.tiny_llama", str(path), "--seed", str(seed)],
+        [
+            str(PYTHON),
+            "-m",
+            "kvbridge.worker.vllm.tiny_llama",
+            str(path),
+            "--seed",
+            str(seed),
+            *flags,
+        ],
         check=True,
         capture_output=True,
     )

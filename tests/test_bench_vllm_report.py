@@ -1,0 +1,110 @@
+"""``kvbridge bench vllm``'s figures from hand-made rows: medians, spread, ratios, flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.worker.bench.vllm_report import assemble, box_plot, spread, summarize, table_rows
+
+
+def row(connector: str, rnd: int, index: int, ttft: float, **over: Any) -> dict[str, Any]:
+    return {
+        "model": "4L",
+        "prompts": "short",
+        "connector": connector,
+        "round": rnd,
+        "index": index,
+        "prompt_tokens": 100 + index,
+        "decode_ttft_ms": ttft,
+        "transfer_ms": ttft / 10,
+        "e2e_ms": ttft + 100,
+        "loaded": True,
+        "error": None,
+        "same_first_token": True,
+    } | over
+
+
+def rounds_of(n: int, held: int = 0) -> list[dict[str, Any]]:
+    return [
+        {"round": r, "model": "4L", "connector": c, "loadavg_before": [1.0 + r, 1, 1],
+         "loadavg_after": [1.5, 1, 1], "blocks_held_after": {"prefill": held, "decode": 0}}
+        for r in range(n) for c in ("kvbridge", "nixl")
+    ]  # fmt: skip
+
+
+def test_spread_of_ten_values() -> None:
+    s = spread([float(v) for v in range(10, 0, -1)])
+    assert s == {"n": 10, "median": 5.5, "p10": 2.0, "p90": 9.0, "q1": 3.0, "q3": 8.0,
+                 "min": 1.0, "max": 10.0}  # fmt: skip
+
+
+def test_spread_of_nothing_is_none_not_an_error() -> None:
+    assert spread([])["median"] is None
+
+
+def test_summary_pools_rounds_and_keeps_each_rounds_median() -> None:
+    rows = [row("kvbridge", 0, i, t) for i, t in enumerate([10, 20, 30])]
+    rows += [row("kvbridge", 1, i, t) for i, t in enumerate([40, 50, 60])]
+    (entry,) = summarize(rows)
+    assert entry["decode_ttft_ms"]["median"] == 35
+    assert entry["decode_ttft_ms"]["round_medians"] == [20, 50]
+    assert entry["transfer_ms"]["median"] == 3.5
+    assert (entry["requests"], entry["bad_requests"]) == (6, 0)
+
+
+def test_ratios_are_kvbridge_over_nixl_per_metric() -> None:
+    rows = [row("kvbridge", 0, i, 30.0) for i in range(3)]
+    rows += [row("nixl", 0, i, 20.0) for i in range(3)]
+    payload = assemble({"rounds": 1}, rounds_of(1), rows)
+    (ratio,) = payload["ratios"]
+    assert ratio["decode_ttft_ms"] == pytest.approx(1.5)
+    assert ratio["e2e_ms"] == pytest.approx(130 / 120)
+    assert payload["trustworthy"] and payload["problems"] == []
+
+
+def test_a_recomputed_request_is_left_out_of_the_figures_and_flags_the_run() -> None:
+    rows = [row("kvbridge", 0, 0, 10.0), row("kvbridge", 0, 1, 9999.0, loaded=False,
+            error="kvbridge load timed out", transfer_ms=None)]  # fmt: skip
+    rows += [row("nixl", 0, i, 20.0) for i in range(2)]
+    payload = assemble({}, rounds_of(1), rows)
+    kvb = next(s for s in payload["summary"] if s["connector"] == "kvbridge")
+    assert kvb["decode_ttft_ms"]["median"] == 10.0 and kvb["bad_requests"] == 1
+    assert not payload["trustworthy"]
+    assert payload["problems"] == [
+        "4L kvbridge round 0 request 1: no load (kvbridge load timed out)"
+    ]
+
+
+def test_a_wrong_first_token_or_held_blocks_flag_the_run() -> None:
+    rows = [row("nixl", 0, 0, 20.0, same_first_token=False), row("kvbridge", 0, 0, 10.0)]
+    payload = assemble({}, rounds_of(1, held=3), rows)
+    assert not payload["trustworthy"]
+    assert any("first token differs" in p for p in payload["problems"])
+    assert any("held {'prefill': 3" in p for p in payload["problems"])
+
+
+def test_an_empty_run_is_not_trustworthy() -> None:
+    assert not assemble({}, [], [])["trustworthy"]
+
+
+def test_payload_is_json_and_the_table_and_plot_come_from_it(tmp_path: Path) -> None:
+    rows = [row(c, r, i, 10.0 * (i + 1) * (2 if c == "nixl" else 1), prompts=p)
+            for c in ("kvbridge", "nixl") for r in range(2) for i in range(3)
+            for p in ("short", "long")]  # fmt: skip
+    payload = json.loads(json.dumps(assemble({"rounds": 2}, rounds_of(2), rows)))
+    table = table_rows(payload)
+    assert [(t["prompts"], t["connector"]) for t in table] == [
+        ("short", "kvbridge"),
+        ("long", "kvbridge"),
+        ("short", "nixl"),
+        ("long", "nixl"),
+    ]
+    assert table[0]["ttft_median"] == 20.0 and table[0]["ttft_p90"] == 30.0
+    assert [r["decode_ttft_ms"] for r in payload["ratios"]] == [0.5, 0.5]
+    pytest.importorskip("matplotlib")
+    png = box_plot(tmp_path / "b.png", payload)
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,288 @@
+"""``kvbridge bench vllm``: the same vLLM P/D workload through kvbridge and NixlConnector.
+
+Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas
+(:mod:`kvbridge.worker.vllm.tiny_llama`). A *round* is, for each model and each
+connector in turn (kvbridge, NixlConnector, kvbridge, ...), a fresh prefill engine
+on core 0 and decode engine on core 1 that serve one uncounted warm-up request
+(it pays the peer handshake) and then the same seeded random prompts, short and
+long interleaved, one at a time: prefill with ``max_tokens=1`` and
+``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and
+``max_tokens=1``. Prompts differ from their first token on, so decode never hits
+its prefix cache. Per request it records decode TTFT (decode's ``generate``, timed
+in the engine: transfer + first token), the connector's own transfer time (kvbridge:
+the load's ``transfer_ms``; NixlConnector: its ``transfer_duration``) and end to end
+(prefill + decode, client side); it checks that decode's first token is prefill's
+and that the KV came over the connector (a recompute is flagged, not measured).
+Figures: :mod:`kvbridge.worker.bench.vllm_report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvbridge.proto.errors import ConfigError
+from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
+from kvbridge.worker.bench.report import print_table, write_json
+
+__all__ = ["MODELS", "add_parser", "run"]
+
+MODELS: dict[str, dict[str, int]] = {
+    "4L": {"layers": 4, "kv_heads": 2, "head_dim": 64, "hidden": 256},
+    "8L": {"layers": 8, "kv_heads": 8, "head_dim": 128, "hidden": 512},
+}
+"""Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
+8 layers x 8 KV heads of 128 (2 MiB per block)."""
+CONNECTORS = ("kvbridge", "nixl")
+BLOCK = 32
+VOCAB = 1024
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "vllm",
+        help="vLLM P/D: kvbridge vs NixlConnector, alternating fresh engine pairs (minutes)",
+        description="The same vLLM P/D workload through kvbridge and NixlConnector, "
+        "alternating fresh engine pairs, with medians and spread per model and prompt length."
+        " The default run (2 models x 2 connectors x 3 rounds, 4 short + 4 long prompts "
+        "each) takes about 8-10 minutes on 2 idle cores; --rounds 1 --models 4L about 2. "
+        "Engines are pinned to cores 0 and 1, so other work on the machine skews the "
+        "figures: the JSON records the load average before and after each round. Exits 1 "
+        "when a request was recomputed instead of loaded (the figures are then flagged).",
+    )
+    p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
+    p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
+    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    p.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS))
+    p.add_argument(
+        "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
+        help="prompt lengths to run (default both)",
+    )  # fmt: skip
+    p.add_argument("--short", type=int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"))
+    p.add_argument("--long", type=int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"))
+    p.add_argument("--seed", type=int, default=0, help="prompt and weight seed")
+    p.add_argument(
+        "--port", type=int, default=18600,
+        help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
+    )  # fmt: skip
+    p.add_argument("--work", type=Path, help="models and engine logs here (default: a temp dir)")
+    add_output_arguments(p, "vllm")
+    p.set_defaults(func=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.rounds < 1 or args.requests < 1:
+        raise ConfigError(
+            f"--rounds and --requests must be >= 1, got {args.rounds}, {args.requests}"
+        )
+    for name in ("short", "long"):
+        lo, hi = getattr(args, name)
+        if not 2 <= lo <= hi <= 2040:
+            raise ConfigError(
+                f"--{name} needs 2 <= MIN <= MAX <= 2040 (the model's 2048), got {lo} {hi}"
+            )
+    pairs = args.rounds * len(args.models) * len(args.connectors)
+    if not 1024 <= args.port <= 65535 - 2 * pairs:
+        raise ConfigError(f"--port {args.port}: {2 * pairs} ports from it must fit below 65536")
+
+
+def make_prompts(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, list[int]]], list[int]]:
+    """The measured prompts as (length name, ids), short and long interleaved, and the
+    warm-up prompt: seeded, each with its own random first block (no prefix-cache hits)."""
+    rng = random.Random(args.seed)
+
+    def prompt(lo: int, hi: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))]
+
+    warm = prompt(64, 96)
+    out = []
+    for _ in range(args.requests):
+        for name in args.lengths:
+            out.append((name, prompt(*getattr(args, name))))
+    return out, warm
+
+
+def _say(text: str) -> None:
+    print(f"[bench vllm {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _engines(
+    connector: str, model: Path, port: int, logs: Path, max_model_len: int
+) -> tuple[Any, Any]:
+    from kvbridge.worker import vllm as harness
+
+    if connector == "kvbridge":
+        p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port)
+        d_kv = harness.kv_config("kvbridge", "kv_consumer")
+        p_env: dict[str, str] = {}
+        d_env: dict[str, str] = {}
+    else:
+        p_kv = harness.kv_config("nixl", "kv_producer")
+        d_kv = harness.kv_config("nixl", "kv_consumer")
+        p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}
+    common: dict[str, Any] = {"wait": False, "max_model_len": max_model_len}
+    prefill = harness.Engine(model, core=0, kv=p_kv, log=logs / "prefill.log", env=p_env, **common)
+    decode = harness.Engine(model, core=1, kv=d_kv, log=logs / "decode.log", env=d_env, **common)
+    return prefill, decode
+
+
+class _Loads:
+    """What the decode's ``stats`` says about the request just served: the connector's
+    transfer time, whether the KV came over it, and why not."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.detail: dict[str, Any] = {}
+        """The last request's descriptors (and kvbridge's bytes and load path)."""
+
+    def take(self, stats: dict[str, Any]) -> tuple[float | None, bool, str | None]:
+        self.detail = {}
+        if "loads" in stats:  # kvbridge: one new load result per request
+            new = [v for k, v in stats["loads"].items() if k not in self.seen]
+            self.seen.update(stats["loads"])
+            if len(new) != 1:
+                return None, False, f"{len(new)} new kvbridge load results"
+            load = new[0]
+            self.detail = {k: load.get(k) for k in ("descriptors", "bytes", "path")}
+            if load["error"] or not load["moved"]:
+                return load["transfer_ms"], False, load["error"] or "no block moved"
+            return float(load["transfer_ms"]), True, None
+        durations = stats.get("nixl_transfer_s") or []
+        self.detail = {"descriptors": sum(stats.get("nixl_descriptors") or [])}
+        if stats.get("nixl_failed"):
+            return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
+        if not durations:
+            return None, False, "no NixlConnector transfer reported"
+        return 1e3 * sum(durations), True, None
+
+
+def _request(prefill: Any, decode: Any, prompt: list[int], loads: _Loads) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    pre = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
+    t1 = time.perf_counter()
+    params = pre["outputs"][0]["kv_transfer_params"]
+    dec = decode.generate([prompt], 1, [params])
+    t2 = time.perf_counter()
+    transfer, loaded, error = loads.take(decode.call(cmd="stats"))
+    first = pre["outputs"][0]["tokens"][:1]
+    return {
+        "prompt_tokens": len(prompt),
+        "prefill_ms": (t1 - t0) * 1e3,
+        "decode_ttft_ms": float(dec["wall_ms"]),
+        "decode_call_ms": (t2 - t1) * 1e3,
+        "transfer_ms": transfer,
+        "e2e_ms": (t2 - t0) * 1e3,
+        "loaded": loaded and bool(params),
+        "error": error if params else "prefill returned no kv_transfer_params",
+        "same_first_token": dec["outputs"][0]["tokens"][:1] == first,
+    } | loads.detail
+
+
+def run_pair(
+    where: dict[str, Any],
+    model: Path,
+    prompts: list[tuple[str, list[int]]],
+    warm: list[int],
+    port: int,
+    logs: Path,
+    max_model_len: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One fresh prefill/decode pair: warm-up, then every prompt; the round's row and the
+    requests' rows (each tagged with ``where``: model, connector, round)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    before = os.getloadavg()
+    t0 = time.perf_counter()
+    prefill, decode = _engines(where["connector"], model, port, logs, max_model_len)
+    rows = []
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        startup_s = time.perf_counter() - t0
+        _say(f"  engines ready in {startup_s:.1f} s; warm-up, then {len(prompts)} requests")
+        loads = _Loads()
+        _request(prefill, decode, warm, loads)
+        for i, (name, prompt) in enumerate(prompts):
+            rows.append(
+                where | {"index": i, "prompts": name} | _request(prefill, decode, prompt, loads)
+            )
+        held = {
+            role: engine.call(cmd="drain", timeout_s=10)["blocks_in_use"]
+            for role, engine in (("prefill", prefill), ("decode", decode))
+        }
+    finally:
+        prefill.close()
+        decode.close()
+    round_row = where | {
+        "startup_s": startup_s,
+        "loadavg_before": list(before),
+        "loadavg_after": list(os.getloadavg()),
+        "blocks_held_after": held,
+        "logs": str(logs),
+    }
+    return round_row, rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvbridge.worker import vllm as harness
+    from kvbridge.worker.bench.vllm_report import assemble, box_plot, table_rows
+
+    _check(args)
+    harness.ensure_venv()
+    work = args.work or Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-"))
+    prompts, warm = make_prompts(args)
+    longest = max(len(p) for _, p in prompts)
+    max_model_len = min(2048, -(-(max(longest, len(warm)) + 8) // BLOCK) * BLOCK)
+    models = {}
+    for name in args.models:
+        _say(f"writing the {name} tiny Llama ({MODELS[name]}) under {work}")
+        models[name] = harness.write_model(work / f"model-{name}", args.seed, **MODELS[name])
+    pairs = [
+        {"round": r, "model": m, "connector": c}
+        for r in range(args.rounds)
+        for m in args.models
+        for c in args.connectors
+    ]
+    rounds, requests = [], []
+    for k, where in enumerate(pairs):
+        _say(
+            f"round {where['round'] + 1}/{args.rounds}: {where['model']} {where['connector']} "
+            f"(pair {k + 1}/{len(pairs)}), starting engines"
+        )
+        logs = work / f"r{where['round']}-{where['model']}-{where['connector']}"
+        round_row, rows = run_pair(
+            where, models[where["model"]], prompts, warm, args.port + 2 * k, logs, max_model_len
+        )
+        rounds.append(round_row)
+        requests.extend(rows)
+        bad = sum(not (r["loaded"] and r["same_first_token"]) for r in rows)
+        _say(f"  done: {len(rows)} requests, {bad} not loaded or wrong first token")
+    settings = settings_of(args) | {
+        "work": str(work),
+        "max_model_len": max_model_len,
+        "block_size": BLOCK,
+        "model_shapes": {m: MODELS[m] for m in args.models},
+        "nproc": len(os.sched_getaffinity(0)),
+    }
+    payload = assemble(settings, rounds, requests)
+    print_table(table_rows(payload), list(table_rows(payload)[0]) if requests else [])
+    print()
+    print_table(payload["ratios"], ["model", "prompts", "decode_ttft_ms", "transfer_ms", "e2e_ms"])
+    json_path, png_path = output_paths(args.out)
+    print(f"wrote {write_json(json_path, payload)}")
+    if box_plot(png_path, payload):
+        print(f"wrote {png_path}")
+    for line in payload["problems"]:
+        print(f"PROBLEM: {line}", file=sys.stderr)
+    if not payload["trustworthy"]:
+        print("FLAGGED: some requests did not load over the connector", file=sys.stderr)
+        return 1
+    return 0
