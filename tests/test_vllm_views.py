@@ -16,9 +16,7 @@ import torch
 from kvbridge.connector.transport.nixl_descs import descriptor_table, request_indices
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.views import PACKED_SUFFIX, logical_views, packed_suffix
-from kvbridge.proto import KVLayout
-from kvbridge.proto.errors import ConfigError, LayoutError
-from kvbridge.proto.negotiate import TransferMode
+from kvbridge.proto import ConfigError, KVLayout, LayoutError, TransferMode
 
 # vLLM's KVCacheLayout stride orders over logical [L, B, H, N, C]
 STRIDE_ORDERS = {
