@@ -13,7 +13,14 @@ import re
 import pytest
 import torch
 
-from kvbridge.connector.transport.nixl_descs import descriptor_table, request_indices
+from kvbridge.connector.transport.nixl_descs import (
+    descriptor_indices,
+    descriptor_table,
+    expand_strided,
+    request_indices,
+    strided_indices,
+    strided_table,
+)
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.views import PACKED_SUFFIX, logical_views, packed_suffix
 from kvbridge.proto import ConfigError, KVLayout, LayoutError, TransferMode
@@ -173,6 +180,20 @@ def test_blocks_round_trip_byte_for_byte_between_vllm_layouts(
     for name, t in dst_caches.items():
         assert torch.equal(t[[0, 2, 3]], src_caches[name][[1, 3, 4]])
         assert not t[[1, 4]].any(), "a block that was not asked for was written"
+
+
+@pytest.mark.parametrize("name", ["LBHNC", "BLHNC"])
+def test_strided_tables_name_the_same_bytes_as_dense_ones(name: str) -> None:
+    _, caches = vllm_views(name)
+    lay, _ = describe(caches)
+    ids = [4, 0, 2]
+    for per_span in (True, False) if name == "BLHNC" else (True,):
+        table = strided_table(lay, "self", per_span)
+        assert table.shape[0] == 1  # one region, one strided row
+        per = 2 * L if per_span else 1
+        dense = descriptor_table(lay, "self", per_span)[descriptor_indices(ids, per)]
+        strided = expand_strided(table)[strided_indices(lay, "self", ids, per_span)]
+        assert (dense == strided).all()
 
 
 def test_one_region_travels_on_the_wire() -> None:
