@@ -8,9 +8,12 @@ last three hold ``N``, ``H`` and ``C`` in any order (the *inner order*).
 
 Memory of one KV-cache group is either one region (order not starting with
 ``L``; e.g. block-outermost ``B L KV N H C``) or one region per layer that
-owns memory (order starting with ``L``; the classic layer-separate layout).
-Every region is dense in the order. A layer with a ``kv_source`` reuses
-another layer's KV, owns no memory and is never counted, registered or moved.
+owns memory (order starting with ``L``; the classic layer-separate layout),
+unless ``one_region`` says the layer-outermost group is one allocation with
+its layers at the dense layer step (vLLM's ``LBHNC`` buffer): then it is one
+region too (kind ``layer-outermost``). Every region is dense in the order.
+A layer with a ``kv_source`` reuses another layer's KV, owns no memory and
+is never counted, registered or moved.
 
 The layout is frozen and msgpack-serialisable. Identity fields (model,
 block size, groups, layers, TP size) must match for two peers to exchange
@@ -74,6 +77,10 @@ class KVLayout:
     tp_rank: int = 0
     tp_size: int = 1
     regions: tuple[Region, ...] = ()
+    one_region: bool = False
+    """Layer-outermost orders only: all owning layers of a group lie in one allocation at
+    the dense layer step and are registered as one region (a per-worker fact, like the
+    order); False means one region per owning layer."""
     # Derived values (owning layers, fingerprint), filled on first use. ``__post_init__``
     # starts every instance with an empty cache, so a copy made by ``dataclasses.replace``
     # (which passes the original's ``_cache`` on) never reports the original's figures.
@@ -91,6 +98,10 @@ class KVLayout:
                 f"{self.model.num_kv_heads} KV heads cannot be split over tp_size {self.tp_size}"
             )
         check_groups_and_layers(self.model.num_layers, self.groups, self.layers)
+        if self.one_region and self.order[0] != "L":
+            raise LayoutError(
+                f"one_region applies to layer-outermost orders only, got {' '.join(self.order)}"
+            )
         if self.regions and len(self.regions) != self.num_regions:
             raise LayoutError(f"{len(self.regions)} regions given, layout has {self.num_regions}")
 
@@ -106,14 +117,18 @@ class KVLayout:
 
     @property
     def layer_separate(self) -> bool:
-        return self.order[0] == "L"
+        """One region per owning layer (layer-outermost and not ``one_region``)."""
+        return self.order[0] == "L" and not self.one_region
 
     @property
     def kind(self) -> str:
-        """``block-outermost``, ``layer-separate`` or ``mixed`` (e.g. ``KV B L ...``)."""
+        """``block-outermost``, ``layer-separate``, ``layer-outermost`` (one region) or
+        ``mixed`` (e.g. ``KV B L ...``)."""
         if self.block_outermost:
             return "block-outermost"
-        return "layer-separate" if self.layer_separate else "mixed"
+        if self.order[0] == "L":
+            return "layer-outermost" if self.one_region else "layer-separate"
+        return "mixed"
 
     @property
     def inner_order(self) -> tuple[str, ...]:
@@ -268,8 +283,8 @@ class KVLayout:
         groups = tuple(GroupSpec(g.name, num_blocks.get(g.name, g.num_blocks)) for g in self.groups)
         return replace(self, groups=groups, regions=())
 
-    def with_order(self, order: str | Sequence[str]) -> KVLayout:
-        return replace(self, order=parse_order(order), regions=())
+    def with_order(self, order: str | Sequence[str], *, one_region: bool = False) -> KVLayout:
+        return replace(self, order=parse_order(order), regions=(), one_region=one_region)
 
     def to_bytes(self) -> bytes:
         """This layout on the wire; see :mod:`kvbridge.proto.layout_wire`."""
@@ -322,7 +337,7 @@ class KVLayout:
             f"model {self.model.name}: {self.model.num_layers} layers x {self.model.num_kv_heads} "
             f"KV heads x {self.model.head_size} head size, {self.model.dtype}, "
             f"block_size {self.block_size}, tp {self.tp_rank}/{self.tp_size}",
-            f"order {' '.join(self.order)} ({self.kind})",
+            f"order {' '.join(self.order)} ({self.kind}, {self.num_regions} region(s))",
         ]
         for g in self.groups:
             own = len(self.owning_layers(g.name))

@@ -3,7 +3,7 @@
 Peers send their bound layout in the handshake (``layout.to_bytes()``) and
 parse the other side's with ``KVLayout.from_bytes``; both methods delegate
 here. The body is the layout's identity (:meth:`KVLayout.identity`) plus its
-per-worker facts (block counts, order, TP rank, regions), in a
+per-worker facts (block counts, order, TP rank, regions, one_region), in a
 :mod:`kvbridge.proto.codec` envelope named ``KVLayout``. Decoding is
 size-limited and type-checked field by field: bad bytes raise WireError, bad
 values the layout's own LayoutError.
@@ -41,6 +41,7 @@ def layout_to_bytes(layout: KVLayout) -> bytes:
         order=list(layout.order),
         tp_rank=layout.tp_rank,
         regions=[[r.addr, r.length, r.device] for r in layout.regions],
+        one_region=layout.one_region,
     )
     return codec.pack("KVLayout", body)
 
@@ -86,6 +87,7 @@ def layout_from_bytes(
             tp_rank=codec.take(body, "tp_rank", int),
             tp_size=codec.take(body, "tp_size", int),
             regions=tuple(regions),
+            one_region=_bool(body.get("one_region", False)),
         )
     except TypeError as exc:
         raise WireError(f"KVLayout: {exc}") from None
@@ -94,6 +96,12 @@ def layout_from_bytes(
 def _str(v: object) -> str:
     if not isinstance(v, str):
         raise WireError(f"expected a string, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise WireError(f"expected a boolean, got {type(v).__name__}")
     return v
 
 

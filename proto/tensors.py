@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -45,11 +46,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Zeroed KV tensors for ``layout``: one allocation per group, per-layer views.
+    """Zeroed KV tensors for ``layout``: per-layer views, one allocation per region.
 
-    Block-outermost groups are one contiguous allocation in which each block
-    holds every layer's K and V; layer-separate groups are one allocation with
-    layers outermost (each layer's slice is its own region).
+    Block-outermost (and any single-region) groups are one allocation in which
+    each block holds every layer's K and V (or, for ``one_region``
+    layer-outermost, layers follow each other); layer-separate groups get one
+    allocation per owning layer, so :func:`from_tensors` describes them again
+    as layer-separate.
     """
     dtype = torch_dtype(layout.model.dtype)
     elem = layout.model.dtype_bytes
@@ -57,12 +60,19 @@ def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
     for g in layout.groups:
         sizes = layout.sizes(g.name)
         strides = {d: s // elem for d, s in layout.strides(g.name).items()}
-        buf = torch.zeros(layout.group_bytes(g.name) // elem, dtype=dtype, device=device)
         shape = [sizes[d] for d in LOGICAL]
         stride = [strides[d] for d in LOGICAL]
         owners = layout.owning_layers(g.name)
+        nbuf = len(layout.regions_of(g.name))
+        bufs = [
+            torch.zeros(layout.group_bytes(g.name) // elem // nbuf, dtype=dtype, device=device)
+            for _ in range(nbuf)
+        ]
         for li, layer in enumerate(owners):
-            out[layer.name] = torch.as_strided(buf, shape, stride, li * strides["L"])
+            if layout.layer_separate:
+                out[layer.name] = torch.as_strided(bufs[li], shape, stride, 0)
+            else:
+                out[layer.name] = torch.as_strided(bufs[0], shape, stride, li * strides["L"])
         for layer in layout.layers:
             if layer.group == g.name and layer.kv_source is not None:
                 out[layer.name] = out[layer.kv_source]
@@ -100,7 +110,14 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
     ]
     if len(layout.owning_layers("self")) == 1 and same_without_l:
         described = layout.with_regions(_regions(layout, kv_caches))
-    if described.identity() != layout.identity() or described.order != layout.order:
+    if described.one_region and layout.layer_separate and described.order == layout.order:
+        # layers in one allocation may still be registered one region per layer
+        described = layout.with_regions(_regions(layout, kv_caches))
+    if (
+        described.identity() != layout.identity()
+        or described.order != layout.order
+        or described.one_region != layout.one_region
+    ):
         raise LayoutError(
             f"tensors do not match the layout: they are {' '.join(described.order)} "
             f"{described.identity()}, layout is {' '.join(layout.order)} {layout.identity()}"
@@ -190,8 +207,26 @@ def from_tensors(
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
+    if full_order[0] == "L" and _one_allocation(layout, kv_caches):
+        layout = replace(layout, one_region=True)
     _check_dense(layout, kv_caches)
     return layout.with_regions(_regions(layout, kv_caches))
+
+
+def _one_allocation(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every group's owning layers share one storage at the dense layer step
+    (then a layer-outermost group is one region, not one per layer)."""
+    for g in layout.groups:
+        owners = [kv_caches[x.name] for x in layout.owning_layers(g.name)]
+        step = layout.strides(g.name)["L"]
+        storage = owners[0].untyped_storage().data_ptr()
+        base = owners[0].data_ptr()
+        if len(owners) < 2 or any(
+            t.untyped_storage().data_ptr() != storage or t.data_ptr() != base + i * step
+            for i, t in enumerate(owners)
+        ):
+            return False
+    return True
 
 
 def _inner_order(name: str, t: torch.Tensor) -> tuple[str, ...]:

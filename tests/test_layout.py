@@ -117,12 +117,15 @@ def test_spans_address_the_bytes_of_exactly_that_block(order: str) -> None:
     for i, layer in enumerate(owners):
         for b in range(4):
             caches[layer.name][:, b] = float(100 * i + b + 1)
-    storage = next(iter(caches.values())).untyped_storage()
-    flat = torch.tensor([], dtype=torch.float32).set_(storage)
+    # a layer-separate layout is one allocation per layer: read each region's own storage
+    storages = {caches[x.name].data_ptr(): caches[x.name].untyped_storage() for x in owners}
     for b in range(4):
         layers_seen = set()
         for s in bound.block_spans("self", b):
-            start = (bound.regions[s.region].addr + s.offset - storage.data_ptr()) // 4
+            region = bound.regions[s.region]
+            storage = storages[region.addr] if bound.layer_separate else storages[min(storages)]
+            flat = torch.tensor([], dtype=torch.float32).set_(storage)
+            start = (region.addr + s.offset - storage.data_ptr()) // 4
             values = {int(v) for v in flat[start : start + s.length // 4].tolist()}
             assert {v % 100 for v in values} == {b + 1}
             layers_seen |= {v // 100 for v in values}

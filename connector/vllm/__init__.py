@@ -10,16 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbridge.connector.vllm.connector import (
-        KVBridgeConnector,
-        KVBridgeMetadata,
-        logical_views,
-    )
+    from kvbridge.connector.vllm.connector import KVBridgeConnector, KVBridgeMetadata
+    from kvbridge.connector.vllm.views import logical_views
 
 __all__ = ["KVBridgeConnector", "KVBridgeMetadata", "logical_views"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "logical_views":
+        from kvbridge.connector.vllm import views
+
+        return views.logical_views
     if name in __all__:
         from kvbridge.connector.vllm import connector
 

@@ -31,6 +31,11 @@ adapter passes plain values.
 ``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
                          requests load the blocks it holds after their local prefix-cache hit,
                          and finished requests store their full prompt blocks in it
+``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
+                         block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
+                         ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
+                         every attention backend declares it, otherwise warns and takes
+                         its own choice (``LBHNC`` on the CPU backend)
 ======================== ==================================================================
 """
 
@@ -46,7 +51,7 @@ from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
 
-__all__ = ["VllmConnectorConfig", "VLLM_ROLES"]
+__all__ = ["VllmConnectorConfig", "VLLM_ROLES", "KV_CACHE_LAYOUTS", "required_layout"]
 
 VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _KNOWN = frozenset(
@@ -65,8 +70,26 @@ _KNOWN = frozenset(
         "load_timeout_s",
         "offload_address",
         "max_concurrent_loads",
+        "kv_cache_layout",
     }
 )
+KV_CACHE_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
+"""vLLM layouts whose pages kvbridge can describe (a block's heads adjacent), preferred first."""
+DEFAULT_KV_CACHE_LAYOUT = "BLHNC"
+
+
+def required_layout(extra: Mapping[str, Any] | None) -> str | None:
+    """The vLLM layout name to request from ``kv_connector_extra_config`` (None: ``auto``)."""
+    value = (extra or {}).get("kv_cache_layout", DEFAULT_KV_CACHE_LAYOUT)
+    if value == "auto":
+        return None
+    if value not in KV_CACHE_LAYOUTS:
+        raise ConfigError(
+            f"kv_connector_extra_config.kv_cache_layout {value!r} is not one of "
+            f"{', '.join(KV_CACHE_LAYOUTS)} or 'auto' (BHLNC/LHBNC pages split a block's "
+            "heads, which kvbridge cannot describe)"
+        )
+    return str(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +101,8 @@ class VllmConnectorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 0
     hash: HashConfig = field(default_factory=HashConfig)
+    kv_cache_layout: str | None = DEFAULT_KV_CACHE_LAYOUT
+    """vLLM layout name to request (None: ``auto``); see :func:`required_layout`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.control_port <= 65535:
@@ -127,6 +152,7 @@ class VllmConnectorConfig:
             control_host=host,
             control_port=port,
             hash=HashConfig(algorithm=algorithm, seed=str(extra.get("hash_seed", ""))),
+            kv_cache_layout=required_layout(extra),
         )
 
     def hasher(

@@ -14,19 +14,20 @@ and the **worker** instance (in each model runner) to
 :class:`~kvbridge.connector.vllm.worker.VllmWorker`; they talk only through
 :class:`KVBridgeMetadata`, which vLLM carries from one to the other each step.
 
-KV tensors are described with :meth:`KVLayout.from_tensors` after
-:func:`logical_views` turns vLLM's per-layer tensors into views of logical
-shape ``(2, num_blocks, block_size, H, C)``; see ``docs/VLLM.md``.
+The connector asks vLLM for a block-outermost KV cache layout
+(:meth:`KVBridgeConnector.get_required_kvcache_layout`, ``kv_cache_layout`` in
+the extra config). KV tensors are described with :meth:`KVLayout.from_tensors`
+after :func:`~kvbridge.connector.vllm.views.logical_views` turns vLLM's
+per-layer views into views of logical shape ``(2, num_blocks, block_size, H,
+C)``; see ``docs/VLLM.md``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,14 +45,16 @@ from vllm.v1.request import RequestStatus
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm import stats
-from kvbridge.connector.vllm.config import VllmConnectorConfig
+from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
+from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import LayoutError
 from kvbridge.proto.types import BlockId, RequestId
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -65,15 +68,9 @@ __all__ = [
     "KVBridgeMetadata",
     "KVBridgePromMetrics",
     "KVBridgeStats",
-    "logical_views",
 ]
 
 log = logging.getLogger(__name__)
-
-PACKED_SUFFIX = "|vllm-packed-kv"
-"""Appended to the layout's model name when K and V are packed per token (the CPU
-backend): the logical views then name byte ranges, not real K/V, so such a layout
-must never negotiate REARRANGE with a peer whose K/V are real."""
 
 _HANDED_OVER = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -147,41 +144,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(n)
 
 
-def logical_views(
-    kv_caches: Mapping[str, torch.Tensor], *, num_kv_heads: int, head_size: int, block_size: int
-) -> tuple[dict[str, torch.Tensor], bool]:
-    """vLLM's per-layer KV tensors as views of logical shape ``(2, B, N, H, C)``.
-
-    Returns the views and whether K and V are *packed* (vLLM's CPU backend:
-    ``(B, H, N, 2*C)``, each token's K and V side by side). A packed block is
-    one dense span per layer; it is described as two halves of that span, so
-    whole blocks move correctly but the halves are not K and V.
-    """
-    out: dict[str, torch.Tensor] = {}
-    packed = False
-    shape5 = (block_size, num_kv_heads, head_size)
-    for name, t in kv_caches.items():
-        if t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == shape5:
-            out[name] = t  # FlashAttention: (2, B, N, H, C)
-        elif t.dim() == 5 and t.shape[1] == 2 and tuple(t.shape[2:]) == shape5:
-            out[name] = t.permute(1, 0, 2, 3, 4)  # FlashInfer: (B, 2, N, H, C)
-        elif (
-            t.dim() == 4
-            and tuple(t.shape[1:]) == (num_kv_heads, block_size, 2 * head_size)
-            and t.is_contiguous()
-        ):
-            packed = True  # CPU_ATTN, LBHNC with packed K|V content
-            b = t.shape[0]
-            out[name] = t.view(b, 2, block_size, num_kv_heads, head_size).permute(1, 0, 2, 3, 4)
-        else:
-            raise LayoutError(
-                f"layer {name!r}: vLLM KV tensor of shape {tuple(t.shape)} and strides "
-                f"{t.stride()} is not a layout kvbridge knows (block_size {block_size}, "
-                f"{num_kv_heads} KV heads of {head_size})"
-            )
-    return out, packed
-
-
 class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge behind vLLM's KV connector API; see the module docstring."""
 
@@ -246,16 +208,26 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        views, packed = logical_views(
+        views, interior = logical_views(
             kv_caches,
             num_kv_heads=self._num_kv_heads,
             head_size=self._head_size,
             block_size=self._block_size,
         )
-        if packed:
-            name = self.worker.settings.model_name + PACKED_SUFFIX
+        if interior is not None:
+            name = self.worker.settings.model_name + packed_suffix(interior)
             self.worker.settings = replace(self.worker.settings, model_name=name)
         self.worker.register(views)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout kvbridge asks vLLM for: ``kv_cache_layout`` of the extra config
+        (default ``BLHNC``, block-outermost: one descriptor per block; ``auto`` asks for
+        nothing). vLLM drops a layout its attention backends do not declare, with a
+        warning, and uses its own first choice (``LBHNC`` on the CPU backend)."""
+        ktc = vllm_config.kv_transfer_config
+        extra = None if ktc is None else ktc.kv_connector_extra_config
+        return required_layout(extra)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

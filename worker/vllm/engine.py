@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -59,10 +59,15 @@ class Engine:
         wait: bool = True,
         log_stats: bool = False,
         max_model_len: int | None = None,
+        cpu_kv_layouts: Sequence[str] = (),
     ) -> None:
+        """``cpu_kv_layouts`` (test-only shim): vLLM layout names the CPU attention
+        backend is made to declare before the engine is built (``--cpu-kv-layouts``)."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
+        if cpu_kv_layouts:
+            cmd += ["--cpu-kv-layouts", ",".join(cpu_kv_layouts)]
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if log_stats:

@@ -18,6 +18,11 @@ Start (in ``.venv-vllm``): ``python -m kvbridge.worker.vllm.instance --model DIR
 [--kv-transfer-config JSON] [--log-stats]``; its first answer line is
 ``{"ready": true, ...}``. ``--log-stats`` turns on vLLM's stat loggers (the periodic
 log line and the Prometheus metrics), which an offline engine leaves off.
+``--cpu-kv-layouts BLHNC,LBHNC`` is a **test-only shim**: before the engine is built it
+makes vLLM's CPU attention backend declare those KV cache layouts (it declares only
+``LBHNC``), so that a connector's request for a block-outermost layout is honoured on
+CPU. vLLM upstream would need the CPU backend to declare ``BLHNC`` itself
+(``docs/VLLM.md``).
 :class:`kvbridge.worker.vllm.Engine` does that from the main environment.
 """
 
@@ -40,9 +45,25 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def declare_cpu_kv_layouts(names: list[str]) -> None:
+    """Test-only: make ``CPU_ATTN`` declare ``names`` (vLLM KVCacheLayout names, most
+    preferred first). In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) build the
+    worker after this, so it reports these layouts to the layout resolution."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layouts = tuple(KVCacheLayout[n] for n in names)
+    CPUAttentionBackend.supported_kv_cache_layouts = classmethod(  # type: ignore[method-assign]
+        lambda cls: layouts
+    )
+
+
 class Instance:
     def __init__(self, args: argparse.Namespace) -> None:
         from vllm import LLM
+
+        if args.cpu_kv_layouts:
+            declare_cpu_kv_layouts(args.cpu_kv_layouts.split(","))
 
         kw: dict[str, Any] = {}
         if args.kv_transfer_config:
@@ -151,6 +172,16 @@ class Instance:
             out["held_requests"] = len(worker.held)
             out["leases"] = 0 if worker.leases is None else len(worker.leases)
             out["pending_sends"] = worker.pending_sends
+            lay = worker.layout
+            if lay is not None:
+                out["layout"] = {
+                    "order": " ".join(lay.order),
+                    "kind": lay.kind,
+                    "regions": lay.num_regions,
+                    "descriptors_per_block": lay.descriptors_per_block(),
+                    "block_bytes": lay.block_bytes(),
+                    "model": lay.model.name,
+                }
             out["loads"] = {
                 rid: {
                     "requested": r.blocks_requested,
@@ -193,6 +224,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--log-stats", action="store_true")
+    parser.add_argument("--cpu-kv-layouts", default="", help="test-only shim, e.g. BLHNC,LBHNC")
     args = parser.parse_args()
     inst = Instance(args)
     _reply({"ready": True, "startup_s": inst.startup_s})
