@@ -125,6 +125,13 @@ class LoadResult:
     """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
     descriptors: int = 0
     """Transport descriptors the peer READs used (the seal check's not counted)."""
+    wire_descriptors: int = 0
+    """The same after the backend merged adjacent ones (NIXL merges descriptors adjacent in
+    the request and in memory on both sides); ``descriptors`` where it does not say."""
+    read_ms: float | None = None
+    """The backend's own timing of the block READs, summed (NIXL telemetry, post to
+    completion): the span vLLM's NixlConnector reports as its transfer time. None where the
+    backend does not say; ``transfer_ms`` is the whole load (link, READs, proof, release)."""
     path: str = ""
     """How the peer's blocks were proven: ``sealed`` (no control RPC), ``owner`` (the owner
     named them over the control plane), or ``""`` (nothing read from a peer)."""

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.transport.base import LocalMemory, Transport
+    from kvbridge.connector.transport.base import LocalMemory, TransferHandle, Transport
     from kvbridge.proto.layout import KVLayout
 
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
@@ -47,6 +47,37 @@ log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
+
+
+class ReadFigures(NamedTuple):
+    """What one finished READ moved, for :class:`LoadResult`."""
+
+    nbytes: int
+    descriptors: int
+    wire_descriptors: int
+    backend_s: float | None
+
+    @classmethod
+    def of(cls, handle: TransferHandle) -> ReadFigures:
+        wire = handle.wire_descriptors
+        return cls(
+            handle.nbytes,
+            handle.num_descriptors,
+            handle.num_descriptors if wire is None else wire,
+            handle.backend_seconds,
+        )
+
+    @staticmethod
+    def total(reads: Sequence[ReadFigures]) -> dict[str, Any]:
+        """``LoadResult`` keyword arguments for ``reads`` together."""
+        times = [r.backend_s for r in reads]
+        known = bool(times) and None not in times
+        return {
+            "bytes_moved": sum(r.nbytes for r in reads),
+            "descriptors": sum(r.descriptors for r in reads),
+            "wire_descriptors": sum(r.wire_descriptors for r in reads),
+            "read_ms": sum(t for t in times if t is not None) * 1e3 if known else None,
+        }
 
 
 class RemoteLoader:
@@ -115,7 +146,7 @@ class RemoteLoader:
                 return sealed
             lease, remote = self._owner_blocks(peer, load, claimed, local)
             moved: dict[str, int] = {}
-            reads: list[tuple[int, int]] = []
+            reads: list[ReadFigures] = []
             n = len(remote.get("self", ()))
             if n:
                 reads.append(self._read(peer, "self", local_self[:n], remote["self"][:n]))
@@ -145,9 +176,8 @@ class RemoteLoader:
                 ms,
                 error,
                 moved,
-                sum(r[0] for r in reads),
-                descriptors=sum(r[1] for r in reads),
                 path="owner",
+                **ReadFigures.total(reads),
             )
         except Exception as exc:
             if isinstance(exc, KVBridgeError):
@@ -179,9 +209,8 @@ class RemoteLoader:
 
     def _read(
         self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> tuple[int, int]:
-        """READ ``remote`` into ``local`` (through the staging cache if the orders differ);
-        returns ``(bytes, descriptors)`` read."""
+    ) -> ReadFigures:
+        """READ ``remote`` into ``local`` (through the staging cache if the orders differ)."""
         staging = peer.staging
         if staging is None:
             return self._read_into(peer, group, local, remote)
@@ -203,13 +232,13 @@ class RemoteLoader:
 
     def _read_into(
         self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> tuple[int, int]:
+    ) -> ReadFigures:
         handle = self.transport.read_blocks(
             peer.link, group, local, remote, timeout_s=self.config.load_timeout_s
         )
         try:
             handle.wait(self.config.load_timeout_s)
-            return handle.nbytes, handle.num_descriptors
+            return ReadFigures.of(handle)
         finally:
             handle.release()
 
@@ -246,9 +275,8 @@ class RemoteLoader:
             (time.perf_counter() - t0) * 1e3,
             "",
             moved,
-            sum(r[0] for r in reads),
-            descriptors=sum(r[1] for r in reads),
             path="sealed",
+            **ReadFigures.total(reads),
         )
 
     def _owner_blocks(

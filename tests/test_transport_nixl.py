@@ -20,7 +20,10 @@ from tests.harness.transport_contract import (
     READER_MEMS,
     TransportContract,
     assert_clean_close,
+    blocks,
+    connect,
     open_pair,
+    transfer,
 )
 
 # NixlTransport preps strided (Nx5) lists by default; a reader started with this variable set
@@ -90,3 +93,25 @@ def test_importing_the_transport_loads_no_nixl() -> None:
         ["kvbridge.connector.transport.nixl", "kvbridge.connector.transport.base"],
         ("nixl", "torch"),
     )
+
+
+@pytest.mark.parametrize(
+    ("rmem", "tmem", "runs", "scattered"),
+    # tiny: 4 layers. Block-outermost: a run of sequential blocks is one span. Layer-separate:
+    # one span per layer for the run, and each scattered block's K and V are still adjacent.
+    [(0, 0, 1, 3), (1, 1, 4, 12)],
+    ids=["block-block", "layer-layer"],
+)
+def test_nixl_merges_adjacent_descriptors_and_times_the_read_itself(
+    pair: dict[str, Any], rmem: int, tmem: int, runs: int, scattered: int
+) -> None:
+    reader, target = pair["reader"], pair["target"]
+    link = connect(pair, rmem, tmem)
+    per_block = link["descriptors_per_block"]
+    run = transfer(reader, "read", link["link"], list(range(2, 9)), list(range(5, 12)))
+    assert (run["descriptors"], run["wire_descriptors"]) == (7 * per_block, runs)
+    assert 0 < run["backend_s"] <= run["elapsed"]
+    apart = transfer(reader, "read", link["link"], [0, 10, 13], [15, 1, 7])
+    assert (apart["descriptors"], apart["wire_descriptors"]) == (3 * per_block, scattered)
+    assert blocks(reader, rmem, [0, 10, 13]) == blocks(target, tmem, [15, 1, 7])
+    reader.call("disconnect", link=link["link"])

@@ -115,6 +115,18 @@ class TransferHandle(abc.ABC):
     def num_descriptors(self) -> int:
         """Descriptors in the request (before any merging by the backend)."""
 
+    @property
+    def wire_descriptors(self) -> int | None:
+        """Descriptors the backend moved after merging adjacent ones, once done; None where
+        the backend does not say."""
+        return None
+
+    @property
+    def backend_seconds(self) -> float | None:
+        """The backend's own timing of the transfer (post to completion), once done; None
+        where the backend does not say. NIXL's is what vLLM's NixlConnector reports."""
+        return None
+
 
 class DeadlineHandle(TransferHandle):
     """What both transports' handles share: their figures, kvbridge's own deadline, ``wait``.
@@ -131,6 +143,8 @@ class DeadlineHandle(TransferHandle):
         self._what = what
         self._state: TransferState = "pending"
         self._error: TransferError | None = None
+        self._wire_desc: int | None = None
+        self._backend_s: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -139,6 +153,14 @@ class DeadlineHandle(TransferHandle):
     @property
     def num_descriptors(self) -> int:
         return self._ndesc
+
+    @property
+    def wire_descriptors(self) -> int | None:
+        return self._wire_desc
+
+    @property
+    def backend_seconds(self) -> float | None:
+        return self._backend_s
 
     @property
     def error(self) -> TransferError | None:

@@ -109,6 +109,8 @@ class Peer:
             "elapsed": time.monotonic() - t0,
             "nbytes": handle.nbytes,
             "descriptors": handle.num_descriptors,
+            "wire_descriptors": handle.wire_descriptors,
+            "backend_s": handle.backend_seconds,
         }
 
     def op_blocks(self, mem: int, ids: list[int], group: str = "self") -> dict[str, Any]:

@@ -90,6 +90,8 @@ class NixlTransferHandle(DeadlineHandle):
     def _finish(self) -> None:
         with self._agent.lock:
             self._state = "done"
+            if (figures := self._agent.telemetry(self._xfer)) is not None:
+                self._backend_s, self._wire_desc = figures
             self._release_request()
 
     def _fail(self, error: TransferError, *, drop_link: bool = True) -> None:
