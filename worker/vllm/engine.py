@@ -58,12 +58,15 @@ class Engine:
         startup_timeout_s: float = 240.0,
         wait: bool = True,
         log_stats: bool = False,
+        tp: int = 1,
     ) -> None:
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if log_stats:
             cmd.append("--log-stats")
+        if tp > 1:  # one worker process per rank, all pinned to ``core`` with the engine
+            cmd += ["--tensor-parallel-size", str(tp)]
         self.log = log
         self.child = ChildProcess(
             cmd,
@@ -78,6 +81,8 @@ class Engine:
                 # carries the answers
                 "VLLM_LOGGING_STREAM": "ext://sys.stderr",
                 "PYTHONUNBUFFERED": "1",
+                # this checkout's kvbridge in the engine and in every rank's worker process
+                "PYTHONPATH": str(ROOT),
                 **(env or {}),
             },
             cwd=ROOT,
