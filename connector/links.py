@@ -287,7 +287,7 @@ class LinkCache:
         log.info(
             "connected to %s at %s (%s)",
             hs.peer.engine_id,
-            load.remote_address,
+            client.address,  # a TP rank's own port, derived from the request's rank-0 address
             hs.negotiation.mode.value,
         )
         return Peer(client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link)

@@ -18,9 +18,8 @@ from contextlib import ExitStack
 import pytest
 
 from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams
-from kvbridge.connector.control import ControlServer, Role, serve
+from kvbridge.connector.control import ControlServer, ControlServerConfig, Role, serve
 from kvbridge.connector.control.peers import dial_control, rank_address, rank_port
-from kvbridge.connector.control.server import ControlServerConfig
 from kvbridge.connector.links import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
