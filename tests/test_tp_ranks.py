@@ -24,6 +24,7 @@ from kvbridge.connector.links import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
+from kvbridge.connector.vllm.worker import WorkerSettings
 from kvbridge.proto import (
     BlockId,
     ConfigError,
@@ -75,6 +76,8 @@ def test_rank_r_serves_at_the_rank_zero_port_plus_r(rank0: str, rank: int, expec
 def test_a_rank_port_past_65535_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="one port per rank"):
         rank_port(65535, 1)
+    with pytest.raises(ConfigError, match="one port per rank"):  # checked at start-up
+        WorkerSettings("m", 32, control_port=65534, tp_rank=0, tp_size=4)
     with pytest.raises(PeerError, match="no TP rank 2 control address"):
         rank_address("127.0.0.1:65534", 2)
 

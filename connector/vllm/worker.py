@@ -41,6 +41,7 @@ from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
+from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -67,8 +68,8 @@ class WorkerSettings:
 
     With tensor parallelism every rank runs its own kvbridge worker (NIXL agent, control
     server, lease and seal tables) over its slice of the KV heads; a producer's rank ``r``
-    serves control at ``control_port + r`` (:func:`~kvbridge.connector.control.peers.
-    rank_port`) and a reader's rank ``r`` dials the peer's rank ``r`` only.
+    serves control at ``control_port + r`` (``peers.rank_port``) and a reader's rank ``r``
+    dials the peer's rank ``r`` only.
     """
 
     model_name: str
@@ -78,6 +79,14 @@ class WorkerSettings:
     """Rank 0's control port (0 on a consumer: it serves none)."""
     tp_rank: int = 0
     tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        from kvbridge.connector.control.peers import rank_port
+
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.control_port:  # every rank's port must exist
+            rank_port(self.control_port, self.tp_size - 1)
 
 
 class VllmWorker:
