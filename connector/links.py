@@ -8,7 +8,9 @@ the same address. The handshake runs on a small pool of its own (at most
 ``max_handshakes`` at once), started by :meth:`LinkCache.connect_ahead` as soon
 as a step names a new engine; every load from that engine waits for that one
 handshake, and a slow engine never holds up loads from the others. An address
-in a request is a claim: the handshake must name the engine the request names.
+in a request is a claim: the handshake must name the engine the request names,
+and a peer of tensor-parallel rank ``r`` must be rank ``r`` of the same TP size
+(the client factory dials rank ``r``'s port, derived from the rank-0 address).
 A peer whose NIXL agent metadata changed after a failed load is a new process
 under the same engine id (it restarted): the link is replaced and the load may
 be retried once.
@@ -254,6 +256,7 @@ class LinkCache:
                     f"{load.remote_address} is engine {hs.peer.engine_id!r}, but the request "
                     f"names {load.remote_engine!r}; not reading from it"
                 )
+            _check_same_rank(self._memory.layout, hs.peer.layout, client.address)
         except BaseException:
             client.close()
             raise
@@ -284,7 +287,7 @@ class LinkCache:
         log.info(
             "connected to %s at %s (%s)",
             hs.peer.engine_id,
-            load.remote_address,
+            client.address,  # a TP rank's own port, derived from the request's rank-0 address
             hs.negotiation.mode.value,
         )
         return Peer(client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link)
@@ -302,3 +305,14 @@ class LinkCache:
                 free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
                 staging = self._staging[remote.order] = Staging(memory, caches, free)
             return staging
+
+
+def _check_same_rank(local: KVLayout, remote: KVLayout, address: str) -> None:
+    """A reader of TP rank ``r`` reads only from the peer's rank ``r`` of the same TP size:
+    any other rank holds other KV heads (wrong tokens), so the load fails closed."""
+    if (remote.tp_size, remote.tp_rank) != (local.tp_size, local.tp_rank):
+        raise PeerError(
+            f"{address} is TP rank {remote.tp_rank} of {remote.tp_size}, this worker is TP "
+            f"rank {local.tp_rank} of {local.tp_size}: its blocks hold other KV heads; not "
+            "reading from it"
+        )

@@ -20,9 +20,11 @@ from typing import Any
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
-__all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS"]
+__all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS", "MAX_TP_SIZE"]
 
 MAX_BLOCKS_PER_REQUEST = 1 << 16
+MAX_TP_SIZE = 1024
+"""Largest prefill tensor-parallel size a request may claim."""
 MAX_ID_CHARS = 256
 """Longest id or address string (request ids included, at the Inference edge too)."""
 _MAX_STR = MAX_ID_CHARS
@@ -40,6 +42,9 @@ class KVTransferParams:
     block_hashes: Mapping[str, tuple[BlockHash, ...]]
     lease_id: LeaseId
     lease_ttl_s: float
+    tp_size: int = 1
+    """The prefill's tensor-parallel size: its rank ``r`` holds the ``r``-th slice of the KV
+    heads and serves control at ``remote_address``'s port ``+ r``. Absent: 1."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -51,6 +56,7 @@ class KVTransferParams:
             "block_hashes": {g: list(h) for g, h in self.block_hashes.items()},
             "lease_id": self.lease_id,
             "lease_ttl_s": self.lease_ttl_s,
+            "tp_size": self.tp_size,
         }
 
     @staticmethod
@@ -71,9 +77,12 @@ class KVTransferParams:
                 block_hashes=_group_map(params, "block_hashes", _hash),
                 lease_id=LeaseId(_str(params, "lease_id")),
                 lease_ttl_s=float(_num(params, "lease_ttl_s")),
+                tp_size=_int(params, "tp_size") if "tp_size" in params else 1,
             )
         except (TypeError, ValueError) as exc:
             raise WireError(f"kv_transfer_params: {exc}") from None
+        if out.tp_size > MAX_TP_SIZE:
+            raise WireError(f"kv_transfer_params: 'tp_size' {out.tp_size} is above {MAX_TP_SIZE}")
         need_blocks = -(-out.num_tokens // block_size)
         got = len(out.block_ids.get("self", ()))
         if got != need_blocks:

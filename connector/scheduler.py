@@ -113,9 +113,12 @@ class _Pending:
 class KVBridgeScheduler(SchedulerConnector):
     """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int) -> None:
+    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
         self.config = config
         self.block_size = block_size
+        self.tp_size = tp_size
+        """The engine's tensor-parallel size: a prefill of another size holds other head
+        slices per rank, so its KV is not loaded (heterogeneous TP: recompute)."""
         self.issuer: LeaseIssuer | None = None
         self.offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None
         self._stores: list[BlockStore] = []
@@ -152,6 +155,15 @@ class KVBridgeScheduler(SchedulerConnector):
         except WireError as exc:
             log.warning(
                 "request %s: not loading remote KV (%s); recomputing", request.request_id, exc
+            )
+            return 0, False
+        if params.tp_size != self.tp_size:
+            log.warning(
+                "request %s: not loading remote KV (prefill TP=%d, decode TP=%d: heterogeneous "
+                "TP is not supported); recomputing",
+                request.request_id,
+                params.tp_size,
+                self.tp_size,
             )
             return 0, False
         external = params.num_tokens - num_computed_tokens
@@ -347,6 +359,7 @@ class KVBridgeScheduler(SchedulerConnector):
             block_hashes={g: tuple(v) for g, v in hashes.items()},
             lease_id=lease_id,
             lease_ttl_s=ttl_s,
+            tp_size=self.tp_size,
         )
         return delay_free, params.to_dict()
 

@@ -10,6 +10,12 @@ allowed (a one-host deployment works out of the box; nothing leaves the host).
 :func:`dial_control` is the only way the connector creates a control client
 for an address it was handed; it refuses a disallowed address before any
 channel exists, so the token is never sent there.
+
+Tensor parallelism: rank ``r`` of a prefill serves its control port at the
+advertised (rank-0) port ``+ r`` (:func:`rank_address`). A request names only
+rank 0; a reader of rank ``r`` checks *that* address against the allowed peers
+first and only then derives rank ``r``'s port itself, never taking it from the
+request: naming ``HOST:PORT`` allows ``HOST:PORT+r`` for the ranks of that prefill.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ __all__ = [
     "check_peer",
     "dial_control",
     "parse_allowed_peers",
+    "rank_address",
+    "rank_port",
 ]
 
 _MAX_ADDRESS_CHARS = 256
@@ -88,13 +96,39 @@ def check_peer(address: str, allowed: Iterable[str]) -> None:
     )
 
 
-def dial_control(address: str, config: ConnectorConfig) -> ControlClient:
-    """A control client for a peer the operator allowed (PeerError otherwise: nothing is sent)."""
+def rank_port(port: int, tp_rank: int) -> int:
+    """The control port of TP rank ``tp_rank`` of an engine whose rank 0 serves ``port``."""
+    if tp_rank < 0 or not 0 < port + tp_rank <= 65535:
+        raise ConfigError(
+            f"control port {port} + TP rank {tp_rank} is not a port: pick a control_port "
+            "with room for one port per rank"
+        )
+    return port + tp_rank
+
+
+def rank_address(address: str, tp_rank: int) -> str:
+    """``HOST:PORT`` of TP rank ``tp_rank`` of the engine whose rank 0 is at ``address``
+    (PeerError if that is not a port)."""
+    try:
+        host, _, port = normalize_address(address).rpartition(":")
+        return f"{host}:{rank_port(int(port), tp_rank)}"
+    except (ValueError, ConfigError) as exc:
+        raise PeerError(
+            f"no TP rank {tp_rank} control address for {address[:64]!r}: {exc}"
+        ) from None
+
+
+def dial_control(address: str, config: ConnectorConfig, tp_rank: int = 0) -> ControlClient:
+    """A control client for TP rank ``tp_rank`` of the peer whose rank 0 is at ``address``.
+
+    ``address`` (a claim from a request) must be allowed first (PeerError otherwise:
+    nothing is sent); only then is rank ``tp_rank``'s port derived from it."""
     check_peer(address, config.allowed_peers)
+    target = rank_address(address, tp_rank) if tp_rank else address
     from kvbridge.connector.control.client import ControlClient
 
     return ControlClient(
-        address,
+        target,
         token=config.token,
         root_cert=config.tls_root_cert,
         timeout_s=config.control_timeout_s,

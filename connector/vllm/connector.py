@@ -50,7 +50,7 @@ from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
-from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.types import BlockId, RequestId
 
 if TYPE_CHECKING:
@@ -144,6 +144,16 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(n)
 
 
+def _tp_rank(tp_size: int) -> int:
+    """This worker process's tensor-parallel rank (vLLM's TP group exists by the time the
+    worker's connector is made)."""
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge behind vLLM's KV connector API; see the module docstring."""
 
@@ -166,6 +176,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         )
         self._block_size = vllm_config.cache_config.block_size
         par = vllm_config.parallel_config
+        if par.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"kvbridge's vLLM connector does not support pipeline parallelism "
+                f"(pipeline_parallel_size={par.pipeline_parallel_size}); use 1"
+            )
+        tp_size = par.tensor_parallel_size
         self._num_kv_heads = model.get_num_kv_heads(par)
         self._head_size = model.get_head_size()
         self._scheduler: VllmScheduler | None = None
@@ -181,11 +197,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
             )
             self._lookup = self._offload_lookup()
             self._scheduler = VllmScheduler(
-                self._cfg.connector, self._block_size, hasher, self._lookup
+                self._cfg.connector, self._block_size, hasher, self._lookup, tp_size
             )
         else:
-            if par.tensor_parallel_size > 1 or par.pipeline_parallel_size > 1:
-                raise LayoutError("kvbridge's vLLM connector supports TP=1, PP=1 for now")
             self._worker = VllmWorker(
                 self._cfg.connector,
                 WorkerSettings(
@@ -193,6 +207,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     block_size=self._block_size,
                     control_host=self._cfg.control_host,
                     control_port=self._cfg.control_port,
+                    tp_rank=_tp_rank(tp_size),
+                    tp_size=tp_size,
                 ),
             )
 

@@ -160,10 +160,11 @@ class VllmScheduler:
         block_size: int,
         hasher: BlockHasher,
         offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.hasher = hasher
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgeScheduler(config, block_size)
+        self.planner = KVBridgeScheduler(config, block_size, tp_size)
         self.planner.attach(self.holds, offload_lookup)
 
     @property

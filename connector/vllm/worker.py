@@ -41,6 +41,7 @@ from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
+from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -63,14 +64,29 @@ RESULTS_KEPT = 1024
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
-    """What the worker half needs beyond :class:`ConnectorConfig` (built by the adapter)."""
+    """What the worker half needs beyond :class:`ConnectorConfig` (built by the adapter).
+
+    With tensor parallelism every rank runs its own kvbridge worker (NIXL agent, control
+    server, lease and seal tables) over its slice of the KV heads; a producer's rank ``r``
+    serves control at ``control_port + r`` (``peers.rank_port``) and a reader's rank ``r``
+    dials the peer's rank ``r`` only.
+    """
 
     model_name: str
     block_size: int
     control_host: str = "127.0.0.1"
     control_port: int = 0
+    """Rank 0's control port (0 on a consumer: it serves none)."""
     tp_rank: int = 0
     tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        from kvbridge.connector.control.peers import rank_port
+
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.control_port:  # every rank's port must exist
+            rank_port(self.control_port, self.tp_size - 1)
 
 
 class VllmWorker:
@@ -95,6 +111,7 @@ class VllmWorker:
     # ----- start-up ------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
+        from kvbridge.connector.control.peers import rank_port
         from kvbridge.connector.control.server import ControlServerConfig, serve
         from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
         from kvbridge.connector.worker_side import KVBridgeWorker
@@ -121,7 +138,7 @@ class VllmWorker:
                 self.leases,
                 ControlServerConfig(
                     host=s.control_host,
-                    port=s.control_port,
+                    port=rank_port(s.control_port, s.tp_rank) if s.control_port else 0,
                     token=self.config.token,
                     default_ttl_s=self.config.lease_ttl_s,
                     max_ttl_s=self.config.max_lease_ttl_s,
@@ -137,15 +154,23 @@ class VllmWorker:
             role=Role(self.config.role),
             layout=layout,
             agent_metadata=self.transport.metadata(),
-            control_address=self.config.control_address,
+            control_address=self._own_address(),
             seal_layout=None if self.loader is None else self.loader.seal_layout,
         )
+
+    def _own_address(self) -> str:
+        """This rank's control address (the advertised one is rank 0's)."""
+        from kvbridge.connector.control.peers import rank_address
+
+        address, rank = self.config.control_address, self.settings.tp_rank
+        return rank_address(address, rank) if address and rank else address
 
     def _client(self, address: str) -> ControlClient:
         from kvbridge.connector.control.peers import dial_control
 
         # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        return dial_control(address, self.config)
+        # (rank 0's address is checked); this rank's port is derived from it, never read
+        return dial_control(address, self.config, self.settings.tp_rank)
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:

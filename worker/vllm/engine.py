@@ -60,6 +60,7 @@ class Engine:
         log_stats: bool = False,
         max_model_len: int | None = None,
         cpu_kv_layouts: Sequence[str] = (),
+        tp: int = 1,
     ) -> None:
         """``cpu_kv_layouts`` (test-only shim): vLLM layout names the CPU attention
         backend is made to declare before the engine is built (``--cpu-kv-layouts``)."""
@@ -72,6 +73,8 @@ class Engine:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if log_stats:
             cmd.append("--log-stats")
+        if tp > 1:  # one worker process per rank, all pinned to ``core`` with the engine
+            cmd += ["--tensor-parallel-size", str(tp)]
         self.log = log
         self.child = ChildProcess(
             cmd,
@@ -86,6 +89,8 @@ class Engine:
                 # carries the answers
                 "VLLM_LOGGING_STREAM": "ext://sys.stderr",
                 "PYTHONUNBUFFERED": "1",
+                # this checkout's kvbridge in the engine and in every rank's worker process
+                "PYTHONPATH": str(ROOT),
                 **(env or {}),
             },
             cwd=ROOT,

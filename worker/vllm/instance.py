@@ -15,9 +15,13 @@ Commands, one JSON object per line; each gets one answer line, ``KVB-JSON {...}`
     {"cmd": "quit"}
 
 Start (in ``.venv-vllm``): ``python -m kvbridge.worker.vllm.instance --model DIR
-[--kv-transfer-config JSON] [--log-stats]``; its first answer line is
-``{"ready": true, ...}``. ``--log-stats`` turns on vLLM's stat loggers (the periodic
-log line and the Prometheus metrics), which an offline engine leaves off.
+[--kv-transfer-config JSON] [--log-stats] [--tensor-parallel-size N] [--cpu-kv-layouts L,...]``;
+its first answer line is ``{"ready": true, ...}``. ``--log-stats`` turns on vLLM's stat
+loggers (the periodic log line and the Prometheus metrics), which an offline engine leaves
+off. With ``--tensor-parallel-size`` above 1 vLLM runs one worker process per rank (``mp``
+executor): the worker connectors live there, so ``stats`` reports only what the scheduler
+sees (blocks in use, requests; ``"tp"``) and the loads are read from vLLM's own
+KV-connector stats (``--log-stats`` and ``metrics``).
 ``--cpu-kv-layouts BLHNC,LBHNC`` is a **test-only shim**: before the engine is built it
 makes vLLM's CPU attention backend declare those KV cache layouts (it declares only
 ``LBHNC``), so that a connector's request for a block-outermost layout is honoured on
@@ -66,6 +70,8 @@ class Instance:
             declare_cpu_kv_layouts(args.cpu_kv_layouts.split(","))
 
         kw: dict[str, Any] = {}
+        if args.tensor_parallel_size > 1:  # one worker process per rank (gloo on CPU)
+            kw["distributed_executor_backend"] = "mp"
         if args.kv_transfer_config:
             from vllm.config import KVTransferConfig
 
@@ -82,6 +88,7 @@ class Instance:
             enforce_eager=True,
             seed=0,
             disable_log_stats=not args.log_stats,
+            tensor_parallel_size=args.tensor_parallel_size,
             **kw,
         )
         self.startup_s = time.perf_counter() - t0
@@ -165,6 +172,7 @@ class Instance:
             "blocks_in_use": total - pool.get_num_free_blocks(),
             "total_blocks": total,
             "requests": len(self.scheduler.requests),
+            "tp": self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
         }
         conn = self._worker_connector()
         worker = getattr(conn, "_worker", None)
@@ -225,6 +233,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--log-stats", action="store_true")
     parser.add_argument("--cpu-kv-layouts", default="", help="test-only shim, e.g. BLHNC,LBHNC")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     inst = Instance(args)
     _reply({"ready": True, "startup_s": inst.startup_s})

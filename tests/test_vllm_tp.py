@@ -1,0 +1,175 @@
+"""kvbridge inside real vLLM (CPU) with tensor parallelism: prefill TP=2 -> decode TP=2.
+
+Three engines start once for the module: a prefill and a decode at TP=2 (vLLM's
+``mp`` executor, one worker process per rank, each engine's processes pinned to
+one core) and a TP=1 ``kv_both`` engine that is the plain reference and the
+other side of the heterogeneous pairs. Each prefill rank leases the request's
+blocks under the one lease id its scheduler chose and serves control at
+``control_port + rank``; each decode rank reads its own KV heads from the same
+rank. With TP>1 the connector's worker halves live in the rank processes, so the
+decode's loads are read from vLLM's own KV-connector stats (Prometheus), which
+vLLM aggregates over the ranks: one sample per rank per load.
+
+A prefill and a decode of different TP sizes never load (each rank holds other
+heads): the decode recomputes and says why.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.worker import vllm as harness
+from tests.harness.vllm import model_or_skip
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PREFIX = [5, *range(10, 80)]  # 71 tokens: two full shared blocks
+PROMPTS = [PREFIX + [100 + i] * (i + 3) for i in range(4)]  # 3 blocks each
+OTHER_FIRST = [9, *PREFIX[1:], 100, 100, 100]  # PROMPTS[0] with another first token
+TP1_TO_TP2 = [[7, *range(200, 260), 300 + i] for i in range(2)]
+TP2_TO_TP1 = [[8, *range(400, 460), 500 + i] for i in range(2)]
+MAX_TOKENS = 4
+TTL_S = 6
+"""Prefill leases: a decode that recomputes (heterogeneous TP) lets them expire."""
+
+
+@pytest.fixture(scope="module")
+def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], Path]]:
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    model = model_or_skip(tmp)
+    port = 21000 + (hash(str(tmp)) % 2000) * 2  # rank r serves at port + r
+    started = {
+        "prefill": harness.Engine(
+            model,
+            core=0,
+            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=TTL_S),
+            log=tmp / "prefill.log",
+            wait=False,
+            tp=2,
+        ),
+        "decode": harness.Engine(
+            model,
+            core=1,
+            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=10),
+            log=tmp / "decode.log",
+            wait=False,
+            log_stats=True,
+            tp=2,
+        ),
+        "tp1": harness.Engine(
+            model,
+            core=1,
+            kv=harness.kv_config("kvbridge", "kv_both", control_port=port + 100, lease_ttl_s=TTL_S),
+            log=tmp / "tp1.log",
+            wait=False,
+        ),
+    }
+    with harness.running(started) as engines:
+        yield {**engines, "port": port}, tmp
+
+
+def _handed_over(prefill: harness.Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p["remote_address"] for p in params), params
+    return params
+
+
+def _metric(text: str, name: str) -> float:
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_greedy_output_depends_on_an_early_token(tp: tuple[dict[str, Any], Path]) -> None:
+    plain = tp[0]["tp1"]
+    assert harness.tokens(plain.generate(PROMPTS[:1], MAX_TOKENS)) != harness.tokens(
+        plain.generate([OTHER_FIRST], MAX_TOKENS)
+    )
+
+
+def test_pd_tp2_to_tp2_gives_the_plain_engines_tokens(tp: tuple[dict[str, Any], Path]) -> None:
+    engines, tmp = tp
+    expected = harness.tokens(engines["tp1"].generate(PROMPTS, MAX_TOKENS))
+    decode = engines["decode"]
+    got: list[list[int]] = []
+    # the first prompt alone, so that the others find its prefix in decode's cache
+    for batch in (PROMPTS[:1], PROMPTS[1:]):
+        params = _handed_over(engines["prefill"], batch)
+        assert {p["tp_size"] for p in params} == {2}
+        got += harness.tokens(decode.generate(batch, MAX_TOKENS, params))
+    assert got == expected
+    # each decode rank dialed its own prefill rank: rank-0 port + rank
+    log = (tmp / "decode.log").read_text()
+    port = engines["port"]
+    for rank in (0, 1):
+        assert re.search(rf"connected to \S+ at 127\.0\.0\.1:{port + rank} ", log), log[-3000:]
+
+
+def test_every_rank_loaded_its_heads_and_nothing_was_recomputed(
+    tp: tuple[dict[str, Any], Path],
+) -> None:
+    text = tp[0]["decode"].call(cmd="metrics")["text"]
+    # vLLM aggregates the ranks' stats: one sample per rank and load (4 loads, 2 ranks);
+    # 3 blocks for the first prompt, then 1 each (the shared prefix is in decode's cache)
+    assert _metric(text, "vllm:kvbridge_xfer_time_seconds_count") == 2 * len(PROMPTS)
+    assert _metric(text, "vllm:kvbridge_num_blocks_sum") == 2 * (3 + 1 + 1 + 1)
+    assert _metric(text, "vllm:kvbridge_num_failed_transfers_total") == 0
+    assert _metric(text, "vllm:kvbridge_num_failed_blocks_total") == 0
+    # each rank moved its own half of the heads: one block of one rank's slice is
+    # 4 layers x 32 tokens x 1 KV head x 2 x 64 floats
+    per_rank_block = 4 * 32 * 1 * 2 * 64 * 4
+    assert _metric(text, "vllm:kvbridge_bytes_transferred_sum") == 2 * 6 * per_rank_block
+
+
+def test_no_blocks_held_on_either_side_afterwards(tp: tuple[dict[str, Any], Path]) -> None:
+    engines, _ = tp
+    # vLLM frees a held request only when every prefill rank reported it done sending
+    prefill = engines["prefill"].call(cmd="drain", timeout_s=TTL_S + 10)
+    assert prefill["tp"] == 2
+    assert prefill["blocks_in_use"] == 0 and prefill["requests"] == 0, prefill
+    decode = engines["decode"].call(cmd="drain", timeout_s=10)
+    assert decode["blocks_in_use"] == 0 and decode["requests"] == 0, decode
+
+
+def test_prefill_tp1_to_decode_tp2_recomputes_and_says_why(
+    tp: tuple[dict[str, Any], Path],
+) -> None:
+    engines, tmp = tp
+    expected = harness.tokens(engines["tp1"].generate(TP1_TO_TP2, MAX_TOKENS))
+    params = _handed_over(engines["tp1"], TP1_TO_TP2)
+    assert {p["tp_size"] for p in params} == {1}
+    decode = engines["decode"]
+    before = decode.call(cmd="metrics")["text"]
+    assert harness.tokens(decode.generate(TP1_TO_TP2, MAX_TOKENS, params)) == expected
+    after = decode.call(cmd="metrics")["text"]
+    name = "vllm:kvbridge_xfer_time_seconds_count"
+    assert _metric(after, name) == _metric(before, name)  # no load was tried
+    log = (tmp / "decode.log").read_text()
+    assert "prefill TP=1, decode TP=2: heterogeneous TP is not supported" in log
+    # the TP=1 prefill's lease expires: its blocks go back
+    held = engines["tp1"].call(cmd="drain", timeout_s=TTL_S + 10)
+    assert held["blocks_in_use"] == 0 and held["leases"] == 0, held
+
+
+def test_prefill_tp2_to_decode_tp1_recomputes_and_says_why(
+    tp: tuple[dict[str, Any], Path],
+) -> None:
+    engines, tmp = tp
+    # the reference from the TP=2 engine, so that the TP=1 decode has never seen these
+    expected = harness.tokens(engines["decode"].generate(TP2_TO_TP1, MAX_TOKENS))
+    params = _handed_over(engines["prefill"], TP2_TO_TP1)
+    decode = engines["tp1"]
+    before = set(decode.call(cmd="stats")["loads"])
+    assert harness.tokens(decode.generate(TP2_TO_TP1, MAX_TOKENS, params)) == expected
+    stats = decode.call(cmd="drain", timeout_s=10)
+    assert set(stats["loads"]) == before  # no load was tried
+    log = (tmp / "tp1.log").read_text()
+    assert "prefill TP=2, decode TP=1: heterogeneous TP is not supported" in log
+    prefill = engines["prefill"].call(cmd="drain", timeout_s=TTL_S + 10)
+    assert prefill["blocks_in_use"] == 0 and prefill["requests"] == 0, prefill
