@@ -46,6 +46,9 @@ def test_one_round_of_both_connectors_loads_every_request(tmp_path: Path) -> Non
     for r in requests:
         assert r["loaded"] and r["same_first_token"] and r["error"] is None, r
         assert 0 < r["transfer_ms"] < r["decode_ttft_ms"] < r["e2e_ms"], r
+        # NIXL's telemetry of the READ: inside kvbridge's whole load, NixlConnector's own figure
+        assert 0 < r["read_ms"] <= r["transfer_ms"], r
+        assert 0 < r["wire_descriptors"] <= r["descriptors"], r
     assert 40 <= min(r["prompt_tokens"] for r in requests if r["prompts"] == "short") <= 80
     assert len(payload["summary"]) == 4
     assert {(s["prompts"]) for s in payload["ratios"]} == {"short", "long"}

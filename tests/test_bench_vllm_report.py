@@ -20,6 +20,7 @@ def row(connector: str, rnd: int, index: int, ttft: float, **over: Any) -> dict[
         "index": index,
         "prompt_tokens": 100 + index,
         "decode_ttft_ms": ttft,
+        "read_ms": ttft / 20,
         "transfer_ms": ttft / 10,
         "e2e_ms": ttft + 100,
         "loaded": True,
@@ -53,7 +54,15 @@ def test_summary_pools_rounds_and_keeps_each_rounds_median() -> None:
     assert entry["decode_ttft_ms"]["median"] == 35
     assert entry["decode_ttft_ms"]["round_medians"] == [20, 50]
     assert entry["transfer_ms"]["median"] == 3.5
+    assert entry["read_ms"]["median"] == 1.75
     assert (entry["requests"], entry["bad_requests"]) == (6, 0)
+
+
+def test_a_request_without_a_read_time_counts_for_every_other_metric() -> None:
+    rows = [row("kvbridge", 0, 0, 10.0), row("kvbridge", 0, 1, 20.0, read_ms=None)]
+    (entry,) = summarize(rows)
+    assert (entry["decode_ttft_ms"]["n"], entry["read_ms"]["n"]) == (2, 1)
+    assert entry["read_ms"]["round_medians"] == [0.5]
 
 
 def test_ratios_are_kvbridge_over_nixl_per_metric() -> None:

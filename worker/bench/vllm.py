@@ -9,10 +9,12 @@ long interleaved, one at a time: prefill with ``max_tokens=1`` and
 ``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and
 ``max_tokens=1``. Prompts differ from their first token on, so decode never hits
 its prefix cache. Per request it records decode TTFT (decode's ``generate``, timed
-in the engine: transfer + first token), the connector's own transfer time (kvbridge:
-the load's ``transfer_ms``; NixlConnector: its ``transfer_duration``) and end to end
-(prefill + decode, client side); it checks that decode's first token is prefill's
-and that the KV came over the connector (a recompute is flagged, not measured).
+in the engine: transfer + first token), NIXL's own timing of the KV READ (telemetry,
+post to completion: the same span for both connectors), the connector's own transfer
+figure (kvbridge: the whole load's ``transfer_ms``; NixlConnector: that telemetry, its
+``transfer_duration``) and end to end (prefill + decode, client side); it checks that
+decode's first token is prefill's and that the KV came over the connector (a recompute
+is flagged, not measured).
 Figures: :mod:`kvbridge.worker.bench.vllm_report`.
 """
 
@@ -152,12 +154,19 @@ class _Loads:
             if len(new) != 1:
                 return None, False, f"{len(new)} new kvbridge load results"
             load = new[0]
-            self.detail = {k: load.get(k) for k in ("descriptors", "bytes", "path")}
+            keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms")
+            self.detail = {k: load.get(k) for k in keys}
             if load["error"] or not load["moved"]:
                 return load["transfer_ms"], False, load["error"] or "no block moved"
             return float(load["transfer_ms"]), True, None
         durations = stats.get("nixl_transfer_s") or []
-        self.detail = {"descriptors": sum(stats.get("nixl_descriptors") or [])}
+        # NixlConnector's figures are NIXL's telemetry: descriptors after merging, the READ
+        merged = sum(stats.get("nixl_descriptors") or [])
+        self.detail = {
+            "descriptors": merged,
+            "wire_descriptors": merged,
+            "read_ms": 1e3 * sum(durations) if durations else None,
+        }
         if stats.get("nixl_failed"):
             return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
         if not durations:
@@ -233,7 +242,7 @@ def run_pair(
 
 def run(args: argparse.Namespace) -> int:
     from kvbridge.worker import vllm as harness
-    from kvbridge.worker.bench.vllm_report import assemble, box_plot, table_rows
+    from kvbridge.worker.bench.vllm_report import METRICS, assemble, box_plot, table_rows
 
     _check(args)
     harness.ensure_venv()
@@ -275,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     payload = assemble(settings, rounds, requests)
     print_table(table_rows(payload), list(table_rows(payload)[0]) if requests else [])
     print()
-    print_table(payload["ratios"], ["model", "prompts", "decode_ttft_ms", "transfer_ms", "e2e_ms"])
+    print_table(payload["ratios"], ["model", "prompts", *METRICS])
     json_path, png_path = output_paths(args.out)
     print(f"wrote {write_json(json_path, payload)}")
     if box_plot(png_path, payload):

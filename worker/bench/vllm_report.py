@@ -22,9 +22,12 @@ __all__ = ["METRICS", "assemble", "box_plot", "problems", "ratios", "spread", "s
 
 log = logging.getLogger(__name__)
 
-METRICS = ("decode_ttft_ms", "transfer_ms", "e2e_ms")
+METRICS = ("decode_ttft_ms", "read_ms", "transfer_ms", "e2e_ms")
 """Per request: decode's ``generate`` with ``max_tokens=1`` (transfer + first token, in the
-engine), the connector's own transfer time, and prefill + decode as the client saw them."""
+engine); NIXL's own timing of the KV READ, post to completion (telemetry, the same span for
+both connectors); the connector's own transfer figure (kvbridge: the whole load, link,
+READs, seal check and release; NixlConnector: the same telemetry as ``read_ms``); and
+prefill + decode as the client saw them."""
 BASELINE = "nixl"
 """Ratios are kvbridge's median over this connector's."""
 
@@ -73,10 +76,11 @@ def summarize(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "prompt_tokens": spread([r["prompt_tokens"] for r in rows]),
         }
         for metric in METRICS:
-            entry[metric] = spread([r[metric] for r in good])
+            known = [r for r in good if r.get(metric) is not None]
+            entry[metric] = spread([r[metric] for r in known])
             entry[metric]["round_medians"] = [
                 statistics.median(vals) if vals else None
-                for vals in ([r[metric] for r in good if r["round"] == i] for i in rounds)
+                for vals in ([r[metric] for r in known if r["round"] == i] for i in rounds)
             ]
         out.append(entry)
     return out
@@ -143,9 +147,10 @@ def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for s in payload["summary"]:
         row = {k: s[k] for k in ("model", "prompts", "connector")} | {"n": s["requests"]}
-        for metric, short in (("decode_ttft_ms", "ttft"), ("transfer_ms", "xfer")):
+        for metric, short in (("decode_ttft_ms", "ttft"), ("read_ms", "read")):
             for stat in ("median", "p10", "p90"):
                 row[f"{short}_{stat}"] = s[metric][stat]
+        row["xfer_median"] = s["transfer_ms"]["median"]
         row["e2e_median"] = s["e2e_ms"]["median"]
         row["bad"] = s["bad_requests"]
         rows.append(row)
@@ -153,8 +158,9 @@ def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def box_plot(path: Path, payload: Mapping[str, Any]) -> Path | None:
-    """Box plots (whiskers p10..p90, log scale) of decode TTFT and transfer time per
-    (model, prompt length), one box per connector; None when matplotlib is missing."""
+    """Box plots (whiskers p10..p90, log scale) of decode TTFT, NIXL's READ time and the
+    connector's own transfer figure per (model, prompt length), one box per connector;
+    None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -167,17 +173,21 @@ def box_plot(path: Path, payload: Mapping[str, Any]) -> Path | None:
     groups = list(dict.fromkeys((s["model"], s["prompts"]) for s in summary))
     connectors = list(dict.fromkeys(s["connector"] for s in summary))
     good = [r for r in payload["requests"] if _good(r)]
-    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(groups) + 4), 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(max(12.0, 3.3 * len(groups) + 6), 4.8))
     width = 0.8 / max(1, len(connectors))
-    for ax, metric, title in zip(
-        axes, ("decode_ttft_ms", "transfer_ms"), ("decode TTFT", "connector transfer"), strict=True
-    ):
+    panels = (
+        ("decode_ttft_ms", "decode TTFT"),
+        ("read_ms", "KV READ (NIXL telemetry)"),
+        ("transfer_ms", "connector's transfer figure"),
+    )
+    for ax, (metric, title) in zip(axes, panels, strict=True):
         for i, conn in enumerate(connectors):
             data = [
                 [
                     r[metric]
                     for r in good
                     if (r["model"], r["prompts"], r["connector"]) == (*g, conn)
+                    and r.get(metric) is not None
                 ]
                 or [float("nan")]
                 for g in groups

@@ -198,6 +198,8 @@ class Instance:
                     "transfer_ms": r.transfer_ms,
                     "bytes": r.bytes_moved,
                     "descriptors": r.descriptors,
+                    "wire_descriptors": r.wire_descriptors,
+                    "read_ms": r.read_ms,
                     "path": r.path,
                     "error": r.error,
                 }
