@@ -1,8 +1,9 @@
 """The soak: 2 prefill + 2 decode nodes and an offload daemon under random SIGKILL/SIGSTOP,
 every answered token checked against a single-process run (``kvbridge soak``).
 
-Runs by default (about 2 minutes on a 2-core machine); ``KVBRIDGE_SOAK_S=20`` shortens the
-load phase for a quick run, ``-m "not soak"`` leaves it out.
+Runs by default (a 30-second load phase, about 90 seconds in all on a 2-core machine);
+``KVBRIDGE_SOAK_S=20`` shortens the load phase for a quick run, ``-m "not soak"`` leaves
+it out.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvbridge.worker.cli import main
 from kvbridge.worker.serving.chaos import chaos_schedule
 from kvbridge.worker.serving.soak import SoakConfig
 
-SOAK_S = float(os.environ.get("KVBRIDGE_SOAK_S", "50"))
+SOAK_S = float(os.environ.get("KVBRIDGE_SOAK_S", "30"))
 
 
 def test_chaos_schedule_is_drawn_from_the_seed_and_always_kills_and_stops() -> None:
