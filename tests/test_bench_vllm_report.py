@@ -75,6 +75,13 @@ def test_ratios_are_kvbridge_over_nixl_per_metric() -> None:
     assert payload["trustworthy"] and payload["problems"] == []
 
 
+def test_every_kvbridge_variant_gets_its_own_ratio_over_nixl() -> None:
+    rows = [row("kvbridge", 0, 0, 30.0), row("nixl", 0, 0, 20.0), row("kvbridge-blhnc", 0, 0, 10.0)]
+    payload = assemble({"rounds": 1}, rounds_of(1), rows)
+    got = {r["connector"]: r["decode_ttft_ms"] for r in payload["ratios"]}
+    assert got == {"kvbridge": pytest.approx(1.5), "kvbridge-blhnc": pytest.approx(0.5)}
+
+
 def test_a_recomputed_request_is_left_out_of_the_figures_and_flags_the_run() -> None:
     rows = [row("kvbridge", 0, 0, 10.0), row("kvbridge", 0, 1, 9999.0, loaded=False,
             error="kvbridge load timed out", transfer_ms=None)]  # fmt: skip

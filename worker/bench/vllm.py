@@ -41,7 +41,11 @@ MODELS: dict[str, dict[str, int]] = {
 }
 """Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
 8 layers x 8 KV heads of 128 (2 MiB per block)."""
-CONNECTORS = ("kvbridge", "nixl")
+CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc")
+"""``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
+``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
+kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU default ``LBHNC``."""
+DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
 
@@ -61,7 +65,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
     p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
-    p.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=list(CONNECTORS))
+    p.add_argument(
+        "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
+        help="connectors to alternate (default kvbridge nixl; kvbridge-blhnc adds kvbridge on "
+        "the block-outermost layout through a test-only shim of vLLM's CPU backend)",
+    )  # fmt: skip
     p.add_argument(
         "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
         help="prompt lengths to run (default both)",
@@ -121,7 +129,9 @@ def _engines(
 ) -> tuple[Any, Any]:
     from kvbridge.worker import vllm as harness
 
-    if connector == "kvbridge":
+    shim: tuple[str, ...] = ()
+    if connector.startswith("kvbridge"):
+        shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
         p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port)
         d_kv = harness.kv_config("kvbridge", "kv_consumer")
         p_env: dict[str, str] = {}
@@ -131,7 +141,11 @@ def _engines(
         d_kv = harness.kv_config("nixl", "kv_consumer")
         p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
         d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}
-    common: dict[str, Any] = {"wait": False, "max_model_len": max_model_len}
+    common: dict[str, Any] = {
+        "wait": False,
+        "max_model_len": max_model_len,
+        "cpu_kv_layouts": shim,
+    }
     prefill = harness.Engine(model, core=0, kv=p_kv, log=logs / "prefill.log", env=p_env, **common)
     decode = harness.Engine(model, core=1, kv=d_kv, log=logs / "decode.log", env=d_env, **common)
     return prefill, decode
@@ -284,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     payload = assemble(settings, rounds, requests)
     print_table(table_rows(payload), list(table_rows(payload)[0]) if requests else [])
     print()
-    print_table(payload["ratios"], ["model", "prompts", *METRICS])
+    print_table(payload["ratios"], ["model", "prompts", "connector", *METRICS])
     json_path, png_path = output_paths(args.out)
     print(f"wrote {write_json(json_path, payload)}")
     if box_plot(png_path, payload):

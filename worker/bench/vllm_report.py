@@ -87,15 +87,15 @@ def summarize(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def ratios(summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """kvbridge's median over :data:`BASELINE`'s, per (model, prompt length) and metric
-    (None where either median is missing); below 1 means kvbridge is faster."""
+    """Each other connector's median over :data:`BASELINE`'s, per (model, prompt length) and
+    metric (None where either median is missing); below 1 means it is faster."""
     by_key = {_key(s): s for s in summary}
     out = []
     for (model, prompts, connector), entry in by_key.items():
         base = by_key.get((model, prompts, BASELINE))
-        if connector != "kvbridge" or base is None:
+        if connector == BASELINE or base is None:
             continue
-        row: dict[str, Any] = {"model": model, "prompts": prompts}
+        row: dict[str, Any] = {"model": model, "prompts": prompts, "connector": connector}
         for metric in METRICS:
             ours, theirs = entry[metric]["median"], base[metric]["median"]
             row[metric] = ours / theirs if ours is not None and theirs else None
