@@ -60,3 +60,27 @@ def test_separate_and_aliased_layers_are_still_accepted() -> None:
     caches["layers.2.attn"] = caches["layers.0.attn"]  # KV sharing: one tensor, one region
     shared = describe(caches)
     assert [x.kv_source for x in shared.layers] == [None, None, "layers.0.attn"]
+
+
+def test_a_model_id_carrying_a_layout_tag_is_refused() -> None:
+    # why: a split-K/V engine whose model id ends in the packed tag would describe itself
+    # under the very name a packed engine tags itself with, and the two would pair
+    from kvbridge.connector.vllm.config import VllmConnectorConfig
+    from kvbridge.proto import ConfigError, TransferMode
+
+    packed = describe(packed_layers([0, B * PAGE, 2 * B * PAGE]))
+    raw = torch.zeros(64 * SPAN)
+    split = {
+        f"layers.{i}.attn": torch.as_strided(
+            raw, (2, B, N, H, C), (B * SPAN, SPAN, H * C, C, 1), i * 2 * B * SPAN
+        )
+        for i in range(L)
+    }
+    views, _ = logical_views(split, num_kv_heads=H, head_size=C, block_size=N)
+    forged = KVLayout.from_tensors(views, model_name=packed.model.name, block_size=N)
+    assert packed.negotiate(forged).mode is not TransferMode.INCOMPATIBLE  # the hazard
+    for model_id in (packed.model.name, "m|anything"):
+        with pytest.raises(ConfigError, match=r"model_id .* contains '\|'"):
+            VllmConnectorConfig.from_vllm("kv_consumer", "e", {"model_id": model_id}, "served-name")
+    with pytest.raises(ConfigError, match=r"contains '\|'"):
+        VllmConnectorConfig.from_vllm("kv_consumer", "e", {}, "org/model|x")

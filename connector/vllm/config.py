@@ -115,6 +115,13 @@ class VllmConnectorConfig:
             )
         if not self.model_id:
             raise ConfigError("model_id must be non-empty (same on every node)")
+        if "|" in self.model_id:
+            # '|' starts kvbridge's layout tags (views.packed_suffix): a model id carrying
+            # one would let real K/V pair with packed pages whose halves are not K and V
+            raise ConfigError(
+                f"model_id {self.model_id[:64]!r} contains '|', which kvbridge reserves for "
+                "its layout tags; set kv_connector_extra_config.model_id to a name without it"
+            )
 
     @classmethod
     def from_vllm(
