@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvbridge.connector import ConnectorConfig
-from kvbridge.connector.control.leases import LeaseTable
+from kvbridge.connector.control import LeaseTable
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.proto import BlockId, ConfigError, preset_layout
 from tests.harness.control import FakeOwner
