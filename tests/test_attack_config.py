@@ -70,3 +70,19 @@ def test_good_values_still_pass() -> None:
     cfg = vllm(lease_ttl_s="20", load_timeout_s=5, token="secret", advertise_host="10.0.0.1")
     assert (cfg.connector.lease_ttl_s, cfg.connector.load_timeout_s) == (20.0, 5.0)
     assert cfg.connector.control_address == "10.0.0.1:7600"
+
+
+@pytest.mark.parametrize("server", ["control", "offload"])
+def test_a_server_never_takes_an_infinite_lease_cap(server: str) -> None:
+    # with max_ttl_s = inf (`kvbridge serve --max-lease-ttl inf`, `offload serve --max-ttl
+    # inf`) an authenticated caller pins blocks for as long as its ttl_ms field can say
+    from kvbridge.connector.control import ControlServerConfig
+    from kvbridge.worker.offload.config import OffloadConfig
+
+    config = ControlServerConfig if server == "control" else OffloadConfig
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ConfigError, match="max_ttl_s"):
+            config(max_ttl_s=bad)
+    with pytest.raises(ConfigError, match="reap_interval_s"):
+        config(reap_interval_s=math.nan)
+    assert config(max_ttl_s=60.0).max_ttl_s == 60.0
