@@ -77,7 +77,7 @@ def test_a_server_never_takes_an_infinite_lease_cap(server: str) -> None:
     # with max_ttl_s = inf (`kvbridge serve --max-lease-ttl inf`, `offload serve --max-ttl
     # inf`) an authenticated caller pins blocks for as long as its ttl_ms field can say
     from kvbridge.connector.control import ControlServerConfig
-    from kvbridge.worker.offload.config import OffloadConfig
+    from kvbridge.worker.offload import OffloadConfig
 
     config = ControlServerConfig if server == "control" else OffloadConfig
     for bad in (math.inf, math.nan):
