@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvbridge.connector.control.peers import parse_allowed_peers
@@ -55,8 +56,10 @@ class ConnectorConfig:
                 f"{', '.join(LOAD_ERROR_POLICIES)}"
             )
         for knob in ("lease_ttl_s", "load_timeout_s", "control_timeout_s", "max_lease_ttl_s"):
-            if getattr(self, knob) <= 0:
-                raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
+            value = getattr(self, knob)
+            if not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+                # NaN passed every comparison below: a lease that never expires
+                raise ConfigError(f"{knob} must be a finite number > 0, got {value!r}")
         if self.load_timeout_s >= self.lease_ttl_s:
             raise ConfigError(
                 f"load_timeout_s ({self.load_timeout_s}) must be shorter than lease_ttl_s "
@@ -67,6 +70,12 @@ class ConnectorConfig:
                 f"lease_ttl_s ({self.lease_ttl_s}) must not exceed max_lease_ttl_s "
                 f"({self.max_lease_ttl_s})"
             )
+        if self.token is not None and (
+            not isinstance(self.token, str)
+            or not self.token
+            or not (self.token.isascii() and self.token.isprintable())
+        ):
+            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
         if self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads must be >= 1")
         if isinstance(self.allowed_peers, str):

@@ -13,6 +13,7 @@ recomputed instead of read from wrong memory.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -117,8 +118,14 @@ def _int(params: Mapping[str, Any], key: str) -> int:
 
 def _num(params: Mapping[str, Any], key: str) -> float:
     value = params.get(key)
-    if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-        raise WireError(f"kv_transfer_params: {key!r} must be a positive number, got {value!r}")
+    if (
+        not isinstance(value, int | float)
+        or isinstance(value, bool)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise WireError(
+            f"kv_transfer_params: {key!r} must be a finite positive number, got {value!r}"
+        )
     return float(value)
 
 

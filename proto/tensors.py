@@ -91,7 +91,20 @@ def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Re
         )
         for t in starts:
             regions.append(Region(t.data_ptr(), per, str(t.device)))
+    _check_disjoint(regions)
     return regions
+
+
+def _check_disjoint(regions: list[Region]) -> None:
+    """LayoutError if two regions share bytes: a load into one would overwrite the other
+    (layers that really share KV alias one tensor and own no region)."""
+    spans = sorted((r.device, r.addr, r.addr + r.length) for r in regions)
+    for (dev_a, a0, a1), (dev_b, b0, _) in itertools.pairwise(spans):
+        if dev_a == dev_b and b0 < a1:
+            raise LayoutError(
+                f"KV regions overlap on {dev_a}: 0x{a0:x}..0x{a1:x} and one at 0x{b0:x}; "
+                "each layer's KV must be its own memory (or alias another layer's tensor)"
+            )
 
 
 def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:

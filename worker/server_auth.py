@@ -62,7 +62,7 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
 
     token = args.token
     if args.token_file is not None:
-        token = _read(args.token_file, "--token-file").decode().strip()
+        token = _read_token(args.token_file)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     ca = getattr(args, "tls_ca", None)
@@ -87,6 +87,23 @@ def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str)
             host,
             exposes,
         )
+
+
+def _read_token(path: Path) -> str:
+    """The token in ``path``, stripped; ConfigError if the file names none (an empty
+    file must not leave the server open) or is not UTF-8."""
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        token = _read(path, "--token-file").decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--token-file {str(path)!r} is not UTF-8 text") from None
+    if not token:
+        raise ConfigError(
+            f"--token-file {str(path)!r} is empty: write the token into it, or leave the "
+            "flag out to run without one"
+        )
+    return token
 
 
 def _read(path: Path, flag: str) -> bytes:

@@ -12,6 +12,7 @@ without the token learns nothing.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,15 +89,17 @@ class ControlServerConfig:
         for knob in ("max_workers", "max_concurrent_rpcs"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")
-        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+        if not 0 < self.default_ttl_s <= self.max_ttl_s or not math.isfinite(self.max_ttl_s):
+            # an infinite cap lets any caller pin for as long as its ttl_ms field can say
             raise ConfigError(
-                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s})"
+                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s}), "
+                "max_ttl_s finite"
             )
         if self.max_leases_per_peer < 1:
             raise ConfigError(f"max_leases_per_peer must be >= 1, got {self.max_leases_per_peer}")
         if self.max_blocks_per_peer is not None and self.max_blocks_per_peer < 1:
             raise ConfigError(f"max_blocks_per_peer must be >= 1, got {self.max_blocks_per_peer}")
-        if self.reap_interval_s <= 0:
+        if not (math.isfinite(self.reap_interval_s) and self.reap_interval_s > 0):
             raise ConfigError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
 
 

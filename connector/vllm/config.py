@@ -42,6 +42,7 @@ adapter passes plain values.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,13 @@ class VllmConnectorConfig:
             )
         if not self.model_id:
             raise ConfigError("model_id must be non-empty (same on every node)")
+        if "|" in self.model_id:
+            # '|' starts kvbridge's layout tags (views.packed_suffix): a model id carrying
+            # one would let real K/V pair with packed pages whose halves are not K and V
+            raise ConfigError(
+                f"model_id {self.model_id[:64]!r} contains '|', which kvbridge reserves for "
+                "its layout tags; set kv_connector_extra_config.model_id to a name without it"
+            )
 
     @classmethod
     def from_vllm(
@@ -128,12 +136,12 @@ class VllmConnectorConfig:
         if kv_role not in VLLM_ROLES:
             raise ConfigError(f"kv_role {kv_role!r} is not one of {', '.join(VLLM_ROLES)}")
         port = _int(extra, "control_port", 0)
-        host = str(extra.get("control_host", "127.0.0.1"))
-        advertise = str(extra.get("advertise_host", host))
+        host = _str(extra, "control_host", "127.0.0.1")
+        advertise = _str(extra, "advertise_host", host)
         algorithm = str(extra.get("hash_algorithm", "sha256"))
         if algorithm not in HASH_ALGORITHMS:
             raise ConfigError(f"hash_algorithm {algorithm!r} is not one of {HASH_ALGORITHMS}")
-        lease_ttl_s = float(extra.get("lease_ttl_s", 30.0))
+        lease_ttl_s = _float(extra, "lease_ttl_s", 30.0)
         connector = ConnectorConfig(
             engine_id=str(extra.get("engine_id") or engine_id or ""),
             role=VLLM_ROLES[kv_role],
@@ -141,8 +149,8 @@ class VllmConnectorConfig:
             token=extra.get("token"),
             allowed_peers=_peers(extra, "allowed_peers"),
             lease_ttl_s=lease_ttl_s,
-            max_lease_ttl_s=float(extra.get("max_lease_ttl_s", max(600.0, lease_ttl_s))),
-            load_timeout_s=float(extra.get("load_timeout_s", min(10.0, lease_ttl_s / 2))),
+            max_lease_ttl_s=_float(extra, "max_lease_ttl_s", max(600.0, lease_ttl_s)),
+            load_timeout_s=_float(extra, "load_timeout_s", min(10.0, lease_ttl_s / 2)),
             max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
         )
@@ -188,6 +196,28 @@ def _peers(extra: Mapping[str, Any], key: str) -> tuple[str, ...]:
             f"kv_connector_extra_config.{key} must be a list of host:port strings, got {value!r}"
         )
     return tuple(value)
+
+
+def _float(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    try:
+        out = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        out = math.nan
+    if not (math.isfinite(out) and out > 0):
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} must be a finite number of seconds > 0, got {value!r}"
+        )
+    return out
+
+
+def _str(extra: Mapping[str, Any], key: str, default: str) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}"
+        )
+    return value
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int) -> int:

@@ -7,6 +7,7 @@ read by the daemon's handlers and its gRPC server
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from kvbridge.connector.control.types import ControlLimits
@@ -66,12 +67,14 @@ class OffloadConfig:
             raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together: give both or neither")
-        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+        if not 0 < self.default_ttl_s <= self.max_ttl_s or not math.isfinite(self.max_ttl_s):
+            # an infinite cap lets any caller pin for as long as its ttl_ms field can say
             raise ConfigError(
-                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s})"
+                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s}), "
+                "max_ttl_s finite"
             )
         for knob in ("reap_interval_s", "idle_timeout_s"):
-            if getattr(self, knob) <= 0:
+            if not (math.isfinite(getattr(self, knob)) and getattr(self, knob) > 0):
                 raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
         if self.commit_wait_s < 0:
             raise ConfigError(f"commit_wait_s must be >= 0, got {self.commit_wait_s}")
