@@ -67,3 +67,15 @@ def test_only_an_unguarded_non_loopback_listener_is_warned_about(
         "listening on 0.0.0.0 without a token: anyone who reaches the port may store and "
         "load blocks; set --token or $KVBRIDGE_TOKEN"
     ]
+
+
+def test_an_unreadable_default_root_names_the_flag_it_came_from(tmp_path: Path) -> None:
+    # the node trusts its own --tls-cert by default: a read error there names --tls-cert
+    args = parse("serve", "--tls-cert", str(tmp_path / "gone.pem"), "--tls-key", "k")
+    with pytest.raises(ConfigError, match="--tls-cert"):
+        read_auth(args)
+    (tmp_path / "c.pem").write_bytes(b"C")
+    (tmp_path / "k.pem").write_bytes(b"K")
+    tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
+    with pytest.raises(ConfigError, match=r"--tls-ca .*ca\.pem"):
+        read_auth(parse("serve", *tls, "--tls-ca", str(tmp_path / "ca.pem")))

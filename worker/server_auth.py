@@ -67,12 +67,14 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
         raise ConfigError("--tls-cert and --tls-key go together")
     ca = getattr(args, "tls_ca", None)
     dials = hasattr(args, "tls_ca")
-    roots = ca or (args.tls_cert if dials else None)
+    roots, roots_flag = (ca, "--tls-ca") if ca is not None else (args.tls_cert, "--tls-cert")
+    if not dials:
+        roots = None
     return ServerAuth(
         token=token or None,
         tls_cert=None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert"),
         tls_key=None if args.tls_key is None else _read(args.tls_key, "--tls-key"),
-        tls_root_cert=None if roots is None else _read(roots, "--tls-ca"),
+        tls_root_cert=None if roots is None else _read(roots, roots_flag),
     )
 
 
