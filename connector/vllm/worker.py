@@ -165,12 +165,13 @@ class VllmWorker:
         address, rank = self.config.control_address, self.settings.tp_rank
         return rank_address(address, rank) if address and rank else address
 
-    def _client(self, address: str) -> ControlClient:
+    def _client(self, address: str, tp_rank: int) -> ControlClient:
         from kvbridge.connector.control.peers import dial_control
 
         # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        # (rank 0's address is checked); this rank's port is derived from it, never read
-        return dial_control(address, self.config, self.settings.tp_rank)
+        # (rank 0's address is checked); the remote rank's port is derived from it, never
+        # read (the loader picks the rank from both TP sizes)
+        return dial_control(address, self.config, tp_rank)
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:
