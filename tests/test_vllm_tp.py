@@ -17,6 +17,7 @@ TP=1 decode reads both prefill ranks' pages into the two halves of its own.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +36,9 @@ OTHER_FIRST = [9, *PREFIX[1:], 100, 100, 100]  # PROMPTS[0] with another first t
 TP1_TO_TP2 = [[7, *range(200, 260), 300 + i] for i in range(2)]
 TP2_TO_TP1 = [[8, *range(400, 460), 500 + i] for i in range(2)]
 MAX_TOKENS = 4
-TTL_S = 6
-"""Prefill leases: a decode that recomputes (heterogeneous TP) lets them expire."""
+TTL_S = 30
+"""Prefill leases: long enough for a first load that pays the handshake on a loaded machine;
+the heterogeneous tests see them released well before it."""
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +81,13 @@ def _handed_over(prefill: harness.Engine, prompts: list[list[int]]) -> list[dict
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
     assert all(p and p["remote_address"] for p in params), params
     return params
+
+
+def _record(tmp: Path, name: str, figures: dict[str, Any]) -> None:
+    """Keep a test's measured figures next to the engines' logs (``figures.json``)."""
+    path = tmp / "figures.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**known, name: figures}, indent=1))
 
 
 def _metric(text: str, name: str) -> float:
@@ -159,6 +168,16 @@ def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], P
     assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
     half_block = 4 * 32 * 1 * 2 * 64 * 4
     assert grew("vllm:kvbridge_bytes_transferred_sum") == 2 * len(TP1_TO_TP2) * half_block
+    count = grew("vllm:kvbridge_xfer_time_seconds_count")
+    _record(
+        tmp,
+        "tp1_to_tp2",
+        {
+            "rank_loads": count,
+            "avg_transfer_ms": grew("vllm:kvbridge_xfer_time_seconds_sum") / count * 1e3,
+            "bytes_per_rank_load": half_block,
+        },
+    )
     log = (tmp / "decode.log").read_text()
     assert "head_slice" in log and "heterogeneous TP is not supported" not in log
     # the prefill released its lease once both readers did (well before the TTL)
@@ -183,6 +202,8 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     for load in loads:  # one block each, read from both prefill ranks into its two halves
         assert load["moved"] == 1 and not load["error"], load
         assert load["bytes"] == full_block and load["path"] == "sealed", load
+        assert load["descriptors"] == 2 * 4, load  # one per (rank, layer) page
+    _record(tmp, "tp2_to_tp1", {"loads": loads})
     log = (tmp / "tp1.log").read_text()
     port = engines["port"]
     for rank in (0, 1):
