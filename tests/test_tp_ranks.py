@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from typing import Any
 
 import pytest
 import torch
@@ -435,3 +436,61 @@ def test_a_lease_read_by_k_ranks_is_released_once_all_k_released() -> None:
     assert parse_release(b"kvbridge-release\0" + b"x" * 32) is None
     with pytest.raises(ValueError, match="not a reader"):
         release_message(lease_a, 2, 2)
+
+
+class FakeSeals:
+    """Stands in for SealReader: each rank's seal holds or not; records releases."""
+
+    def __init__(self, holds: dict[int, bool]) -> None:
+        self._holds = holds
+        self.released: list[int] = []
+
+    def holds(self, link: int, lease_id: str, digest: bytes, timeout_s: float) -> bool:
+        return self._holds[link]
+
+    def release(self, link: int, lease_id: str, reader: int = 0, readers: int = 1) -> None:
+        self.released.append(link)
+
+
+class FakeLinks:
+    """Stands in for LinkCache: a peer per rank whose seal link is the rank."""
+
+    def get(self, load: BlockLoad, rank: int) -> tuple[object, bool]:
+        return dataclasses.make_dataclass("P", ["rank", "seal_link"])(rank, rank), True
+
+
+@pytest.mark.parametrize(
+    ("holds", "seal", "moved", "released"),
+    [
+        ({0: True, 1: True}, b"s" * 32, 2, [0, 1]),
+        ({0: True, 1: False}, b"s" * 32, 0, [0]),  # rank 1 unproven: recompute all
+        ({0: True, 1: True}, b"", 0, []),  # no seal in the params: no proof, recompute
+    ],
+)
+def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
+    holds: dict[int, bool], seal: bytes, moved: int, released: list[int]
+) -> None:
+    from kvbridge.connector.rank_load import load_from_ranks
+    from kvbridge.connector.remote_load import ReadFigures
+
+    ids = {"self": (BlockId(4), BlockId(5))}
+    load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
+    seals, reads = FakeSeals(holds), []
+
+    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
+        reads.append(peer.rank)
+        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+
+    result = load_from_ranks(
+        load,
+        [0, 1],
+        FakeLinks(),
+        seals,
+        read,
+        1.0,
+        lambda e, p: None,  # type: ignore[arg-type]
+    )
+    assert result.blocks_moved == moved and seals.released == released
+    assert result.bad_block_ids == (() if moved else ids["self"])
+    if seal:
+        assert reads == [0, 1]  # every rank's blocks before any seal
