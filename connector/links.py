@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad
+from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.connector.control.seal import SealReader
 from kvbridge.proto.errors import (
     KVBridgeError,
@@ -279,14 +280,14 @@ class LinkCache:
             if hs.negotiation.mode is TransferMode.REARRANGE:
                 staging = self._staging_for(hs.peer.layout)
                 target = staging.memory
-            link = self.transport.connect(
-                hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
-            )
+            remote = hs.peer.layout
+            agent = nixl_agent_name(hs.peer.engine_id, remote.tp_rank, remote.tp_size)
+            link = self.transport.connect(agent, hs.peer.agent_metadata, remote, target)
             seal_link = None
             if hs.peer.seal_layout is not None:
                 try:
                     seal_link = self._seal_reader.connect(
-                        hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.seal_layout
+                        agent, hs.peer.agent_metadata, hs.peer.seal_layout
                     )
                 except KVBridgeError as exc:  # no fast path with this peer, still correct
                     log.warning("no seal link to %s: %s", hs.peer.engine_id, exc)

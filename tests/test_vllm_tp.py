@@ -58,7 +58,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
         "decode": harness.Engine(
             model,
             core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=10),
+            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=30),
             log=tmp / "decode.log",
             wait=False,
             log_stats=True,
@@ -67,7 +67,13 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
         "tp1": harness.Engine(
             model,
             core=1,
-            kv=harness.kv_config("kvbridge", "kv_both", control_port=port + 100, lease_ttl_s=TTL_S),
+            kv=harness.kv_config(
+                "kvbridge",
+                "kv_both",
+                control_port=port + 100,
+                lease_ttl_s=TTL_S,
+                load_timeout_s=30,
+            ),
             log=tmp / "tp1.log",
             wait=False,
         ),
@@ -160,14 +166,14 @@ def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], P
     def grew(name: str) -> float:
         return _metric(after, name) - _metric(before, name)
 
-    # both decode ranks loaded each prompt's one full block from the one prefill rank:
-    # its own half of the heads, one slice of each of the 4 layers' pages
+    # both decode ranks loaded each prompt's 2 blocks from the one prefill rank: its own
+    # half of the heads, one slice of each of the 4 layers' pages
     assert grew("vllm:kvbridge_xfer_time_seconds_count") == 2 * len(TP1_TO_TP2)
-    assert grew("vllm:kvbridge_num_blocks_sum") == 2 * len(TP1_TO_TP2)
+    assert grew("vllm:kvbridge_num_blocks_sum") == 2 * len(TP1_TO_TP2) * 2
     assert grew("vllm:kvbridge_num_failed_transfers_total") == 0
     assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
     half_block = 4 * 32 * 1 * 2 * 64 * 4
-    assert grew("vllm:kvbridge_bytes_transferred_sum") == 2 * len(TP1_TO_TP2) * half_block
+    assert grew("vllm:kvbridge_bytes_transferred_sum") == 2 * len(TP1_TO_TP2) * 2 * half_block
     count = grew("vllm:kvbridge_xfer_time_seconds_count")
     _record(
         tmp,
@@ -175,7 +181,7 @@ def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], P
         {
             "rank_loads": count,
             "avg_transfer_ms": grew("vllm:kvbridge_xfer_time_seconds_sum") / count * 1e3,
-            "bytes_per_rank_load": half_block,
+            "bytes_per_rank_load": 2 * half_block,
         },
     )
     log = (tmp / "decode.log").read_text()
@@ -199,10 +205,10 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     loads = [v for k, v in stats["loads"].items() if k not in before]
     assert len(loads) == len(TP2_TO_TP1), stats["loads"]
     full_block = 4 * 32 * 2 * 2 * 64 * 4
-    for load in loads:  # one block each, read from both prefill ranks into its two halves
-        assert load["moved"] == 1 and not load["error"], load
-        assert load["bytes"] == full_block and load["path"] == "sealed", load
-        assert load["descriptors"] == 2 * 4, load  # one per (rank, layer) page
+    for load in loads:  # 2 blocks each, read from both prefill ranks into their two halves
+        assert load["moved"] == 2 and not load["error"], load
+        assert load["bytes"] == 2 * full_block and load["path"] == "sealed", load
+        assert load["descriptors"] == 2 * 2 * 4, load  # one per (rank, block, layer) page
     _record(tmp, "tp2_to_tp1", {"loads": loads})
     log = (tmp / "tp1.log").read_text()
     port = engines["port"]

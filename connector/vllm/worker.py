@@ -111,7 +111,7 @@ class VllmWorker:
     # ----- start-up ------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
-        from kvbridge.connector.control.peers import rank_port
+        from kvbridge.connector.control.peers import nixl_agent_name, rank_port
         from kvbridge.connector.control.server import ControlServerConfig, serve
         from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
         from kvbridge.connector.worker_side import KVBridgeWorker
@@ -124,7 +124,9 @@ class VllmWorker:
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
         )
-        self.transport = NixlTransport(NixlConfig(name=self.config.engine_id))
+        # one agent name per rank: a reader of several ranks loads them all (heterogeneous TP)
+        agent = nixl_agent_name(self.config.engine_id, s.tp_rank, s.tp_size)
+        self.transport = NixlTransport(NixlConfig(name=agent))
         self.loader = KVBridgeWorker(self.config, self.transport, self._client, self._peer_info)
         self.loader.register_kv_caches(kv_caches, layout)
         assert self.loader.memory is not None
