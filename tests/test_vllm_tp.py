@@ -58,7 +58,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
         "decode": harness.Engine(
             model,
             core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=30),
+            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=20),
             log=tmp / "decode.log",
             wait=False,
             log_stats=True,
@@ -72,7 +72,7 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
                 "kv_both",
                 control_port=port + 100,
                 lease_ttl_s=TTL_S,
-                load_timeout_s=30,
+                load_timeout_s=20,
             ),
             log=tmp / "tp1.log",
             wait=False,
