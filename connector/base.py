@@ -96,6 +96,9 @@ class BlockLoad:
     seal: bytes = b""
     """The digest the owner's lease seal must hold if the claimed ids hold this prompt's
     blocks (:func:`~kvbridge.connector.control.seal.seal_digest`); empty: no fast path."""
+    remote_tp_size: int = 1
+    """The remote engine's tensor-parallel size (from ``kv_transfer_params``; the handshake
+    must show it): each worker rank reads its heads from the rank(s) it maps to."""
 
 
 @dataclass(frozen=True, slots=True)

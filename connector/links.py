@@ -9,8 +9,11 @@ the same address. The handshake runs on a small pool of its own (at most
 as a step names a new engine; every load from that engine waits for that one
 handshake, and a slow engine never holds up loads from the others. An address
 in a request is a claim: the handshake must name the engine the request names,
-and a peer of tensor-parallel rank ``r`` must be rank ``r`` of the same TP size
-(the client factory dials rank ``r``'s port, derived from the rank-0 address).
+and the peer must be the TP rank the load reads from, of the TP size the request
+names (the client factory dials that rank's port, derived from the rank-0 address):
+rank ``r`` of the same size, or under heterogeneous TP the rank(s)
+:func:`~kvbridge.proto.negotiate.source_ranks` names. Links are kept per
+(engine, remote rank).
 A peer whose NIXL agent metadata changed after a failed load is a new process
 under the same engine id (it restarted): the link is replaced and the load may
 be retried once.
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad
+from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.connector.control.seal import SealReader
 from kvbridge.proto.errors import (
     KVBridgeError,
@@ -37,7 +41,7 @@ from kvbridge.proto.errors import (
     PeerError,
     TransferTimeoutError,
 )
-from kvbridge.proto.negotiate import TransferMode
+from kvbridge.proto.negotiate import TransferMode, source_ranks
 from kvbridge.proto.types import BlockId, EngineId
 
 if TYPE_CHECKING:
@@ -52,7 +56,8 @@ __all__ = ["ClientFactory", "LinkCache", "Peer", "STAGING_BLOCKS", "Staging"]
 
 log = logging.getLogger(__name__)
 
-ClientFactory = Callable[[str], "ControlClient"]
+ClientFactory = Callable[[str, int], "ControlClient"]
+"""``(rank-0 address, remote TP rank)`` → a client for that rank's control port."""
 
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
@@ -96,6 +101,8 @@ class Peer:
     staging: Staging | None = None
     seal_link: PeerLink | None = None
     """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
+    rank: int = 0
+    """The peer's TP rank (its control port is the rank-0 address's port + ``rank``)."""
 
 
 class LinkCache:
@@ -121,34 +128,35 @@ class LinkCache:
         self._seal_reader = seal_reader
         self._staging: dict[tuple[str, ...], Staging] = {}
         self._staging_lock = threading.Lock()
-        self._peers: dict[EngineId, Peer] = {}
-        self._pending: dict[tuple[EngineId, str], Future[Peer]] = {}
+        self._peers: dict[tuple[EngineId, int], Peer] = {}
+        self._pending: dict[tuple[EngineId, int, str], Future[Peer]] = {}
         """Handshakes in flight, by (engine, address): loads from it wait for this one."""
         self._handshakes = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kvb-handshake")
         self._wait_s = handshake_wait_s
         self._closed = False
         self._lock = threading.Lock()
 
-    def connect_ahead(self, load: BlockLoad) -> None:
-        """Start the handshake with ``load``'s engine unless it is linked at that address or
-        a handshake is already on its way; never blocks (the engine's step calls it)."""
+    def connect_ahead(self, load: BlockLoad, rank: int = 0) -> None:
+        """Start the handshake with ``load``'s engine's TP rank ``rank`` unless it is linked
+        at that address or a handshake is already on its way; never blocks (the engine's
+        step calls it)."""
         if not load.remote_engine:
             return
         with self._lock:
-            if not self._closed and self._cached(load) is None:
-                self._start(load)
+            if not self._closed and self._cached(load, rank) is None:
+                self._start(load, rank)
 
-    def get(self, load: BlockLoad) -> tuple[Peer, bool]:
+    def get(self, load: BlockLoad, rank: int = 0) -> tuple[Peer, bool]:
         """The link to ``load``'s engine and whether it was cached; handshakes (again) when
         there is none or the engine now answers at another address (it restarted or moved),
         or waits for the handshake :meth:`connect_ahead` started."""
         with self._lock:
-            peer = self._cached(load)
+            peer = self._cached(load, rank)
             if peer is not None:
                 return peer, True
             if self._closed:
                 raise PeerError("the link cache is closed")
-            pending = self._start(load)
+            pending = self._start(load, rank)
         try:
             return pending.result(timeout=self._wait_s), False
         except FutureTimeout:
@@ -159,27 +167,27 @@ class LinkCache:
         except CancelledError:
             raise PeerError("the link cache closed during the handshake") from None
 
-    def _cached(self, load: BlockLoad) -> Peer | None:
-        peer = self._peers.get(EngineId(load.remote_engine))
+    def _cached(self, load: BlockLoad, rank: int) -> Peer | None:
+        peer = self._peers.get((EngineId(load.remote_engine), rank))
         return peer if peer is not None and peer.address == load.remote_address else None
 
-    def _start(self, load: BlockLoad) -> Future[Peer]:
-        """The handshake with ``load``'s engine at its address, started if none is pending
-        (call with the lock held)."""
-        key = (EngineId(load.remote_engine), load.remote_address)
+    def _start(self, load: BlockLoad, rank: int) -> Future[Peer]:
+        """The handshake with ``load``'s engine's rank ``rank`` at its address, started if
+        none is pending (call with the lock held)."""
+        key = (EngineId(load.remote_engine), rank, load.remote_address)
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = self._handshakes.submit(self._connect, load)
+            pending = self._pending[key] = self._handshakes.submit(self._connect, load, rank)
         return pending
 
-    def _connect(self, load: BlockLoad) -> Peer:
+    def _connect(self, load: BlockLoad, rank: int) -> Peer:
         """Handshake and link on the handshake pool; the new link replaces the engine's old
         one only once the engine proved itself."""
-        engine = EngineId(load.remote_engine)
-        key = (engine, load.remote_address)
+        engine = (EngineId(load.remote_engine), rank)
+        key = (EngineId(load.remote_engine), rank, load.remote_address)
         try:
-            client, hs = self._handshake(load)
-            fresh = self._link(load, client, hs)
+            client, hs = self._handshake(load, rank)
+            fresh = self._link(load, client, hs, rank)
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)
@@ -196,18 +204,18 @@ class LinkCache:
         """After a load through a cached link failed: handshake again, and if the engine's
         NIXL agent metadata changed (a new process under the same engine id), replace the
         link. True when there is a new link to retry the load on."""
-        engine = EngineId(load.remote_engine)
+        engine = (EngineId(load.remote_engine), failed.rank)
         try:
             with self._lock:
                 current = self._peers.get(engine)
                 if current is not None and current is not failed:
                     return current.metadata != failed.metadata  # another load replaced it
-                client, hs = self._handshake(load)
+                client, hs = self._handshake(load, failed.rank)
                 if hs.peer.agent_metadata == failed.metadata:
                     client.close()
                     return False  # the same process: the failure was real
                 self.drop(failed)
-                self._peers[engine] = self._link(load, client, hs)
+                self._peers[engine] = self._link(load, client, hs, failed.rank)
         except Exception as exc:
             log.info("re-handshake with %s failed: %s", load.remote_engine, exc)
             return False
@@ -216,9 +224,10 @@ class LinkCache:
 
     def forget(self, engine: str, peer: Peer) -> None:
         """Stop using ``peer`` for new loads (the caller drops it)."""
+        key = (EngineId(engine), peer.rank)
         with self._lock:
-            if self._peers.get(EngineId(engine)) is peer:
-                del self._peers[EngineId(engine)]
+            if self._peers.get(key) is peer:
+                del self._peers[key]
 
     def drop(self, peer: Peer) -> None:
         """Disconnect ``peer``'s links and close its client."""
@@ -245,10 +254,11 @@ class LinkCache:
             self.transport.unregister(staging.memory)
         self._staging.clear()
 
-    def _handshake(self, load: BlockLoad) -> tuple[ControlClient, HandshakeResult]:
-        """Handshake at ``load.remote_address``; the answer must name the engine the load
-        names (an address in a request is a claim, the handshake is the proof)."""
-        client = self._client_factory(load.remote_address)
+    def _handshake(self, load: BlockLoad, rank: int) -> tuple[ControlClient, HandshakeResult]:
+        """Handshake with TP rank ``rank`` of the engine at ``load.remote_address``; the
+        answer must name the engine the load names (an address in a request is a claim, the
+        handshake is the proof) and be that rank of the TP size the load names."""
+        client = self._client_factory(load.remote_address, rank)
         try:
             hs = client.handshake(self._local_info(self._memory.layout))
             if hs.peer.engine_id != load.remote_engine:
@@ -256,13 +266,13 @@ class LinkCache:
                     f"{load.remote_address} is engine {hs.peer.engine_id!r}, but the request "
                     f"names {load.remote_engine!r}; not reading from it"
                 )
-            _check_same_rank(self._memory.layout, hs.peer.layout, client.address)
+            _check_rank(self._memory.layout, hs.peer.layout, client.address, load, rank)
         except BaseException:
             client.close()
             raise
         return client, hs
 
-    def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult) -> Peer:
+    def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult, rank: int) -> Peer:
         """Connect the transport to a handshaken peer (closes ``client`` on failure)."""
         try:
             staging = None
@@ -270,14 +280,14 @@ class LinkCache:
             if hs.negotiation.mode is TransferMode.REARRANGE:
                 staging = self._staging_for(hs.peer.layout)
                 target = staging.memory
-            link = self.transport.connect(
-                hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.layout, target
-            )
+            remote = hs.peer.layout
+            agent = nixl_agent_name(hs.peer.engine_id, remote.tp_rank, remote.tp_size)
+            link = self.transport.connect(agent, hs.peer.agent_metadata, remote, target)
             seal_link = None
             if hs.peer.seal_layout is not None:
                 try:
                     seal_link = self._seal_reader.connect(
-                        hs.peer.engine_id, hs.peer.agent_metadata, hs.peer.seal_layout
+                        agent, hs.peer.agent_metadata, hs.peer.seal_layout
                     )
                 except KVBridgeError as exc:  # no fast path with this peer, still correct
                     log.warning("no seal link to %s: %s", hs.peer.engine_id, exc)
@@ -290,7 +300,9 @@ class LinkCache:
             client.address,  # a TP rank's own port, derived from the request's rank-0 address
             hs.negotiation.mode.value,
         )
-        return Peer(client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link)
+        return Peer(
+            client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link, rank
+        )
 
     def _staging_for(self, remote: KVLayout) -> Staging:
         """The staging cache in ``remote``'s order (made and registered once per order)."""
@@ -307,12 +319,16 @@ class LinkCache:
             return staging
 
 
-def _check_same_rank(local: KVLayout, remote: KVLayout, address: str) -> None:
-    """A reader of TP rank ``r`` reads only from the peer's rank ``r`` of the same TP size:
-    any other rank holds other KV heads (wrong tokens), so the load fails closed."""
-    if (remote.tp_size, remote.tp_rank) != (local.tp_size, local.tp_rank):
+def _check_rank(
+    local: KVLayout, remote: KVLayout, address: str, load: BlockLoad, rank: int
+) -> None:
+    """The peer must be TP rank ``rank`` of the TP size the load names, and ``rank`` one
+    this worker reads from (:func:`source_ranks`): any other rank holds other KV heads
+    (wrong tokens), so the load fails closed."""
+    want = source_ranks(local.tp_rank, local.tp_size, load.remote_tp_size)
+    if (remote.tp_size, remote.tp_rank) != (load.remote_tp_size, rank) or rank not in want:
         raise PeerError(
-            f"{address} is TP rank {remote.tp_rank} of {remote.tp_size}, this worker is TP "
-            f"rank {local.tp_rank} of {local.tp_size}: its blocks hold other KV heads; not "
-            "reading from it"
+            f"{address} is TP rank {remote.tp_rank} of {remote.tp_size}; this worker (TP rank "
+            f"{local.tp_rank} of {local.tp_size}) reads rank(s) {want} of "
+            f"{load.remote_tp_size}: its blocks hold other KV heads; not reading from it"
         )

@@ -24,6 +24,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import SealReader
 from kvbridge.connector.links import ClientFactory, LinkCache, Peer
+from kvbridge.connector.rank_load import load_from_ranks
 from kvbridge.kernels import BlockMapping, convert_blocks
 from kvbridge.proto.errors import (
     ControlPlaneError,
@@ -32,6 +33,7 @@ from kvbridge.proto.errors import (
     TransferTimeoutError,
     WireError,
 )
+from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -120,12 +122,36 @@ class RemoteLoader:
         """Start the handshake with each engine these loads name that is not linked yet, so
         the loads find it done or under way (called from the engine's step; never blocks)."""
         for load in loads:
-            self._links.connect_ahead(load)
+            for rank in self._ranks(load):
+                self._links.connect_ahead(load, rank)
+
+    def _ranks(self, load: BlockLoad) -> list[int]:
+        """The remote TP ranks holding this rank's heads (one unless the remote's TP size
+        is a multiple of this engine's)."""
+        own = self.memory.layout
+        return source_ranks(own.tp_rank, own.tp_size, load.remote_tp_size)
+
+    def _reader(self, load: BlockLoad) -> tuple[int, int]:
+        """``(reader, readers)``: this rank among the ranks reading one remote rank."""
+        own = self.memory.layout
+        k = max(1, own.tp_size // load.remote_tp_size)
+        return own.tp_rank % k, k
 
     def load(self, load: BlockLoad, *, retry_stale: bool = True) -> LoadResult:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
+        ranks = self._ranks(load)
+        if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
+            return load_from_ranks(
+                load,
+                ranks,
+                self._links,
+                self._seal_reader,
+                self._read,
+                self.config.load_timeout_s,
+                lambda engine, peer: self._forget(engine, peer, None),
+            )
         groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
         local = {g: list(load.local_ids[g]) for g in groups}
         remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
@@ -138,7 +164,7 @@ class RemoteLoader:
         peer: Peer | None = None
         cached = False
         try:
-            peer, cached = self._links.get(load)
+            peer, cached = self._links.get(load, ranks[0])
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(peer, load, local, remote, t0)
@@ -265,7 +291,7 @@ class RemoteLoader:
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
             )
             return None
-        reader.release(link, load.lease_id)
+        reader.release(link, load.lease_id, *self._reader(load))
         moved = {g: len(ids) for g, ids in local.items()}
         return LoadResult(
             load.request_id,

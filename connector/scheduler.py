@@ -117,8 +117,9 @@ class KVBridgeScheduler(SchedulerConnector):
         self.config = config
         self.block_size = block_size
         self.tp_size = tp_size
-        """The engine's tensor-parallel size: a prefill of another size holds other head
-        slices per rank, so its KV is not loaded (heterogeneous TP: recompute)."""
+        """The engine's tensor-parallel size: a prefill whose size divides it or is a
+        multiple of it is loaded by head slices (heterogeneous TP); any other size
+        recomputes."""
         self.issuer: LeaseIssuer | None = None
         self.offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None
         self._stores: list[BlockStore] = []
@@ -157,10 +158,11 @@ class KVBridgeScheduler(SchedulerConnector):
                 "request %s: not loading remote KV (%s); recomputing", request.request_id, exc
             )
             return 0, False
-        if params.tp_size != self.tp_size:
+        small, big = sorted((params.tp_size, self.tp_size))
+        if small < 1 or big % small:
             log.warning(
-                "request %s: not loading remote KV (prefill TP=%d, decode TP=%d: heterogeneous "
-                "TP is not supported); recomputing",
+                "request %s: not loading remote KV (prefill TP=%d, decode TP=%d: neither TP "
+                "size divides the other); recomputing",
                 request.request_id,
                 params.tp_size,
                 self.tp_size,
@@ -256,6 +258,7 @@ class KVBridgeScheduler(SchedulerConnector):
                 remote_request_id=params.request_id,
                 first_block=first,
                 seal=self._seal(request, params, names),
+                remote_tp_size=params.tp_size,
             )
         )
 

@@ -68,6 +68,7 @@ class _TransferModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Transfer
     TRANSFER_MODE_WHOLE_BLOCK: _TransferMode.ValueType  # 1
     TRANSFER_MODE_PER_SPAN: _TransferMode.ValueType  # 2
     TRANSFER_MODE_REARRANGE: _TransferMode.ValueType  # 3
+    TRANSFER_MODE_HEAD_SLICE: _TransferMode.ValueType  # 4
 
 class TransferMode(_TransferMode, metaclass=_TransferModeEnumTypeWrapper):
     """How two peers move blocks; see kvbridge.proto.negotiate."""
@@ -76,6 +77,7 @@ TRANSFER_MODE_UNSPECIFIED: TransferMode.ValueType  # 0
 TRANSFER_MODE_WHOLE_BLOCK: TransferMode.ValueType  # 1
 TRANSFER_MODE_PER_SPAN: TransferMode.ValueType  # 2
 TRANSFER_MODE_REARRANGE: TransferMode.ValueType  # 3
+TRANSFER_MODE_HEAD_SLICE: TransferMode.ValueType  # 4
 Global___TransferMode: _TypeAlias = TransferMode  # noqa: Y015
 
 @_typing.final

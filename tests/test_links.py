@@ -93,7 +93,7 @@ def links() -> Iterator[tuple[LinkCache, LinkCounter]]:
     counter = LinkCounter()
     cache = LinkCache(
         counter,  # type: ignore[arg-type]
-        lambda address: ControlClient(address, timeout_s=5.0),
+        lambda address, rank: ControlClient(address, timeout_s=5.0),
         lambda layout: peer(layout, "decode-0", Role.DECODE),
         LocalMemory(1, LAYOUT, "cpu"),
         {},
@@ -174,7 +174,7 @@ def test_a_load_waits_for_a_handshake_no_longer_than_its_deadline(
     counter = LinkCounter()
     cache = LinkCache(
         counter,  # type: ignore[arg-type]
-        lambda address: ControlClient(address, timeout_s=5.0),
+        lambda address, rank: ControlClient(address, timeout_s=5.0),
         lambda layout: peer(layout, "decode-0", Role.DECODE),
         LocalMemory(1, LAYOUT, "cpu"),
         {},

@@ -5,21 +5,43 @@ checks that address against the allowed peers first, then derives rank ``r``'s
 port itself (rank-0 port + ``r``), and reads only from a peer that proves in the
 handshake to be rank ``r`` of the same TP size: any other rank holds other KV
 heads. Real control servers on loopback gRPC; the transport is a stand-in that
-counts links. A prefill of another TP size is never loaded from (the planner).
+counts links.
+
+Heterogeneous TP (one size a multiple ``k`` of the other) pairs head slices of
+vLLM's packed head-major pages: which remote ranks a rank reads, what the
+handshake must show, that the slice tables pair span for span (real NIXL, bytes
+compared), and that the owner frees a lease read by ``k`` ranks once all ``k``
+released it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import json
 import logging
+import os
 import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams
 from kvbridge.connector.control import ControlServer, ControlServerConfig, Role, serve
-from kvbridge.connector.control.peers import dial_control, rank_address, rank_port
+from kvbridge.connector.control.peers import (
+    dial_control,
+    nixl_agent_name,
+    rank_address,
+    rank_port,
+)
+from kvbridge.connector.control.seal import ReleaseListener, parse_release, release_message
 from kvbridge.connector.links import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
@@ -34,6 +56,13 @@ from kvbridge.proto import (
     RequestId,
     WireError,
     preset_layout,
+)
+from kvbridge.proto.negotiate import (
+    HEAD_MAJOR_SUFFIX,
+    TransferMode,
+    head_slices,
+    negotiate,
+    source_ranks,
 )
 from tests.harness.control import FakeOwner, peer
 from tests.harness.grpc_fakes import RecordingServer
@@ -137,7 +166,7 @@ def _reader(stack: ExitStack, layout: KVLayout) -> tuple[LinkCache, LinkCounter]
     config = ConnectorConfig("decode-0", control_timeout_s=5.0)
     cache = LinkCache(
         counter,  # type: ignore[arg-type]
-        lambda address: dial_control(address, config, layout.tp_rank),
+        lambda address, rank: dial_control(address, config, rank),
         lambda local: peer(local, "decode-0", Role.DECODE),
         LocalMemory(1, layout, "cpu"),
         {},
@@ -148,9 +177,9 @@ def _reader(stack: ExitStack, layout: KVLayout) -> tuple[LinkCache, LinkCounter]
     return cache, counter
 
 
-def _load(rank0: str) -> BlockLoad:
+def _load(rank0: str, tp_size: int = 2) -> BlockLoad:
     ids = {"self": (BlockId(0),)}
-    return BlockLoad(RequestId("r1"), ENGINE, rank0, ids, ids)
+    return BlockLoad(RequestId("r1"), ENGINE, rank0, ids, ids, remote_tp_size=tp_size)
 
 
 def test_each_decode_rank_links_to_the_same_rank_of_the_prefill(stack: ExitStack) -> None:
@@ -159,10 +188,10 @@ def test_each_decode_rank_links_to_the_same_rank_of_the_prefill(stack: ExitStack
     rank0 = servers[0].address
     for r in (0, 1):
         cache, counter = _reader(stack, _layout(r))
-        got, _ = cache.get(_load(rank0))
+        got, _ = cache.get(_load(rank0), r)
         assert got.address == rank0  # cached under the address the request named
         assert got.client.address == servers[r].address
-        assert counter.connected == [ENGINE]
+        assert counter.connected == [nixl_agent_name(ENGINE, r, 2)]  # each rank's own agent
 
 
 def test_a_peer_of_another_rank_is_refused_at_the_handshake(stack: ExitStack) -> None:
@@ -171,8 +200,8 @@ def test_a_peer_of_another_rank_is_refused_at_the_handshake(stack: ExitStack) ->
     _prefill(stack, _layout(0), port)
     _prefill(stack, _layout(0), port + 1)
     cache, counter = _reader(stack, _layout(1))
-    with pytest.raises(PeerError, match="TP rank 0 of 2, this worker is TP rank 1 of 2"):
-        cache.get(_load(f"127.0.0.1:{port}"))
+    with pytest.raises(PeerError, match=r"TP rank 0 of 2; this worker \(TP rank 1 of 2\)"):
+        cache.get(_load(f"127.0.0.1:{port}"), 1)
     assert counter.connected == []
 
 
@@ -214,15 +243,27 @@ def test_a_prefill_advertises_its_tp_size_and_rank_zero_address() -> None:
     assert decode.num_matched(RequestId("d1"), PROMPT, params, 0) == (len(PROMPT), True)
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_heterogeneous_tp_recomputes_with_a_clear_log_line(
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_heterogeneous_tp_plans_a_load_naming_the_prefill_tp_size(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    params = _handed_over(prefill_tp)
+    decode = _scheduler("kv_consumer", decode_tp)
+    assert decode.num_matched(RequestId("d1"), PROMPT, params, 0) == (len(PROMPT), True)
+    decode.after_alloc(RequestId("d1"), PROMPT, [BlockId(b) for b in range(5)], len(PROMPT))
+    (load,) = decode.build_step()[0].loads
+    assert load.remote_tp_size == prefill_tp
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 3), (3, 2)])
+def test_tp_sizes_neither_dividing_the_other_recompute_with_a_clear_log_line(
     prefill_tp: int, decode_tp: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     params = _handed_over(prefill_tp)
     decode = _scheduler("kv_consumer", decode_tp)
     with caplog.at_level(logging.WARNING, logger="kvbridge"):
         assert decode.num_matched(RequestId("d1"), PROMPT, params, 0) == (0, False)
-    expected = f"prefill TP={prefill_tp}, decode TP={decode_tp}: heterogeneous TP is not supported"
+    expected = f"prefill TP={prefill_tp}, decode TP={decode_tp}: neither TP size divides"
     assert expected in caplog.text
     assert decode.build_step()[0].loads == ()
 
@@ -243,3 +284,188 @@ def test_a_bad_tp_size_in_params_is_a_wire_error(bad: object) -> None:
     assert raw is not None
     with pytest.raises(WireError, match="tp_size"):
         KVTransferParams.parse(raw, BS)
+
+
+# ----- heterogeneous TP: head slices -------------------------------------------------------
+def _packed(rank: int, size: int, order: str = "layer-nhd", heads: int = 2) -> KVLayout:
+    """A vLLM-like packed head-major layout (the suffix ``views.py`` gives its pages)."""
+    layout = preset_layout("tiny", num_blocks=4, order=order)
+    name = layout.model.name + HEAD_MAJOR_SUFFIX
+    model = dataclasses.replace(layout.model, name=name, num_kv_heads=heads)
+    return dataclasses.replace(layout, model=model, tp_rank=rank, tp_size=size)
+
+
+@pytest.mark.parametrize(
+    ("rank", "size", "remote_size", "expected"),
+    [(0, 2, 1, [0]), (1, 2, 1, [0]), (3, 4, 2, [1]), (0, 1, 2, [0, 1]), (1, 2, 4, [2, 3])],
+)
+def test_a_rank_reads_the_remote_ranks_holding_its_heads(
+    rank: int, size: int, remote_size: int, expected: list[int]
+) -> None:
+    assert source_ranks(rank, size, remote_size) == expected
+
+
+def test_only_packed_head_major_pages_negotiate_head_slices() -> None:
+    assert negotiate(_packed(1, 2), _packed(0, 1)).mode is TransferMode.HEAD_SLICE
+    assert negotiate(_packed(0, 1), _packed(1, 2, "block-nhd")).mode is TransferMode.HEAD_SLICE
+    # kvbridge's own pages are K-major: a head slice is two spans
+    plain = negotiate(_layout(1), _layout(0, size=1))
+    assert plain.mode is TransferMode.INCOMPATIBLE and "is not one span" in plain.reason
+    # a page whose halves are apart (KV outermost) is not one span either
+    apart = negotiate(_packed(0, 2, "layer-kv-nhd"), _packed(0, 1, "layer-kv-nhd"))
+    assert apart.mode is TransferMode.INCOMPATIBLE and "not one span" in apart.reason
+    with pytest.raises(IncompatibleLayoutError, match="takes its heads from rank 1 of 2"):
+        head_slices(_packed(3, 4, heads=4), _packed(0, 2, heads=4))
+    assert head_slices(_packed(3, 4, heads=4), _packed(1, 2, heads=4)) == ((0, 1), (1, 2))
+    assert head_slices(_packed(1, 2, heads=4), _packed(3, 4, heads=4)) == ((1, 2), (0, 1))
+    with pytest.raises(IncompatibleLayoutError, match="holds none of the heads"):
+        head_slices(_packed(0, 2, heads=4), _packed(2, 4, heads=4))
+    ratio = negotiate(_packed(0, 2, heads=6), _packed(0, 3, heads=6))
+    assert ratio.mode is TransferMode.INCOMPATIBLE and "not a multiple" in ratio.reason
+
+
+def test_a_tp2_rank_links_to_the_tp1_prefill_and_a_tp1_reader_to_both_ranks(
+    stack: ExitStack,
+) -> None:
+    port = _free_port_pair()
+    servers = [_prefill(stack, _packed(r, 2), port + r) for r in (0, 1)]
+    rank0 = servers[0].address
+    cache, counter = _reader(stack, _packed(0, 1))
+    for r in (0, 1):
+        got, _ = cache.get(_load(rank0, tp_size=2), r)
+        assert got.client.address == servers[r].address and got.rank == r
+    assert counter.connected == [f"{ENGINE}-tp0", f"{ENGINE}-tp1"]  # two distinct agents
+    # the load claims TP=1, the handshake shows TP=2: refused
+    with pytest.raises(PeerError, match="reads rank"):
+        _reader(stack, _packed(1, 2))[0].get(_load(rank0, tp_size=1), 0)
+
+
+def test_a_tp2_reader_refuses_a_rank_it_does_not_read_from(stack: ExitStack) -> None:
+    port = _free_port_pair()
+    _prefill(stack, _packed(0, 2, heads=4), port)
+    _prefill(stack, _packed(1, 2, heads=4), port + 1)
+    cache, counter = _reader(stack, _packed(0, 4, heads=4))  # TP=4 rank 0 reads rank 0
+    with pytest.raises(PeerError, match=r"reads rank\(s\) \[0\] of 2"):
+        cache.get(_load(f"127.0.0.1:{port}"), 1)
+    assert counter.connected == []
+
+
+@pytest.mark.parametrize("reader_tp", [2, 1])
+def test_head_slice_reads_move_each_ranks_heads_byte_for_byte(reader_tp: int) -> None:
+    """Real NIXL READs (in a subprocess, as every NIXL agent in these tests): TP=1 -> TP=2
+    ranks each get their half of every page; TP=2 ranks -> TP=1 fill its two halves."""
+    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+        pytest.skip("needs NIXL (nixl-cu12)")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.harness.head_slices", str(reader_tp)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, UCX_MODULES="^ib"),
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"pages_compared": 2 * 4 * 3, "mismatched": []}, result
+
+
+class Notes:
+    """Stands in for a transport's notifications: hands out what was queued."""
+
+    def __init__(self) -> None:
+        self.queue: list[bytes] = []
+        self.lock = threading.Lock()
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        with self.lock:
+            out, self.queue = self.queue, []
+        return {"decode": out} if out else {}
+
+
+def test_a_lease_read_by_k_ranks_is_released_once_all_k_released() -> None:
+    notes, released = Notes(), []
+    listener = ReleaseListener(notes, released.append)  # type: ignore[arg-type]
+    lease_a, lease_b = "a" * 32, "b" * 32
+    try:
+        with notes.lock:
+            notes.queue += [
+                release_message(lease_a, 0, 2),
+                release_message(lease_a, 0, 2),  # the same reader twice counts once
+                release_message(lease_b),  # one reader: at once
+                b"kvbridge-release\0" + lease_a.encode() + b"/2/2",  # not a reader of 2
+            ]
+        deadline = time.monotonic() + 5
+        while released != [lease_b] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert released == [lease_b]
+        with notes.lock:
+            notes.queue.append(release_message(lease_a, 1, 2))
+        while len(released) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert released == [lease_b, lease_a]
+    finally:
+        listener.close()
+    assert parse_release(release_message(lease_a, 1, 2)) == (lease_a, 1, 2)
+    assert parse_release(b"kvbridge-release\0" + b"x" * 32) is None
+    with pytest.raises(ValueError, match="not a reader"):
+        release_message(lease_a, 2, 2)
+
+
+class FakeSeals:
+    """Stands in for SealReader: each rank's seal holds or not; records releases."""
+
+    def __init__(self, holds: dict[int, bool]) -> None:
+        self._holds = holds
+        self.released: list[int] = []
+
+    def holds(self, link: int, lease_id: str, digest: bytes, timeout_s: float) -> bool:
+        return self._holds[link]
+
+    def release(self, link: int, lease_id: str, reader: int = 0, readers: int = 1) -> None:
+        self.released.append(link)
+
+
+class FakeLinks:
+    """Stands in for LinkCache: a peer per rank whose seal link is the rank."""
+
+    def get(self, load: BlockLoad, rank: int) -> tuple[object, bool]:
+        return dataclasses.make_dataclass("P", ["rank", "seal_link"])(rank, rank), True
+
+
+@pytest.mark.parametrize(
+    ("holds", "seal", "moved", "released"),
+    [
+        ({0: True, 1: True}, b"s" * 32, 2, [0, 1]),
+        ({0: True, 1: False}, b"s" * 32, 0, [0]),  # rank 1 unproven: recompute all
+        ({0: True, 1: True}, b"", 0, []),  # no seal in the params: no proof, recompute
+    ],
+)
+def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
+    holds: dict[int, bool], seal: bytes, moved: int, released: list[int]
+) -> None:
+    from kvbridge.connector.rank_load import load_from_ranks
+    from kvbridge.connector.remote_load import ReadFigures
+
+    ids = {"self": (BlockId(4), BlockId(5))}
+    load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
+    seals, reads = FakeSeals(holds), []
+
+    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
+        reads.append(peer.rank)
+        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+
+    result = load_from_ranks(
+        load,
+        [0, 1],
+        FakeLinks(),
+        seals,
+        read,
+        1.0,
+        lambda e, p: None,  # type: ignore[arg-type]
+    )
+    assert result.blocks_moved == moved and seals.released == released
+    assert result.bad_block_ids == (() if moved else ids["self"])
+    if seal:
+        assert reads == [0, 1]  # every rank's blocks before any seal

@@ -36,6 +36,7 @@ __all__ = [
     "peer_allowed",
     "check_peer",
     "dial_control",
+    "nixl_agent_name",
     "parse_allowed_peers",
     "rank_address",
     "rank_port",
@@ -94,6 +95,13 @@ def check_peer(address: str, allowed: Iterable[str]) -> None:
         "allowed_peers extra config; if it is an unspecified address (0.0.0.0), start that "
         "prefill with --advertise HOST:PORT"
     )
+
+
+def nixl_agent_name(engine_id: str, tp_rank: int, tp_size: int) -> str:
+    """The NIXL agent name of TP rank ``tp_rank`` of engine ``engine_id``: the engine id at
+    TP=1, else ``<engine id>-tp<rank>``. Every rank's agent needs its own name: a reader of
+    several ranks (heterogeneous TP) loads them all, and NIXL keys remote agents by name."""
+    return engine_id if tp_size == 1 else f"{engine_id}-tp{tp_rank}"
 
 
 def rank_port(port: int, tp_rank: int) -> int:

@@ -60,6 +60,8 @@ __all__ = [
     "RELEASE_PREFIX",
     "ReleaseListener",
     "SealReader",
+    "MAX_READERS",
+    "parse_release",
     "release_message",
     "SEAL_BYTES",
     "SEAL_GROUP",
@@ -192,11 +194,37 @@ class SealTable:
 
 
 RELEASE_PREFIX = b"kvbridge-release\0"
-_LEASE_ID = re.compile(rb"[0-9a-f]{32}")
+_RELEASE = re.compile(rb"([0-9a-f]{32})(?:/([0-9]{1,4})/([0-9]{1,4}))?")
+MAX_READERS = 1024
+"""Most readers one release may name (decode TP ranks reading one prefill rank)."""
+MAX_PARTIAL = 4096
+"""Leases with some but not all of their readers' releases that a listener remembers."""
 
 
-def release_message(lease_id: str) -> bytes:
-    return RELEASE_PREFIX + lease_id.encode()
+def release_message(lease_id: str, reader: int = 0, readers: int = 1) -> bytes:
+    """The notification that gives a lease back; ``reader`` of ``readers`` when several
+    decode ranks read one lease (heterogeneous TP): the owner releases once every one of
+    them has (or the lease expires)."""
+    if readers == 1:
+        return RELEASE_PREFIX + lease_id.encode()
+    if not 0 <= reader < readers <= MAX_READERS:
+        raise ValueError(f"reader {reader} of {readers} is not a reader")
+    return RELEASE_PREFIX + f"{lease_id}/{reader}/{readers}".encode()
+
+
+def parse_release(message: bytes) -> tuple[str, int, int] | None:
+    """``(lease id, reader, readers)`` of a release notification; None if it is none."""
+    if not message.startswith(RELEASE_PREFIX):
+        return None
+    m = _RELEASE.fullmatch(message[len(RELEASE_PREFIX) :])
+    if m is None:
+        return None
+    if m.group(2) is None:
+        return m.group(1).decode(), 0, 1
+    reader, readers = int(m.group(2)), int(m.group(3))
+    if not 0 <= reader < readers <= MAX_READERS:
+        return None
+    return m.group(1).decode(), reader, readers
 
 
 class SealReader:
@@ -242,10 +270,11 @@ class SealReader:
             with self._lock:
                 self._free.extend(mine)
 
-    def release(self, link: PeerLink, lease_id: str) -> None:
-        """Give a lease back without a round trip (best effort: unsent, it expires)."""
+    def release(self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1) -> None:
+        """Give a lease back without a round trip (best effort: unsent, it expires); as
+        ``reader`` of ``readers`` when several ranks read it (:func:`release_message`)."""
         try:
-            self.transport.send_notification(link, release_message(lease_id))
+            self.transport.send_notification(link, release_message(lease_id, reader, readers))
         except KVBridgeError as exc:
             log.info("release notification for lease %s failed (%s); it will expire", lease_id, exc)
 
@@ -254,7 +283,13 @@ class SealReader:
 
 
 class ReleaseListener:
-    """The owner's side: a thread that releases the leases peers' notifications name."""
+    """The owner's side: a thread that releases the leases peers' notifications name.
+
+    A release naming ``readers > 1`` (decode ranks sharing one lease) releases the lease
+    only once that many distinct readers sent theirs; at most ``MAX_PARTIAL`` such leases
+    are remembered (the oldest forgotten: it then expires). Counting is a performance
+    matter only: a reader whose seal no longer holds asks the owner and recomputes.
+    """
 
     def __init__(
         self,
@@ -266,6 +301,8 @@ class ReleaseListener:
         self._release = release
         self._interval = interval_s
         self._stop = threading.Event()
+        self._partial: dict[str, set[int]] = {}
+        """Readers heard from, per lease still waiting for others (listener thread only)."""
         self._thread = threading.Thread(target=self._run, name="kvb-release", daemon=True)
         self._thread.start()
 
@@ -278,14 +315,30 @@ class ReleaseListener:
                 continue
             for peer, messages in notes.items():
                 for message in messages:
-                    lease = message[len(RELEASE_PREFIX) :]
-                    if not message.startswith(RELEASE_PREFIX) or not _LEASE_ID.fullmatch(lease):
+                    parsed = parse_release(message)
+                    if parsed is None:
                         log.debug("ignoring a notification from %s", peer)
                         continue
+                    lease = self._complete(*parsed)
+                    if lease is None:
+                        continue
                     try:
-                        self._release(LeaseId(lease.decode()))
+                        self._release(LeaseId(lease))
                     except Exception:  # the listener must outlive one bad release
                         log.exception("releasing lease %s for %s failed", lease, peer)
+
+    def _complete(self, lease: str, reader: int, readers: int) -> str | None:
+        """``lease`` once all of its readers released it, else None."""
+        if readers == 1:
+            return lease
+        seen = self._partial.pop(lease, set())  # re-inserted last: the oldest go first
+        seen.add(reader)
+        if len(seen) >= readers:
+            return lease
+        self._partial[lease] = seen
+        while len(self._partial) > MAX_PARTIAL:
+            del self._partial[next(iter(self._partial))]
+        return None
 
     def close(self) -> None:
         self._stop.set()

@@ -97,6 +97,7 @@ _MODE_TO_PB: Mapping[TransferMode, int] = {
     TransferMode.WHOLE_BLOCK: pb.TRANSFER_MODE_WHOLE_BLOCK,
     TransferMode.PER_SPAN: pb.TRANSFER_MODE_PER_SPAN,
     TransferMode.REARRANGE: pb.TRANSFER_MODE_REARRANGE,
+    TransferMode.HEAD_SLICE: pb.TRANSFER_MODE_HEAD_SLICE,
 }
 _MODE_FROM_PB = {v: k for k, v in _MODE_TO_PB.items()}
 

@@ -69,7 +69,7 @@ def handshake(
     daemon = peer_from_pb(resp.peer, config.limits)
     mode = mode_from_pb(resp.mode)
     ours = negotiate(local.layout, daemon.layout)
-    if ours.mode is not mode or mode is TransferMode.REARRANGE:
+    if ours.mode is not mode or mode in (TransferMode.REARRANGE, TransferMode.HEAD_SLICE):
         raise IncompatibleLayoutError(
             f"offload daemon negotiated {mode.value}, we computed {ours.mode.value}"
         )

@@ -101,23 +101,32 @@ def checked_request(
     deadline = time.monotonic() + timeout_s
     per_span = link.mode is TransferMode.PER_SPAN
     per = descriptors_per_block(link.local.layout, group, per_span)
+    nbytes = link.local.layout.block_bytes(group)
+    if link.mode is TransferMode.HEAD_SLICE:  # one span per page, the smaller side's page
+        per = len(link.local.layout.owning_layers(group))
+        nbytes = min(nbytes, link.remote_layout.block_bytes(group))
     return BlockRequest(
         what=f"{op} of {len(local_ids)} block(s) of {group!r} with {link.peer_name!r}",
         per_span=per_span,
         descriptors_per_block=per,
-        nbytes=len(local_ids) * link.local.layout.block_bytes(group),
+        nbytes=len(local_ids) * nbytes,
         num_descriptors=len(local_ids) * per,
         deadline=deadline,
     )
 
 
-def link_mode(local: KVLayout, remote: KVLayout) -> TransferMode:
+def link_mode(local: KVLayout, remote: KVLayout, *, head_slice: bool = False) -> TransferMode:
     """The mode a link from ``local`` to ``remote`` moves blocks in (:func:`negotiate`).
 
     Raises IncompatibleLayoutError for the modes no transport moves directly
-    (``INCOMPATIBLE``, and ``REARRANGE``, which needs a staging buffer).
+    (``INCOMPATIBLE``, and ``REARRANGE``, which needs a staging buffer), and for
+    ``HEAD_SLICE`` unless the transport builds slice tables (``head_slice``).
     """
     negotiation = negotiate(local, remote)
+    if negotiation.mode is TransferMode.HEAD_SLICE and not head_slice:
+        raise IncompatibleLayoutError(
+            f"{negotiation.mode.value}: {negotiation.reason}; this transport moves no head slices"
+        )
     if negotiation.mode in (TransferMode.INCOMPATIBLE, TransferMode.REARRANGE):
         raise IncompatibleLayoutError(
             f"{negotiation.mode.value}: {negotiation.reason}"

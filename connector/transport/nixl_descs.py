@@ -46,6 +46,8 @@ __all__ = [
     "expand_strided",
     "request_indices",
     "descriptors_per_block",
+    "slice_table",
+    "slice_indices",
 ]
 
 
@@ -141,6 +143,45 @@ def strided_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[n
     table[:, 3] = length
     table[:, 4] = count
     return table
+
+
+def slice_table(layout: KVLayout, group: str, part: int, parts: int) -> npt.NDArray[np.uint64]:
+    """Nx3 rows, one per (block, owning layer) page: slice ``part`` of ``parts`` equal spans
+    of each page (``HEAD_SLICE``; :func:`kvbridge.proto.negotiate.head_slices`).
+
+    Block-major: row ``b * layers + l`` is owning layer ``l`` of block ``b``. A page is
+    both K/V halves of one (layer, block), one dense span when ``KV`` is third in the
+    order; a peer's table pairs row for row with any page order of the other side.
+    """
+    if layout.order[2] != "KV":
+        raise LayoutError(f"a page of order {' '.join(layout.order)} is not one span")
+    if not 0 <= part < parts:
+        raise LayoutError(f"slice {part} is outside {parts} slices")
+    page = 2 * layout.span_bytes
+    if page % parts:
+        raise LayoutError(f"a page of {page} bytes does not split into {parts} slices")
+    starts, _, stride, nblocks, dev = _span_starts(layout, group, True)
+    length = page // parts
+    pages = starts[0::2] + np.uint64(part * length)
+    blocks = np.arange(nblocks, dtype=np.uint64) * np.uint64(stride)
+    addr = (blocks[:, None] + pages[None, :]).reshape(-1)
+    table = np.empty((addr.shape[0], 3), dtype=np.uint64)
+    table[:, 0] = addr
+    table[:, 1] = length
+    table[:, 2] = dev
+    return table
+
+
+def slice_indices(
+    layout: KVLayout, group: str, local_ids: Sequence[int], remote_ids: Sequence[int]
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Rows of both sides' :func:`slice_table` for one request, paired page for page and
+    sorted by local row (both sides have the same owning layers)."""
+    per = len(layout.owning_layers(group))
+    li = descriptor_indices(local_ids, per)
+    ri = descriptor_indices(remote_ids, per)
+    order = np.argsort(li, kind="stable")
+    return li[order], ri[order]
 
 
 def expand_strided(table: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:

@@ -111,7 +111,7 @@ class VllmWorker:
     # ----- start-up ------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
-        from kvbridge.connector.control.peers import rank_port
+        from kvbridge.connector.control.peers import nixl_agent_name, rank_port
         from kvbridge.connector.control.server import ControlServerConfig, serve
         from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
         from kvbridge.connector.worker_side import KVBridgeWorker
@@ -124,7 +124,9 @@ class VllmWorker:
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
         )
-        self.transport = NixlTransport(NixlConfig(name=self.config.engine_id))
+        # one agent name per rank: a reader of several ranks loads them all (heterogeneous TP)
+        agent = nixl_agent_name(self.config.engine_id, s.tp_rank, s.tp_size)
+        self.transport = NixlTransport(NixlConfig(name=agent))
         self.loader = KVBridgeWorker(self.config, self.transport, self._client, self._peer_info)
         self.loader.register_kv_caches(kv_caches, layout)
         assert self.loader.memory is not None
@@ -165,12 +167,13 @@ class VllmWorker:
         address, rank = self.config.control_address, self.settings.tp_rank
         return rank_address(address, rank) if address and rank else address
 
-    def _client(self, address: str) -> ControlClient:
+    def _client(self, address: str, tp_rank: int) -> ControlClient:
         from kvbridge.connector.control.peers import dial_control
 
         # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        # (rank 0's address is checked); this rank's port is derived from it, never read
-        return dial_control(address, self.config, self.settings.tp_rank)
+        # (rank 0's address is checked); the remote rank's port is derived from it, never
+        # read (the loader picks the rank from both TP sizes)
+        return dial_control(address, self.config, tp_rank)
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:

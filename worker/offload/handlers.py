@@ -111,7 +111,12 @@ class OffloadHandlers:
                 self._create(remote.layout)
         state = self._ready()
         result = negotiate(state.info.layout, remote.layout)
-        if result.mode in (TransferMode.INCOMPATIBLE, TransferMode.REARRANGE):
+        # HEAD_SLICE (another TP size) too: the daemon's blocks are whole pages of one size
+        if result.mode in (
+            TransferMode.INCOMPATIBLE,
+            TransferMode.REARRANGE,
+            TransferMode.HEAD_SLICE,
+        ):
             ours, theirs = state.info.layout, remote.layout
             raise IncompatibleLayoutError(
                 f"worker {remote.engine_id} ({_describe(theirs)}) cannot use offload daemon "

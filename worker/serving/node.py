@@ -196,9 +196,9 @@ class Node(Closing):
             seal_layout=self.worker_connector.seal_layout,
         )
 
-    def _client(self, address: str) -> ControlClient:
+    def _client(self, address: str, tp_rank: int = 0) -> ControlClient:
         # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        return dial_control(address, self.config.connector)
+        return dial_control(address, self.config.connector, tp_rank)
 
     # ----- requests ------------------------------------------------------------------------
     def submit(

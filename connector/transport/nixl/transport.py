@@ -46,10 +46,12 @@ from kvbridge.connector.transport.nixl_descs import (
     descriptors_per_block,
     device_id,
     request_indices,
+    slice_indices,
+    slice_table,
     strided_table,
 )
 from kvbridge.proto.errors import LayoutError, TransferError
-from kvbridge.proto.negotiate import TransferMode
+from kvbridge.proto.negotiate import TransferMode, head_slices
 
 if TYPE_CHECKING:
     import torch
@@ -158,15 +160,26 @@ class NixlTransport(Transport):
         with self._lock:
             if local.memory_id not in self._registrations:
                 raise LayoutError(f"local memory {local.memory_id} is not registered here")
-        mode = link_mode(local.layout, remote_layout)
+        mode = link_mode(local.layout, remote_layout, head_slice=True)
         check_remote_regions(remote_layout)
         per_span = mode is TransferMode.PER_SPAN
-        strided = self._config.strided_descriptors
-        build = strided_table if strided else descriptor_table
-        local_tables = {g.name: build(local.layout, g.name, per_span) for g in local.layout.groups}
-        remote_tables = {
-            g.name: build(remote_layout, g.name, per_span) for g in remote_layout.groups
-        }
+        strided = self._config.strided_descriptors and mode is not TransferMode.HEAD_SLICE
+        if mode is TransferMode.HEAD_SLICE:  # dense tables of page slices, paired page by page
+            (lp, lk), (rp, rk) = head_slices(local.layout, remote_layout)
+            local_tables = {
+                g.name: slice_table(local.layout, g.name, lp, lk) for g in local.layout.groups
+            }
+            remote_tables = {
+                g.name: slice_table(remote_layout, g.name, rp, rk) for g in remote_layout.groups
+            }
+        else:
+            build = strided_table if strided else descriptor_table
+            local_tables = {
+                g.name: build(local.layout, g.name, per_span) for g in local.layout.groups
+            }
+            remote_tables = {
+                g.name: build(remote_layout, g.name, per_span) for g in remote_layout.groups
+            }
         with self._lock:
             # checked again under the lock: close() or unregister() may have run meanwhile
             self._check_open()
@@ -184,7 +197,11 @@ class NixlTransport(Transport):
                 local=local,
                 remote_layout=remote_layout,
                 mode=mode,
-                descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
+                descriptors_per_block=(
+                    len(local.layout.owning_layers("self"))
+                    if mode is TransferMode.HEAD_SLICE
+                    else descriptors_per_block(local.layout, "self", per_span)
+                ),
                 prep_s=prep_s,
             )
             self._links[link.link_id] = LinkState(link, strided, dlists)
@@ -260,15 +277,18 @@ class NixlTransport(Transport):
                 self.send_notification(link, notify)
             handle._state = "done"
             return handle
-        local_idx, remote_idx = request_indices(
-            link.local.layout,
-            link.remote_layout,
-            group,
-            local_ids,
-            remote_ids,
-            per_span=req.per_span,
-            strided=state.strided,
-        )
+        if link.mode is TransferMode.HEAD_SLICE:
+            local_idx, remote_idx = slice_indices(link.local.layout, group, local_ids, remote_ids)
+        else:
+            local_idx, remote_idx = request_indices(
+                link.local.layout,
+                link.remote_layout,
+                group,
+                local_ids,
+                remote_ids,
+                per_span=req.per_span,
+                strided=state.strided,
+            )
         with self._lock:
             # checked again under the lock: another thread may have dropped the link (and
             # released its prepped lists) since the check above

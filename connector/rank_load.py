@@ -1,0 +1,113 @@
+"""Loading one request from several remote TP ranks at once (heterogeneous TP, fail closed).
+
+Called by :class:`~kvbridge.connector.remote_load.RemoteLoader` in decode's
+worker half when the prefill has ``k`` times this engine's TP size: rank ``r``
+holds the heads of prefill ranks ``r * k .. r * k + k - 1``, so it READs each of
+those ranks' pages into slice ``j`` of its own pages (``HEAD_SLICE`` links, one
+per rank, see :func:`kvbridge.proto.negotiate.head_slices`).
+
+Only the fast path proves such a load: every rank's blocks are READ, then
+every rank's lease seal (:mod:`kvbridge.connector.control.seal`); the load is
+good only if every seal holds. Each rank whose seal held gets its lease back by
+notification. Anything else (no seal in the params, a seal that does not hold,
+a READ or link failure) reports every block bad: the engine recomputes, and the
+leases not given back expire. There is no owner (slow) path across ranks yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvbridge.connector.base import BlockLoad, LoadResult
+from kvbridge.proto.errors import KVBridgeError, LeaseError
+
+if TYPE_CHECKING:
+    from kvbridge.connector.control.seal import SealReader
+    from kvbridge.connector.links import LinkCache, Peer
+    from kvbridge.connector.remote_load import ReadFigures
+    from kvbridge.proto.types import BlockId
+
+__all__ = ["load_from_ranks"]
+
+log = logging.getLogger(__name__)
+
+ReadFn = Callable[["Peer", str, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
+
+
+def load_from_ranks(
+    load: BlockLoad,
+    ranks: Sequence[int],
+    links: LinkCache,
+    seals: SealReader,
+    read: ReadFn,
+    timeout_s: float,
+    forget: Callable[[str, Peer], None],
+) -> LoadResult:
+    """READ ``load``'s blocks from each of ``ranks`` of its engine and prove every rank's
+    seal; never raises (fail closed: every block bad)."""
+    from kvbridge.connector.remote_load import ReadFigures
+
+    groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+    local = {g: list(load.local_ids[g]) for g in groups}
+    remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
+    requested = sum(len(ids) for ids in local.values())
+    t0 = time.perf_counter()
+    peers: list[Peer] = []
+    try:
+        if not load.lease_id or not load.seal:
+            raise LeaseError("no lease seal in the params: a load across TP ranks needs one")
+        if any(len(remote[g]) != len(local[g]) for g in groups):
+            raise LeaseError("the params name fewer remote blocks than the load needs")
+        peers = [links.get(load, rank)[0] for rank in ranks]
+        if any(p.seal_link is None for p in peers):
+            raise LeaseError("a TP rank publishes no lease seal table")
+        reads = [read(p, g, local[g], remote[g]) for p in peers for g in groups]
+        held = [
+            seals.holds(p.seal_link, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
+            for p in peers
+        ]
+        for peer, ok in zip(peers, held, strict=True):
+            if ok:  # proven ours: give it back; the others expire
+                seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
+        if not all(held):
+            bad = [r for r, ok in zip(ranks, held, strict=True) if not ok]
+            return _failed(load, requested, t0, f"the lease seal of TP rank(s) {bad} does not hold")
+    except Exception as exc:
+        if not isinstance(exc, KVBridgeError):
+            log.exception("request %s: unexpected load failure", load.request_id)
+        elif not isinstance(exc, LeaseError):
+            for peer in peers:  # a link may be down: handshake again next time
+                forget(load.remote_engine, peer)
+        return _failed(load, requested, t0, str(exc) or repr(exc))
+    moved = {g: len(ids) for g, ids in local.items()}
+    return LoadResult(
+        load.request_id,
+        requested,
+        requested,
+        (),
+        (time.perf_counter() - t0) * 1e3,
+        "",
+        moved,
+        path="sealed",
+        **ReadFigures.total(reads),
+    )
+
+
+def _failed(load: BlockLoad, requested: int, t0: float, error: str) -> LoadResult:
+    log.warning(
+        "request %s: load from %s's TP ranks failed: %s; recomputing",
+        load.request_id,
+        load.remote_engine,
+        error,
+    )
+    return LoadResult(
+        load.request_id,
+        requested,
+        0,
+        tuple(load.local_ids.get("self", ())),
+        (time.perf_counter() - t0) * 1e3,
+        error,
+    )
