@@ -34,23 +34,19 @@ def test_connector_config_refuses_nan_and_infinite_times(knob: str) -> None:
             ConnectorConfig(engine_id="e", **{knob: bad})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="connector/control/leases.py takes a NaN ttl_s (not fixed here: another helper owns "
-    "leases.py); ConnectorConfig now refuses NaN before it gets there",
-)
-def test_a_nan_ttl_reaching_the_lease_table_is_refused() -> None:
-    # NaN passes `ttl_s <= 0`; the lease's deadline NaN then sits at the heap's root and
-    # `deadline <= now` is never true, so neither it nor any later lease ever expires
+@pytest.mark.parametrize("ttl", [math.nan, math.inf, -math.inf, 0.0])
+def test_a_ttl_that_never_expires_is_refused_by_the_lease_table(ttl: float) -> None:
+    # NaN passes `ttl_s <= 0`: its deadline would sit at the heap's root, never expire, and
+    # keep every later lease from expiring too; infinity would never expire either
     now = [0.0]
     table = LeaseTable(FakeOwner(preset_layout("tiny", num_blocks=8)), clock=lambda: now[0])
-    try:
-        table.create({"self": [BlockId(0)]}, ttl_s=math.nan)
-        table.create({"self": [BlockId(1)]}, ttl_s=1.0)
-    except ConfigError:
-        return
-    now[0] = 1e9
-    assert table.expire() == 2
+    with pytest.raises(ConfigError, match="ttl_s"):
+        table.create({"self": [BlockId(0)]}, ttl_s=ttl)
+    lease = table.create({"self": [BlockId(1)]}, ttl_s=1.0)
+    with pytest.raises(ConfigError, match="ttl_s"):
+        table.heartbeat([lease.lease_id], ttl_s=ttl)
+    now[0] = 2.0
+    assert table.expire() == 1 and len(table) == 0
 
 
 @pytest.mark.parametrize("bad", [123, "", "a\nb", "tök", ["t"]])

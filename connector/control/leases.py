@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import secrets
 import threading
 import time
@@ -182,8 +183,7 @@ class LeaseTable:
         If this raises (table full, peer over its caps, request already leased)
         the caller still owns the pin and must unpin.
         """
-        if ttl_s <= 0:
-            raise ConfigError(f"lease ttl_s must be > 0, got {ttl_s}")
+        _check_ttl(ttl_s)
         lease = Lease(
             lease_id=new_lease_id(),
             expires_at=self._clock() + ttl_s,
@@ -227,6 +227,7 @@ class LeaseTable:
 
     def heartbeat(self, lease_ids: Iterable[LeaseId], ttl_s: float) -> list[Lease]:
         """Extend the live ones among ``lease_ids`` to at least ``now + ttl_s``; returns them."""
+        _check_ttl(ttl_s)
         self.expire()
         alive = []
         with self._lock:
@@ -358,3 +359,10 @@ class LeaseTable:
         except Exception:
             # The lease is gone either way: retrying could unpin twice.
             log.exception("lease %s %s: the block owner failed to unpin", lease.lease_id, why)
+
+
+def _check_ttl(ttl_s: float) -> None:
+    # NaN passes `<= 0` and would sit at the deadline heap's root forever, never expiring,
+    # and keeping every later lease from expiring too; infinity would never expire either
+    if not math.isfinite(ttl_s) or ttl_s <= 0:
+        raise ConfigError(f"lease ttl_s must be a finite number > 0, got {ttl_s}")
