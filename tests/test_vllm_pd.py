@@ -83,6 +83,13 @@ def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engin
     assert moved == [1, 1, 1, 3, 3], loads
 
 
+def test_kvbridge_engines_hand_the_gil_over_sooner(engines: dict[str, harness.Engine]) -> None:
+    # kvbridge's worker half shortens the interpreter's switch interval (docs/VLLM.md, "The
+    # GIL"); a plain vLLM engine keeps Python's default
+    got = {name: engines[name].call(cmd="stats")["switch_interval_s"] for name in engines}
+    assert got == pytest.approx({"plain": 0.005, "prefill": 0.0005, "decode": 0.0005})
+
+
 def test_no_blocks_held_after_decode_released_them(engines: dict[str, harness.Engine]) -> None:
     prefill = engines["prefill"].call(cmd="drain", timeout_s=10)
     assert prefill["leases"] == 0 and prefill["held_requests"] == 0

@@ -169,6 +169,7 @@ class Instance:
         total = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
         out: dict[str, Any] = {
             "startup_s": self.startup_s,
+            "switch_interval_s": sys.getswitchinterval(),
             "blocks_in_use": total - pool.get_num_free_blocks(),
             "total_blocks": total,
             "requests": len(self.scheduler.requests),
