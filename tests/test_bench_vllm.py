@@ -13,7 +13,12 @@ import pytest
 
 from tests.harness.vllm import model_or_skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.extended,
+    pytest.mark.timeout(600),
+]
 
 
 def test_one_round_of_both_connectors_loads_every_request(tmp_path: Path) -> None:

@@ -83,7 +83,8 @@ def test_a_served_control_plane_answers_health_from_another_process(tmp_path: Pa
         with ControlClient(address) as stranger, pytest.raises(AuthError):
             stranger.health()
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        # shutdown drains gRPC and the lease reaper: seconds when idle, more on a loaded CI box
+        assert proc.wait(timeout=30) == 0
 
 
 def test_bench_control_writes_latency_json(
