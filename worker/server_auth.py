@@ -65,16 +65,18 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
         token = _read_token(args.token_file)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
+    cert = None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert")
     ca = getattr(args, "tls_ca", None)
-    dials = hasattr(args, "tls_ca")
-    roots, roots_flag = (ca, "--tls-ca") if ca is not None else (args.tls_cert, "--tls-cert")
-    if not dials:
+    # a server that never dials (no --tls-ca flag) trusts no roots; the node trusts its own
+    # certificate unless --tls-ca names other roots
+    roots = cert if ca is None else _read(ca, "--tls-ca")
+    if not hasattr(args, "tls_ca"):
         roots = None
     return ServerAuth(
         token=token or None,
-        tls_cert=None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert"),
+        tls_cert=cert,
         tls_key=None if args.tls_key is None else _read(args.tls_key, "--tls-key"),
-        tls_root_cert=None if roots is None else _read(roots, roots_flag),
+        tls_root_cert=roots,
     )
 
 
