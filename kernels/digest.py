@@ -1,0 +1,89 @@
+"""Block digests: what a reader checks after a READ lands, before the engine uses a block.
+
+Registered memory is writable by anyone holding its NIXL metadata, and a WRITE
+posted before a pause can land long after its lease or store expired. So the
+writer of a block records a digest of its bytes when it hands the block over,
+the digest travels only where no NIXL peer can write it (transfer params,
+control replies, the offload daemon's index), and the reader recomputes it over
+the bytes that landed. A mismatch means the block is recomputed.
+
+A block's digest is XXH3-128 over the block's bytes, taken span by span in
+:meth:`KVLayout.block_spans` order (layers in layout order, K before V), seeded
+with a 64-bit **key** the writer chose for this hand-over. Block-outermost and
+layer-separate memories of one model therefore give the same digest for the
+same KV: one block-outermost block is exactly its spans concatenated. The key
+goes only to the legitimate reader, over the authenticated control plane or the
+router's params; without it a peer that can write the memory cannot make other
+bytes match (XXH3 is not a cryptographic MAC: see docs/DESIGN-NOTES.md, "Trust",
+for what that means).
+
+CPU memory is hashed in place (no copy) at about memcpy speed. CUDA memory
+must be digested on the device (:data:`ALGO_DEVICE`, in
+:mod:`kvbridge.kernels.digest_cuda` when present); a digest names its algorithm
+so a reader on another device computes the same one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import secrets
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.specs import Region, Span
+
+__all__ = [
+    "ALGO_XXH3",
+    "DIGEST_BYTES",
+    "block_digests",
+    "new_key",
+    "span_digest",
+]
+
+ALGO_XXH3 = "xxh3-128"
+"""The CPU digest: XXH3-128, seeded with the hand-over's key."""
+DIGEST_BYTES = 16
+"""Length of one block digest."""
+_KEY_MASK = (1 << 64) - 1
+
+
+def new_key() -> int:
+    """A fresh random 64-bit digest key for one hand-over (lease, store)."""
+    return secrets.randbits(64)
+
+
+def _check_key(key: int) -> int:
+    if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key <= _KEY_MASK:
+        raise ValueError(f"digest key must be an integer in [0, 2**64), got {key!r}")
+    return key
+
+
+def _cpu_view(region: Region, span: Span) -> memoryview:
+    """The span's bytes in place (no copy); checks the span lies inside its region."""
+    if span.offset < 0 or span.length < 0 or span.offset + span.length > region.length:
+        raise LayoutError(
+            f"span {span.offset}+{span.length} lies outside its region of {region.length} bytes"
+        )
+    if not region.device.startswith("cpu"):
+        raise LayoutError(f"span_digest: region on {region.device!r}, expected CPU memory")
+    buf = (ctypes.c_char * span.length).from_address(region.addr + span.offset)
+    return memoryview(buf).cast("B")
+
+
+def span_digest(regions: Sequence[Region], spans: Iterable[Span], key: int) -> bytes:
+    """XXH3-128 (seeded with ``key``) over ``spans`` of CPU ``regions``, in order."""
+    h = xxhash.xxh3_128(seed=_check_key(key))
+    for span in spans:
+        h.update(_cpu_view(regions[span.region], span))
+    return h.digest()
+
+
+def block_digests(layout: KVLayout, group: str, block_ids: Sequence[int], key: int) -> list[bytes]:
+    """One :data:`DIGEST_BYTES`-byte digest per block of ``group``, for a *bound* layout
+    (its regions are the registered addresses) on CPU memory."""
+    if not layout.regions:
+        raise LayoutError("block_digests needs a bound layout (registered regions)")
+    return [span_digest(layout.regions, layout.block_spans(group, b), key) for b in block_ids]
