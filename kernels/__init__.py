@@ -13,7 +13,9 @@ loads on first use of a name below, cupy only when a CUDA tensor is passed.
 - :func:`gather_blocks` / :func:`scatter_blocks` — cache <-> contiguous staging
   buffer, block ``i`` at ``i * layout.block_bytes(group)`` (see
   :func:`gather_blocks` for the byte order inside a block);
-- :class:`BlockMapping` — two id lists as one mapping.
+- :class:`BlockMapping` — two id lists as one mapping;
+- :func:`block_digests` — keyed XXH3-128 digests of blocks, checked by a reader after a
+  READ (:mod:`kvbridge.kernels.digest`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvbridge.kernels.digest import DIGEST_BYTES, block_digests, new_key, span_digest
     from kvbridge.kernels.mapping import BlockMapping
     from kvbridge.kernels.ops import (
         convert_blocks,
@@ -32,7 +35,11 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "DIGEST_BYTES",
     "BlockMapping",
+    "block_digests",
+    "new_key",
+    "span_digest",
     "copy_blocks",
     "convert_blocks",
     "gather_blocks",
@@ -42,6 +49,10 @@ __all__ = [
 
 # ``import kvbridge.kernels`` stays light (no torch): the names load on first use.
 _HOME = {
+    "DIGEST_BYTES": "kvbridge.kernels.digest",
+    "block_digests": "kvbridge.kernels.digest",
+    "new_key": "kvbridge.kernels.digest",
+    "span_digest": "kvbridge.kernels.digest",
     "BlockMapping": "kvbridge.kernels.mapping",
     "copy_blocks": "kvbridge.kernels.ops",
     "convert_blocks": "kvbridge.kernels.ops",

@@ -5,17 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbridge.kernels import BlockMapping, convert_blocks
-from kvbridge.kernels.digest import DIGEST_BYTES, block_digests, new_key, span_digest
-from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.presets import preset_layout
-from kvbridge.proto.specs import Span
-from kvbridge.proto.tensors import allocate, bind
+from kvbridge.kernels import (
+    DIGEST_BYTES,
+    BlockMapping,
+    block_digests,
+    convert_blocks,
+    new_key,
+    span_digest,
+)
+from kvbridge.proto import KVLayout, LayoutError, Span, preset_layout
 
 
-def _filled(order: str, seed: int = 0) -> tuple[object, dict[str, torch.Tensor]]:
+def _filled(order: str, seed: int = 0) -> tuple[KVLayout, dict[str, torch.Tensor]]:
     layout = preset_layout("tiny", num_blocks=8, order=order)
-    caches = allocate(layout)
+    caches = layout.allocate()
     gen = torch.Generator().manual_seed(seed)
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -25,11 +28,11 @@ def _filled(order: str, seed: int = 0) -> tuple[object, dict[str, torch.Tensor]]
 def test_block_outermost_and_layer_separate_give_the_same_digest_for_the_same_kv() -> None:
     a, ca = _filled("block-nhd")
     b = preset_layout("tiny", num_blocks=8, order="layer-nhd")
-    cb = allocate(b)
+    cb = b.allocate()
     convert_blocks(ca, a, cb, b, BlockMapping(list(range(8)), list(range(8))))
     key = new_key()
-    da = block_digests(bind(a, ca), "self", range(8), key)
-    db = block_digests(bind(b, cb), "self", range(8), key)
+    da = block_digests(a.bind(ca), "self", range(8), key)
+    db = block_digests(b.bind(cb), "self", range(8), key)
     assert da == db
     assert all(len(d) == DIGEST_BYTES for d in da)
     assert len(set(da)) == 8  # random blocks differ
@@ -37,7 +40,7 @@ def test_block_outermost_and_layer_separate_give_the_same_digest_for_the_same_kv
 
 def test_one_flipped_byte_or_another_key_changes_the_digest() -> None:
     layout, caches = _filled("block-nhd")
-    bound = bind(layout, caches)
+    bound = layout.bind(caches)
     before = block_digests(bound, "self", [3], 1)[0]
     assert block_digests(bound, "self", [3], 2)[0] != before
     raw = next(iter(caches.values())).view(torch.uint8)
@@ -51,7 +54,7 @@ def test_one_flipped_byte_or_another_key_changes_the_digest() -> None:
 
 def test_bad_keys_and_spans_outside_their_region_are_refused() -> None:
     layout, caches = _filled("block-nhd")
-    bound = bind(layout, caches)
+    bound = layout.bind(caches)
     with pytest.raises(ValueError, match="digest key"):
         block_digests(bound, "self", [0], -1)
     with pytest.raises(ValueError, match="digest key"):
