@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
+from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import BlockPoolError, OutOfBlocksError
 from kvbridge.proto.types import BlockHash, BlockId
 
@@ -36,13 +37,21 @@ class BlockPool:
 
     ``on_evict(hash, block_id)`` is called when :meth:`allocate` reuses a free
     block that still had a hash, after the pool's state is consistent again.
+    ``events`` (KV events) hears of every hash that becomes cached or stops being cached.
     """
 
-    def __init__(self, num_blocks: int, *, on_evict: EvictCallback | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        on_evict: EvictCallback | None = None,
+        events: BlockEventSink | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise BlockPoolError(f"num_blocks must be >= 1, got {num_blocks}")
         self._num_blocks = num_blocks
         self._on_evict = on_evict
+        self._events = events
         self._ref: list[int] = [0] * num_blocks
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, BlockId] = {}
@@ -134,6 +143,8 @@ class BlockPool:
         if self._on_evict is not None:
             for block_hash, block_id in evicted:
                 self._on_evict(block_hash, block_id)
+        if self._events is not None and evicted:
+            self._events.removed([h for h, _ in evicted])
         return allocated
 
     def free(self, block_ids: Sequence[BlockId]) -> None:
@@ -187,6 +198,8 @@ class BlockPool:
             return False
         self._hash[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        if self._events is not None:
+            self._events.stored([block_hash])
         return True
 
     def uncache(self, block_id: BlockId) -> None:
@@ -195,14 +208,16 @@ class BlockPool:
         block_hash = self._hash[block_id]
         if block_hash is not None:
             self._drop_hash(block_id, block_hash)
+            if self._events is not None:
+                self._events.removed([block_hash])
 
     def reset_prefix_cache(self) -> int:
         """Forget the hashes of all free cached blocks; returns how many were dropped."""
-        stale = [b for b in self._hash_to_block.values() if self._ref[b] == 0]
-        for block_id in stale:
-            block_hash = self._hash[block_id]
-            assert block_hash is not None
+        stale = [(b, h) for h, b in self._hash_to_block.items() if self._ref[b] == 0]
+        for block_id, block_hash in stale:
             self._drop_hash(block_id, block_hash)
+        if self._events is not None and stale:
+            self._events.removed([h for _, h in stale])
         return len(stale)
 
     # ------------------------------------------------------------------ helpers

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvbridge.connector.base import SchedulerConnector, WorkerConnector
+from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import RequestId
@@ -47,13 +48,15 @@ class Engine:
         connector_scheduler: SchedulerConnector | None = None,
         connector_worker: WorkerConnector | None = None,
         device: str = "cpu",
+        events: BlockEventSink | None = None,
     ) -> None:
+        """``events``: KV events of the prefix cache (what enters and leaves it)."""
         self.config = config
         self.model = DecoderModel(config, device)
         layout = config.layout()
         self.kv_caches: dict[str, torch.Tensor] = layout.allocate(device)
         self.layout: KVLayout = layout.bind(self.kv_caches)
-        self.scheduler = Scheduler(self.layout, connector_scheduler)
+        self.scheduler = Scheduler(self.layout, connector_scheduler, events=events)
         self.connector_worker = connector_worker
         if connector_worker is not None:
             connector_worker.register_kv_caches(self.kv_caches, self.layout)

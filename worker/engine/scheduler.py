@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connector.base import SchedulerConnector, StepMetadata
+from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import BlockHasher, HashConfig
 from kvbridge.proto.layout import KVLayout
@@ -98,14 +99,19 @@ class Scheduler:
         layout: KVLayout,
         connector: SchedulerConnector | None = None,
         hash_config: HashConfig | None = None,
+        events: BlockEventSink | None = None,
     ) -> None:
+        """``events`` hears what enters and leaves the prefix cache (decoder group only)."""
         self.layout = layout
         self.block_size = layout.block_size
         self.connector = connector
         self.hasher = BlockHasher(layout.fingerprint(), layout.block_size, hash_config)
         self.lock = threading.Lock()
         """Guards every operation on :attr:`pools`."""
-        self.pools: dict[str, BlockPool] = {g.name: BlockPool(g.num_blocks) for g in layout.groups}
+        self.pools: dict[str, BlockPool] = {
+            g.name: BlockPool(g.num_blocks, events=events if g.name == GROUP else None)
+            for g in layout.groups
+        }
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admitted: RUNNING or WAITING_FOR_REMOTE_KVS
         self._held: dict[RequestId, Request] = {}  # finished, blocks still lent out

@@ -20,6 +20,7 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
@@ -126,14 +127,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
     p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
+    add_kv_events_arguments(p, "the host pool's blocks (medium CPU)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.connector.events import MEDIUM_CPU
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
     from kvbridge.proto.layout import parse_order
     from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.offload.metrics import offload_registry
+    from kvbridge.worker.offload.pool import POOL_KEY_PREFIX
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     auth = read_auth(args)
@@ -168,19 +172,26 @@ def run(args: argparse.Namespace) -> int:
     def on_term(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
+    events_config = kv_events_from_args(args)
+    publisher, events = (
+        (None, None)
+        if events_config is None
+        else open_sink(events_config, MEDIUM_CPU, key_prefix=POOL_KEY_PREFIX)
+    )
     previous = signal.signal(signal.SIGTERM, on_term)
     metrics: MetricsServer | None = None
     try:
         with (
             NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
-            serve(transport, config, instance=instance) as server,
+            serve(transport, config, instance=instance, events=events) as server,
         ):
             if metrics_config is not None:
                 metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
             print(
                 f"kvbridge offload: daemon {instance} listening on {server.address}, "
                 f"capacity {config.capacity_bytes} bytes"
-                + (f", metrics on :{metrics.port}/metrics" if metrics else ""),
+                + (f", metrics on :{metrics.port}/metrics" if metrics else "")
+                + (f", KV events on {publisher.endpoint}" if publisher else ""),
                 flush=True,
             )
             try:
@@ -192,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        if publisher is not None:
+            publisher.close()
         signal.signal(signal.SIGTERM, previous)
     return 0
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +56,7 @@ from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_no
 if TYPE_CHECKING:
     import torch
 
+    from kvbridge.connector.events import BlockEventSink
     from kvbridge.connector.transport.base import LocalMemory, Transport
 
 __all__ = ["OffloadHandlers", "stats_to_pb"]
@@ -81,8 +82,17 @@ class OffloadHandlers:
     when it raises. Thread-safe: the pool locks itself; setup holds a lock.
     """
 
-    def __init__(self, transport: Transport, config: OffloadConfig, *, instance: str) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        config: OffloadConfig,
+        *,
+        instance: str,
+        events: Callable[[int], BlockEventSink] | None = None,
+    ) -> None:
+        """``events(block_size)`` makes the pool's KV event sink when the pool is made."""
         self.transport = transport
+        self._events = events
         self.config = config
         self.instance = instance
         self._setup_lock = threading.Lock()
@@ -243,6 +253,7 @@ class OffloadHandlers:
             max_pending=self.config.max_pending,
             max_stores_per_writer=self.config.max_stores_per_writer,
             max_pinned_per_writer=self.config.max_pinned_per_writer,
+            events=None if self._events is None else self._events(layout.block_size),
         )
         self._state = _Pool(info, memory, caches, pool)
         log.info(

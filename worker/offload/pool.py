@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
@@ -47,9 +48,13 @@ __all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_ke
 log = logging.getLogger(__name__)
 
 
+POOL_KEY_PREFIX = 2
+"""Bytes of tensor-parallel rank before the block hash in a pool key."""
+
+
 def pool_key(tp_rank: int, block_hash: bytes) -> BlockHash:
     """The pool's key of ``block_hash`` for ``tp_rank`` (2-byte rank prefix)."""
-    return BlockHash(tp_rank.to_bytes(2, "big") + block_hash)
+    return BlockHash(tp_rank.to_bytes(POOL_KEY_PREFIX, "big") + block_hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,7 @@ class HostPool:
         max_pending: int = 4096,
         max_stores_per_writer: int = 64,
         max_pinned_per_writer: int | None = None,
+        events: BlockEventSink | None = None,
     ) -> None:
         if block_bytes < 1:
             raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
@@ -105,7 +111,9 @@ class HostPool:
         if max_pinned_per_writer is not None and max_pinned_per_writer < 1:
             raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned_per_writer}")
         self._evicted: list[BlockHash] = []
-        self._pool = BlockPool(num_blocks, on_evict=lambda h, _b: self._evicted.append(h))
+        self._pool = BlockPool(
+            num_blocks, on_evict=lambda h, _b: self._evicted.append(h), events=events
+        )
         self._block_bytes = block_bytes
         self._clock = clock
         self._max_pending = max_pending

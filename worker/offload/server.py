@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.control.errors import call_handler
@@ -26,6 +27,7 @@ from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.handlers import OffloadHandlers
 
 if TYPE_CHECKING:
+    from kvbridge.connector.events import BlockEventSink
     from kvbridge.connector.transport.base import Transport
 
 __all__ = ["OffloadConfig", "OffloadHandlers", "OffloadServer", "new_instance", "serve"]
@@ -112,10 +114,15 @@ def new_instance() -> str:
 
 
 def serve(
-    transport: Transport, config: OffloadConfig | None = None, *, instance: str | None = None
+    transport: Transport,
+    config: OffloadConfig | None = None,
+    *,
+    instance: str | None = None,
+    events: Callable[[int], BlockEventSink] | None = None,
 ) -> OffloadServer:
-    """Start an offload daemon's service on ``transport`` (which the caller closes after)."""
+    """Start an offload daemon's service on ``transport`` (which the caller closes after);
+    ``events(block_size)`` makes the pool's KV event sink (see ``OffloadHandlers``)."""
     handlers = OffloadHandlers(
-        transport, config or OffloadConfig(), instance=instance or new_instance()
+        transport, config or OffloadConfig(), instance=instance or new_instance(), events=events
     )
     return OffloadServer(handlers).start()

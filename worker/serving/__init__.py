@@ -31,9 +31,11 @@ if TYPE_CHECKING:
         start_offload_daemon,
     )
     from kvbridge.worker.serving.node import GenerateResult, Node, NodeConfig
+    from kvbridge.worker.serving.placement import EventPlacement
     from kvbridge.worker.serving.router import (
         EngineClient,
         NodeDownError,
+        Placement,
         RoutedResult,
         Router,
         RouterConfig,
@@ -41,11 +43,13 @@ if TYPE_CHECKING:
 
 _HOME = {
     "EngineClient": "router",
+    "EventPlacement": "placement",
     "GenerateResult": "node",
     "Node": "node",
     "NodeConfig": "node",
     "NodeDownError": "router",
     "OffloadDaemonProcess": "launch",
+    "Placement": "router",
     "RoutedResult": "router",
     "Router": "router",
     "RouterConfig": "router",
@@ -59,11 +63,13 @@ _HOME = {
 
 __all__ = [
     "EngineClient",
+    "EventPlacement",
     "GenerateResult",
     "Node",
     "NodeConfig",
     "NodeDownError",
     "OffloadDaemonProcess",
+    "Placement",
     "RoutedResult",
     "Router",
     "RouterConfig",

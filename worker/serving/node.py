@@ -27,6 +27,7 @@ from kvbridge.connector.control.client import ControlClient
 from kvbridge.connector.control.peers import dial_control
 from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.types import PeerInfo, Role
+from kvbridge.connector.events import MEDIUM_GPU, KVEventsConfig, ZmqEventPublisher
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.scheduler import KVBridgeScheduler
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
@@ -37,6 +38,7 @@ from kvbridge.proto.errors import ConfigError, KVBridgeError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
+from kvbridge.worker.kv_events import open_sink
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
 from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
 from kvbridge.worker.serving.metrics import NodeMetrics
@@ -64,6 +66,8 @@ class NodeConfig:
     """The Inference server closes connections idle this long."""
     max_concurrent_requests: int = 64
     """Inference calls in flight at once; more are refused RESOURCE_EXHAUSTED."""
+    kv_events: KVEventsConfig | None = None
+    """Publish the prefix cache's KV events (medium GPU) with these settings."""
 
     def __post_init__(self) -> None:
         for knob in ("port", "control_port"):
@@ -121,10 +125,17 @@ class Node(Closing):
                 cc, self.transport, self._client, self._peer_info
             )
             built.callback(self.worker_connector.close)
+            self.kv_events: ZmqEventPublisher | None = None
+            events = None
+            if config.kv_events is not None:
+                self.kv_events, make_sink = open_sink(config.kv_events, MEDIUM_GPU, group_idx=0)
+                built.callback(self.kv_events.close)
+                events = make_sink(config.engine.block_size)
             self.engine = Engine(
                 config.engine,
                 connector_scheduler=self.scheduler_connector,
                 connector_worker=self.worker_connector,
+                events=events,
             )
             self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
             self.worker_connector.listen_for_releases(self.owner.leases.release)

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 __all__ = [
@@ -175,6 +176,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="write {inference, control} addresses as JSON here once serving",
     )
+    add_kv_events_arguments(p, "the prefix cache's blocks (medium GPU)")
     p.set_defaults(func=run)
 
 
@@ -218,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         control_port=args.control_port,
         tls_cert=security.tls_cert,
         tls_key=security.tls_key,
+        kv_events=kv_events_from_args(args),
     )
     metrics_config = (
         None
@@ -237,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         if metrics_config is not None:
             metrics = stack.enter_context(MetricsServer(node.metrics.registry, metrics_config))
             ready["metrics"] = metrics.url
+        if node.kv_events is not None:
+            ready["kv_events"] = node.kv_events.endpoint
         print(json.dumps(ready), flush=True)
         if args.ready_file is not None:
             tmp = args.ready_file.with_suffix(".tmp")

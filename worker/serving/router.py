@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -38,7 +38,7 @@ from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto import engine_pb2_grpc as epb_grpc
 from kvbridge.proto.errors import ConfigError, KVBridgeError, PeerError
 
-__all__ = ["Router", "RouterConfig", "RoutedResult", "EngineClient", "NodeDownError"]
+__all__ = ["Placement", "Router", "RouterConfig", "RoutedResult", "EngineClient", "NodeDownError"]
 
 _NODE_FAULTS = frozenset(
     {
@@ -165,6 +165,14 @@ class RoutedResult:
     """Attempts beyond the first, both hops together."""
 
 
+class Placement(Protocol):
+    """Chooses which node of a role to try first for a prompt (placement only)."""
+
+    def prefer(self, prompt: Sequence[int]) -> int | None:
+        """Index of the preferred prefill node, or None for round robin."""
+        ...
+
+
 class _Pool:
     """The nodes of one role, round robin over those not marked down."""
 
@@ -178,10 +186,13 @@ class _Pool:
         self._next = 0
         self._lock = threading.Lock()
 
-    def pick(self, tried: set[int]) -> int:
-        """An untried node: the next healthy one, else the one that comes back first."""
+    def pick(self, tried: set[int], prefer: int | None = None) -> int:
+        """An untried node: ``prefer`` if it is untried and healthy, else the next healthy
+        one, else the one that comes back first."""
         now = time.monotonic()
         with self._lock:
+            if prefer is not None and prefer not in tried and self._down_until[prefer] <= now:
+                return prefer
             n = len(self.clients)
             order = [(self._next + k) % n for k in range(n)]
             fresh = [i for i in order if i not in tried] or order
@@ -212,8 +223,12 @@ class Router:
         prefill: EngineClient | Sequence[EngineClient],
         decode: EngineClient | Sequence[EngineClient],
         config: RouterConfig | None = None,
+        placement: Placement | None = None,
     ) -> None:
+        """``placement`` (e.g. :class:`~kvbridge.worker.serving.placement.EventPlacement`)
+        names the prefill node to try first; the others stay the fallback."""
         self.config = config or RouterConfig()
+        self._placement = placement
         self._prefill = _Pool("prefill", _as_list(prefill), self.config.down_s)
         self._decode = _Pool("decode", _as_list(decode), self.config.down_s)
 
@@ -238,8 +253,9 @@ class Router:
         t0 = time.perf_counter()
         # no decode hop, no hand-over: prefill must not pin blocks nobody will read
         handover = {"do_remote_decode": True} if max_tokens > 1 else None
+        prefer = None if self._placement is None else self._placement.prefer(prompt)
         first, p_addr, p_retries = self._hop(
-            self._prefill, prompt, 1, request_id, handover, encoder_input
+            self._prefill, prompt, 1, request_id, handover, encoder_input, prefer
         )
         ttft_ms = (time.perf_counter() - t0) * 1e3
         if not first.token_ids:
@@ -283,11 +299,12 @@ class Router:
         request_id: str,
         params: dict[str, Any] | None,
         encoder_input: bytes,
+        prefer: int | None = None,
     ) -> tuple[epb.GenerateResponse, str, int]:
         tried: set[int] = set()
         errors: list[str] = []
         for attempt in range(self.config.attempts):
-            i = pool.pick(tried)
+            i = pool.pick(tried, prefer)
             if i in tried:  # every node failed once already: give them a moment
                 time.sleep(min(1.0, 0.1 * 2**attempt))
             tried.add(i)
