@@ -1,0 +1,106 @@
+"""kvbridge's KV event bytes read by vLLM 0.32's own msgspec classes, in ``.venv-vllm``.
+
+The check runs as a script in the vLLM environment (the main one never imports vLLM):
+vLLM's ``KVEventBatch`` decoder reads kvbridge's ``vllm`` wire, re-encoding gives the very
+same bytes, the same events built with vLLM's classes encode to those bytes, a live
+kvbridge publisher's messages decode there too, and vLLM's ``KVEventsConfig`` fields are
+a valid kvbridge config.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvbridge.worker.vllm import VenvError, ensure_venv
+
+pytestmark = pytest.mark.vllm
+
+SCRIPT = r"""
+import dataclasses, sys, time
+import msgspec, zmq
+from vllm.config.kv_events import KVEventsConfig as VllmConfig
+from vllm.distributed import kv_events as v
+from kvbridge.connector import events as k
+
+h = [bytes([i]) * 32 for i in range(4)]
+ours = k.EventBatch(
+    1700000000.25,
+    (
+        k.BlockStored((h[1], h[2]), h[0], (1, 2, 3, 4), 2, None, k.MEDIUM_GPU, None, 0),
+        k.BlockStored((h[3],), None, (), 16, None, k.MEDIUM_CPU, None),
+        k.BlockRemoved((h[1],), k.MEDIUM_GPU, 0),
+        k.BlockRemoved((h[2], h[3]), k.MEDIUM_CPU),
+        k.AllBlocksCleared(),
+    ),
+    0,
+)
+payload = k.encode_batch(ours, k.WIRE_VLLM)
+decoded = msgspec.msgpack.Decoder(v.KVEventBatch).decode(payload)
+assert [type(e).__name__ for e in decoded.events] == [
+    "BlockStored", "BlockStored", "BlockRemoved", "BlockRemoved", "AllBlocksCleared"
+], decoded
+first = decoded.events[0]
+assert (first.block_hashes, first.parent_block_hash) == ([h[1], h[2]], h[0])
+assert first.token_ids == [1, 2, 3, 4]
+assert (first.block_size, first.medium, first.group_idx, first.lora_id) == (2, "GPU", 0, None)
+assert decoded.events[3].medium == "CPU" and decoded.events[3].group_idx is None
+assert decoded.data_parallel_rank == 0 and decoded.ts == 1700000000.25
+assert msgspec.msgpack.encode(decoded) == payload, "re-encoding changed the bytes"
+theirs = v.KVEventBatch(
+    ts=1700000000.25,
+    events=[
+        v.BlockStored(block_hashes=[h[1], h[2]], parent_block_hash=h[0], token_ids=[1, 2, 3, 4],
+                      block_size=2, lora_id=None, medium="GPU", lora_name=None, group_idx=0),
+        v.BlockStored(block_hashes=[h[3]], parent_block_hash=None, token_ids=[], block_size=16,
+                      lora_id=None, medium="CPU", lora_name=None),
+        v.BlockRemoved(block_hashes=[h[1]], medium="GPU", group_idx=0),
+        v.BlockRemoved(block_hashes=[h[2], h[3]], medium="CPU"),
+        v.AllBlocksCleared(),
+    ],
+    data_parallel_rank=0,
+)
+assert msgspec.msgpack.encode(theirs) == payload, "vLLM encodes the same events differently"
+assert k.decode_batch(msgspec.msgpack.encode(theirs)) == ours
+media = (k.MEDIUM_GPU, k.MEDIUM_CPU, k.MEDIUM_STORAGE)
+assert (v.MEDIUM_GPU, v.MEDIUM_CPU, v.MEDIUM_STORAGE) == media
+
+config = k.KVEventsConfig.from_dict(dataclasses.asdict(VllmConfig(
+    enable_kv_cache_events=True, endpoint=f"ipc://{sys.argv[1]}/pub",
+    replay_endpoint=f"ipc://{sys.argv[1]}/replay", topic="kv@pod@tiny",
+)))
+with k.ZmqEventPublisher(config) as pub:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@pod@")
+    sub.connect(pub.endpoint)
+    deadline = time.monotonic() + 20
+    frames = None
+    while frames is None:
+        assert time.monotonic() < deadline, "no message"
+        pub.publish(ours.events)
+        if sub.poll(100):
+            frames = sub.recv_multipart()
+    topic, seq, live = frames
+    batch = msgspec.msgpack.Decoder(v.KVEventBatch).decode(live)
+    assert topic == b"kv@pod@tiny" and len(seq) == 8
+    names = [type(e).__name__ for e in batch.events][:5]
+    assert names == [type(e).__name__ for e in decoded.events]
+    sub.close(linger=0)
+    ctx.term()
+print("ok", len(payload))
+"""
+
+
+def test_vllm_decodes_kvbridge_event_batches_and_reencodes_the_same_bytes(tmp_path: Path) -> None:
+    try:
+        python = ensure_venv(log=tmp_path / "venv.log")
+    except VenvError as exc:
+        pytest.skip(f"no vLLM environment: {exc}")
+    out = subprocess.run(
+        [str(python), "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.startswith("ok ")
