@@ -27,6 +27,7 @@ from kvbridge.connector.events import (
     KVEventsError,
     KVEventSource,
     PrefixIndex,
+    ReceivedBatch,
     ZmqEventPublisher,
     decode_batch,
     encode_batch,
@@ -192,7 +193,7 @@ def test_replay_endpoint_returns_batches_published_before_the_subscriber_came(
             assert sub.replay(3) == []
 
 
-def test_a_gap_in_sequences_is_filled_from_the_replay_buffer_in_order(tmp_path: Path) -> None:
+def test_a_late_subscriber_catches_up_from_the_replay_buffer_then_goes_live(tmp_path: Path) -> None:
     pub_ep, replay_ep = endpoints(tmp_path)
     with ZmqEventPublisher(KVEventsConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as pub:
         for i in range(4):
@@ -207,6 +208,29 @@ def test_a_gap_in_sequences_is_filled_from_the_replay_buffer_in_order(tmp_path: 
                 got.extend(r.seq for r in sub.receive(timeout_s=0.1))
             assert got == list(range(len(got)))  # 0..3 by replay, then live, no hole
             assert sub.missed == 0
+
+
+def test_messages_the_pub_socket_dropped_come_back_by_replay_in_order(tmp_path: Path) -> None:
+    pub_ep, replay_ep = endpoints(tmp_path)
+    config = KVEventsConfig(endpoint=pub_ep, replay_endpoint=replay_ep, hwm=1)
+    big = [BlockRemoved(tuple(h(i) for i in range(1000)), MEDIUM_GPU)] * 64  # ~2 MB a batch
+    with (
+        ZmqEventPublisher(config) as pub,
+        EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, from_seq=0) as sub,
+    ):
+        assert list(sub.receive(timeout_s=0.5)) == []  # caught up: nothing published yet
+        for _ in range(40):  # ~80 MB while nobody reads: the PUB socket drops most
+            pub.publish(big)
+            pub.flush()
+        got: list[ReceivedBatch] = []
+        deadline = time.monotonic() + 30
+        while not got or got[-1].seq < 40:
+            assert time.monotonic() < deadline, [r.seq for r in got]
+            pub.publish([AllBlocksCleared()])
+            got.extend(sub.receive(timeout_s=0.1))
+        assert [r.seq for r in got] == list(range(len(got)))
+        assert any(r.replayed for r in got), "nothing was dropped: the test proves nothing"
+        assert sub.missed == 0
 
 
 def test_a_full_queue_drops_and_counts_instead_of_blocking(tmp_path: Path) -> None:
@@ -229,12 +253,12 @@ def test_a_port_in_use_is_a_config_error() -> None:
 
 
 def test_host_pool_publishes_every_store_and_eviction_its_counters_show(tmp_path: Path) -> None:
-    from kvbridge.worker.offload.pool import POOL_KEY_PREFIX, HostPool, pool_key
+    from kvbridge.worker.offload.pool import HostPool, pool_key
 
     pub_ep, replay_ep = endpoints(tmp_path)
     with ZmqEventPublisher(KVEventsConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as pub:
         source = KVEventSource(
-            pub, medium=MEDIUM_CPU, block_size=16, wire=WIRE_VLLM, key_prefix=POOL_KEY_PREFIX
+            pub, medium=MEDIUM_CPU, block_size=16, wire=WIRE_VLLM, key_prefix=len(pool_key(0, b""))
         )
         pool = HostPool(4, 64, events=source)
         stored: list[bytes] = []

@@ -7,6 +7,8 @@ Subscribers are real ZMQ sockets in the test process (``ipc://`` endpoints in it
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -138,3 +140,12 @@ def test_router_prefers_the_prefill_node_whose_events_hold_the_prompt(tmp_path: 
         assert fresh.prefill_address == prefills[1].address
         expected = reference([prompt, prompt[:72], other], 4)
         assert [first.tokens, again.tokens, fresh.tokens] == expected
+
+
+def test_subscriber_example_demo_prints_a_map_equal_to_the_engine_cache() -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "kv_events_subscriber.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--demo"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "engine GPU" in out.stdout and out.stdout.rstrip().endswith("match")

@@ -42,7 +42,7 @@ class EventSubscriber:
         context: Any = None,
     ) -> None:
         """``from_seq``: the first sequence wanted (0: everything the publisher still
-        buffers, fetched by replay before the first live batch); None: start live."""
+        buffers, fetched by replay on the first :meth:`receive`); None: start live."""
         zmq = import_zmq()
         self._zmq = zmq
         self._own_context = context is None
@@ -52,6 +52,7 @@ class EventSubscriber:
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
         self.next_seq: int | None = from_seq
+        self._catch_up = from_seq is not None and replay_endpoint is not None
         """The sequence expected next (None until the first message)."""
         self.missed = 0
         """Batches skipped that replay could not bring back."""
@@ -82,6 +83,11 @@ class EventSubscriber:
     def receive(self, timeout_s: float) -> Iterator[ReceivedBatch]:
         """Batches that arrive within ``timeout_s`` (at most one message read), in order,
         with any replayed gap before the message that revealed it."""
+        if self._catch_up and self.next_seq is not None:
+            self._catch_up = False
+            for got in self._fill(self.next_seq, None):
+                self.next_seq = got.seq + 1
+                yield got
         if not self._sub.poll(int(timeout_s * 1000)):
             return
         frames = self._sub.recv_multipart()
@@ -96,14 +102,19 @@ class EventSubscriber:
             self.next_seq = seq + 1
             yield ReceivedBatch(topic.decode(), seq, decode_batch(payload))
 
-    def _fill(self, first: int, upto: int) -> Iterator[ReceivedBatch]:
+    def _fill(self, first: int, upto: int | None) -> Iterator[ReceivedBatch]:
+        """Replayed batches ``first..upto-1`` (None: all the publisher buffers); counts
+        what it could not bring back in :attr:`missed`."""
         got: list[ReceivedBatch] = []
         if self._replay_endpoint is not None:
             try:
-                got = [b for b in self.replay(first) if b.seq < upto]
+                got = [b for b in self.replay(first) if upto is None or b.seq < upto]
             except KVEventsError as exc:
                 log.warning("KV events replay failed: %s", exc)
-        self.missed += (upto - first) - len(got)
+        if got:  # the publisher no longer buffers what came before its oldest batch
+            self.missed += got[0].seq - first
+        if upto is not None:
+            self.missed += upto - (got[-1].seq + 1 if got else first)
         yield from got
 
     def close(self) -> None:

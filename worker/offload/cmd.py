@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.proto.layout import parse_order
     from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
     from kvbridge.worker.offload.metrics import offload_registry
-    from kvbridge.worker.offload.pool import POOL_KEY_PREFIX
+    from kvbridge.worker.offload.pool import pool_key
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     auth = read_auth(args)
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     publisher, events = (
         (None, None)
         if events_config is None
-        else open_sink(events_config, MEDIUM_CPU, key_prefix=POOL_KEY_PREFIX)
+        else open_sink(events_config, MEDIUM_CPU, key_prefix=len(pool_key(0, b"")))
     )
     previous = signal.signal(signal.SIGTERM, on_term)
     metrics: MetricsServer | None = None

@@ -1,18 +1,16 @@
 """The offload daemon's host pool bookkeeping: which slot holds which block hash.
 
-Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`)
-and called from its gRPC threads and its reaper thread, so every method takes
-the pool's lock. It is pure bookkeeping over a :class:`BlockPool` (the LRU,
-the hash map and the ref counts): it never touches memory or NIXL.
+Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`), called from
+its gRPC and reaper threads, so every method takes the pool's lock. Pure bookkeeping over a
+:class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL.
 
 Slot states:
 
 - **free**: ref count 0, maybe with a hash (evictable, LRU order);
-- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash
-  in the block pool* — so it is invisible to lookups and loads, and never
-  evicted. :meth:`HostPool.commit_store` caches it under its hash and drops the
-  reference (it becomes evictable); :meth:`HostPool.abort_store` or the store's
-  expiry (a dead writer) frees it without a hash;
+- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash in the block
+  pool*: invisible to lookups and loads, never evicted. :meth:`HostPool.commit_store` caches
+  it under its hash and drops the reference (it becomes evictable); an abort
+  (:meth:`HostPool.abort_store`) or the store's expiry (a dead writer) frees it without a hash;
 - **pinned**: a committed block with references from loads
   (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
   evicted while pinned.
@@ -20,12 +18,11 @@ Slot states:
 Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head
 slices of a block of the same name.
 
-Every store and load belongs to a **writer** (the daemon's name for an
-authenticated worker session, see :mod:`kvbridge.worker.offload.writers`):
-only that writer commits, aborts or completes it, a store commits only after
-:meth:`HostPool.mark_written` (its WRITE completed), and each writer holds at
-most ``max_stores_per_writer`` prepared stores and ``max_pinned_per_writer``
-pinned blocks.
+Every store and load belongs to a **writer** (the daemon's name for an authenticated worker
+session, see :mod:`kvbridge.worker.offload.writers`): only that writer commits, aborts or
+completes it, a store commits only after :meth:`HostPool.mark_written` (its WRITE completed),
+and each writer holds at most ``max_stores_per_writer`` prepared stores and
+``max_pinned_per_writer`` pinned blocks.
 """
 
 from __future__ import annotations
@@ -48,13 +45,9 @@ __all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_ke
 log = logging.getLogger(__name__)
 
 
-POOL_KEY_PREFIX = 2
-"""Bytes of tensor-parallel rank before the block hash in a pool key."""
-
-
 def pool_key(tp_rank: int, block_hash: bytes) -> BlockHash:
     """The pool's key of ``block_hash`` for ``tp_rank`` (2-byte rank prefix)."""
-    return BlockHash(tp_rank.to_bytes(POOL_KEY_PREFIX, "big") + block_hash)
+    return BlockHash(tp_rank.to_bytes(2, "big") + block_hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +104,8 @@ class HostPool:
         if max_pinned_per_writer is not None and max_pinned_per_writer < 1:
             raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned_per_writer}")
         self._evicted: list[BlockHash] = []
-        self._pool = BlockPool(
-            num_blocks, on_evict=lambda h, _b: self._evicted.append(h), events=events
-        )
+        on_evict = lambda h, _b: self._evicted.append(h)  # noqa: E731 (self._evicted is rebound)
+        self._pool = BlockPool(num_blocks, on_evict=on_evict, events=events)
         self._block_bytes = block_bytes
         self._clock = clock
         self._max_pending = max_pending
