@@ -7,6 +7,8 @@ the pools are the real ``BlockPool`` and ``HostPool``.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -216,7 +218,9 @@ def test_messages_the_pub_socket_dropped_come_back_by_replay_in_order(tmp_path: 
     big = [BlockRemoved(tuple(h(i) for i in range(1000)), MEDIUM_GPU)] * 64  # ~2 MB a batch
     with (
         ZmqEventPublisher(config) as pub,
-        EventSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint, from_seq=0) as sub,
+        EventSubscriber(
+            pub.endpoint, replay_endpoint=pub.replay_endpoint, from_seq=0, hwm=1
+        ) as sub,
     ):
         assert list(sub.receive(timeout_s=0.5)) == []  # caught up: nothing published yet
         for _ in range(40):  # ~80 MB while nobody reads: the PUB socket drops most
@@ -314,3 +318,52 @@ def test_engine_prefix_cache_events_match_what_its_pool_holds(tmp_path: Path) ->
     assert len(held) == pool.num_cached_blocks
     assert all(pool.get_block(x) is not None for x in held)  # type: ignore[arg-type]
     assert all(e.group_idx == 0 for e in events if isinstance(e, (BlockStored, BlockRemoved)))
+
+
+# ------------------------------------------------------------------ the edges
+
+
+def test_kvbridge_loads_no_zmq_unless_events_are_configured() -> None:
+    code = (
+        "import sys\n"
+        "import kvbridge.connector.events, kvbridge.worker.offload.pool\n"
+        "import kvbridge.worker.engine, kvbridge.worker.serving.router\n"
+        "from kvbridge.worker.cli import build_parser; build_parser()\n"
+        "print('zmq' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_without_pyzmq_a_publisher_is_a_config_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "zmq", None)  # import zmq now raises ImportError
+    with pytest.raises(ConfigError, match=r"kvbridge\[events\]"):
+        ZmqEventPublisher(KVEventsConfig(endpoint=f"ipc://{tmp_path}/x"))
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["offload", "serve"]])
+def test_serve_commands_take_the_kv_events_flags(argv: list[str]) -> None:
+    from kvbridge.worker.cli import build_parser
+
+    parser = build_parser()
+    help_text = subprocess.run(
+        [sys.executable, "-m", "kvbridge.worker.cli", *argv, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    for flag in ("--kv-events ENDPOINT", "--kv-events-replay", "--kv-events-topic", "llm-d"):
+        assert flag in help_text, flag
+    args = parser.parse_args(
+        [*argv, "--kv-events", "tcp://*:5557", "--kv-events-topic", "kv@pod@tiny",
+         "--kv-events-wire", "llm-d"]
+    )  # fmt: skip
+    from kvbridge.worker.kv_events import kv_events_from_args
+
+    assert kv_events_from_args(args) == KVEventsConfig(
+        endpoint="tcp://*:5557", topic="kv@pod@tiny", wire=WIRE_LLMD
+    )
+    assert kv_events_from_args(parser.parse_args(argv)) is None

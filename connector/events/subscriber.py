@@ -39,15 +39,18 @@ class EventSubscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         from_seq: int | None = None,
+        hwm: int = 1000,
         context: Any = None,
     ) -> None:
         """``from_seq``: the first sequence wanted (0: everything the publisher still
-        buffers, fetched by replay on the first :meth:`receive`); None: start live."""
+        buffers, fetched by replay on the first :meth:`receive`); None: start live.
+        ``hwm``: messages the SUB socket queues before it drops (ZMQ's receive HWM)."""
         zmq = import_zmq()
         self._zmq = zmq
         self._own_context = context is None
         self._ctx = zmq.Context() if context is None else context
         self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.RCVHWM, hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
