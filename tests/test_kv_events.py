@@ -367,3 +367,54 @@ def test_serve_commands_take_the_kv_events_flags(argv: list[str]) -> None:
         endpoint="tcp://*:5557", topic="kv@pod@tiny", wire=WIRE_LLMD
     )
     assert kv_events_from_args(parser.parse_args(argv)) is None
+
+
+# ---------------------------------------------------- the vLLM connector's relay
+
+
+def test_offload_relay_passes_the_daemons_events_and_turns_a_restart_into_removals(
+    tmp_path: Path,
+) -> None:
+    from kvbridge.connector.vllm.events import OffloadEventRelay
+
+    pub_ep, replay_ep = endpoints(tmp_path)
+    with ZmqEventPublisher(KVEventsConfig(endpoint=pub_ep, replay_endpoint=replay_ep)) as pub:
+        source = KVEventSource(pub, medium=MEDIUM_CPU, block_size=16, wire=WIRE_VLLM)
+        source.cleared()  # the daemon starts: nothing relayed yet, nothing to remove
+        source.stored([h(1)])
+        source.stored([h(2)])
+        source.removed([h(1)])
+        source.cleared()  # the daemon restarted: h(2) is gone with it
+        pub.flush()
+        relay = OffloadEventRelay(pub.endpoint, pub.replay_endpoint)
+        try:
+            events = relay.take()
+        finally:
+            relay.close()
+    assert [type(e).__name__ for e in events] == [
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+        "BlockRemoved",
+    ]
+    assert events[-1] == BlockRemoved((h(2),), MEDIUM_CPU)  # never AllBlocksCleared: that
+    # would tell consumers the vLLM pod's own GPU cache was cleared
+
+
+def test_vllm_extra_config_takes_the_daemons_event_endpoints() -> None:
+    from kvbridge.connector.vllm.config import VllmConnectorConfig
+
+    def config(**extra: object) -> VllmConnectorConfig:
+        return VllmConnectorConfig.from_vllm("kv_consumer", "e", extra, "m")
+
+    assert config().offload_events is None
+    assert config(offload_kv_events="tcp://127.0.0.1:5567").offload_events == (
+        "tcp://127.0.0.1:5567",
+        None,
+    )
+    both = config(offload_kv_events="ipc:///x", offload_kv_events_replay="ipc:///y")
+    assert both.offload_events == ("ipc:///x", "ipc:///y")
+    with pytest.raises(ConfigError, match="needs offload_kv_events"):
+        config(offload_kv_events_replay="ipc:///y")
+    with pytest.raises(ConfigError, match="scheme"):
+        config(offload_kv_events="127.0.0.1:5567")

@@ -4,7 +4,8 @@ The check runs as a script in the vLLM environment (the main one never imports v
 vLLM's ``KVEventBatch`` decoder reads kvbridge's ``vllm`` wire, re-encoding gives the very
 same bytes, the same events built with vLLM's classes encode to those bytes, a live
 kvbridge publisher's messages decode there too, and vLLM's ``KVEventsConfig`` fields are
-a valid kvbridge config.
+a valid kvbridge config, and the connector's relay of the offload daemon's events hands
+vLLM structs that its publisher encodes into the same wire.
 """
 
 from __future__ import annotations
@@ -90,6 +91,28 @@ with k.ZmqEventPublisher(config) as pub:
     assert names == [type(e).__name__ for e in decoded.events]
     sub.close(linger=0)
     ctx.term()
+# the connector's relay hands vLLM its own structs: vLLM's publisher encodes them, kvbridge
+# (and any vLLM consumer) reads medium CPU back
+from types import SimpleNamespace
+from kvbridge.connector.vllm.connector import _offload_relay, _to_vllm
+from kvbridge.connector.vllm.config import VllmConnectorConfig
+relayed = [
+    _to_vllm(k.BlockStored((h[1],), None, (), 16, None, k.MEDIUM_CPU, None)),
+    _to_vllm(k.BlockRemoved((h[1],), k.MEDIUM_CPU)),
+]
+batch = v.KVEventBatch(ts=2.0, events=relayed, data_parallel_rank=0)
+back = k.decode_batch(msgspec.msgpack.encode(batch))
+assert back.events == (
+    k.BlockStored((h[1],), None, (), 16, None, "CPU", None),
+    k.BlockRemoved((h[1],), "CPU"),
+), back
+cfg = VllmConnectorConfig.from_vllm("kv_consumer", "e", {"offload_kv_events": "ipc:///x"}, "m")
+try:
+    _offload_relay(cfg, SimpleNamespace(kv_events_config=VllmConfig()))
+except Exception as exc:
+    assert "kv-events-config" in str(exc), exc
+else:
+    raise AssertionError("relaying with vLLM's events off must be a config error")
 print("ok", len(payload))
 """
 

@@ -36,6 +36,10 @@ adapter passes plain values.
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
                          every attention backend declares it, otherwise warns and takes
                          its own choice (``LBHNC`` on the CPU backend)
+``offload_kv_events``    ZMQ endpoint of the daemon's KV events (``offload serve --kv-events``):
+                         the scheduler relays them on vLLM's own KV event stream (needs
+                         vLLM's ``--kv-events-config`` with events enabled, and pyzmq)
+``offload_kv_events_replay`` the daemon's replay endpoint (``--kv-events-replay``), optional
 ======================== ==================================================================
 """
 
@@ -72,6 +76,8 @@ _KNOWN = frozenset(
         "offload_address",
         "max_concurrent_loads",
         "kv_cache_layout",
+        "offload_kv_events",
+        "offload_kv_events_replay",
     }
 )
 KV_CACHE_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
@@ -104,6 +110,8 @@ class VllmConnectorConfig:
     hash: HashConfig = field(default_factory=HashConfig)
     kv_cache_layout: str | None = DEFAULT_KV_CACHE_LAYOUT
     """vLLM layout name to request (None: ``auto``); see :func:`required_layout`."""
+    offload_events: tuple[str, str | None] | None = None
+    """The daemon's KV events (endpoint, replay endpoint) to relay on vLLM's stream."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.control_port <= 65535:
@@ -161,6 +169,7 @@ class VllmConnectorConfig:
             control_port=port,
             hash=HashConfig(algorithm=algorithm, seed=str(extra.get("hash_seed", ""))),
             kv_cache_layout=required_layout(extra),
+            offload_events=_events(extra),
         )
 
     def hasher(
@@ -177,6 +186,21 @@ class VllmConnectorConfig:
         }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
+
+
+def _events(extra: Mapping[str, Any]) -> tuple[str, str | None] | None:
+    if "offload_kv_events" not in extra:
+        if "offload_kv_events_replay" in extra:
+            raise ConfigError("offload_kv_events_replay needs offload_kv_events")
+        return None
+    endpoint = _str(extra, "offload_kv_events", "")
+    replay = (
+        _str(extra, "offload_kv_events_replay", "") if "offload_kv_events_replay" in extra else None
+    )
+    for key, value in (("offload_kv_events", endpoint), ("offload_kv_events_replay", replay)):
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"{key} {value!r} needs a tcp://, ipc:// or inproc:// scheme")
+    return endpoint, replay
 
 
 def _address(extra: Mapping[str, Any], key: str) -> str:

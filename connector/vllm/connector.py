@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed import kv_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -44,9 +46,11 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
+from kvbridge.connector.events import BlockRemoved, BlockStored
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm import stats
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
+from kvbridge.connector.vllm.events import OffloadEventRelay
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
@@ -158,6 +162,34 @@ def _share_the_gil_sooner() -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
 
+def _offload_relay(cfg: VllmConnectorConfig, vllm_config: VllmConfig) -> OffloadEventRelay | None:
+    if cfg.offload_events is None:
+        return None
+    events = vllm_config.kv_events_config
+    if events is None or not events.enable_kv_cache_events:
+        raise ConfigError(
+            "kv_connector_extra_config.offload_kv_events relays the daemon's KV events on "
+            "vLLM's own stream: enable it with --kv-events-config "
+            "'{\"enable_kv_cache_events\": true, ...}'"
+        )
+    return OffloadEventRelay(*cfg.offload_events)
+
+
+def _to_vllm(event: BlockStored | BlockRemoved) -> Any:
+    """kvbridge's event as vLLM's own msgspec struct (what its publisher encodes)."""
+    if isinstance(event, BlockStored):
+        return kv_events.BlockStored(
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+        )
+    return kv_events.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
+
+
 def _tp_rank(tp_size: int) -> int:
     """This worker process's tensor-parallel rank (vLLM's TP group exists by the time the
     worker's connector is made)."""
@@ -201,6 +233,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
         self._lookup: OffloadLookup | None = None
+        self._relay: OffloadEventRelay | None = None
         if role == KVConnectorRole.SCHEDULER:
             hasher = self._cfg.hasher(
                 dtype=str(model.dtype).removeprefix("torch."),
@@ -210,6 +243,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 block_size=self._block_size,
             )
             self._lookup = self._offload_lookup()
+            self._relay = _offload_relay(self._cfg, vllm_config)
             self._scheduler = VllmScheduler(
                 self._cfg.connector, self._block_size, hasher, self._lookup, tp_size
             )
@@ -312,6 +346,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._lookup is not None:
             self._lookup.close()
+        if self._relay is not None:
+            self._relay.close()
 
     # ----- scheduler side ------------------------------------------------------------------
     @property
@@ -339,6 +375,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             [BlockId(b) for b in ids],
             num_external_tokens,
         )
+
+    def take_events(self) -> Iterable[Any]:
+        """The offload daemon's KV events, for vLLM's own publisher (``offload_kv_events``)."""
+        return () if self._relay is None else [_to_vllm(e) for e in self._relay.take()]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step, holds = self.scheduler.build_step()
