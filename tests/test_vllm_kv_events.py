@@ -11,6 +11,7 @@ vLLM structs that its publisher encodes into the same wire.
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,69 @@ def test_vllm_decodes_kvbridge_event_batches_and_reencodes_the_same_bytes(tmp_pa
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.startswith("ok ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_publishes_the_offload_daemons_blocks_on_its_own_event_stream(
+    tmp_path: Path,
+) -> None:
+    """A real vLLM engine (kvbridge connector, ``offload_kv_events``) and a real daemon
+    (``--kv-events``): the blocks the daemon announces come out on vLLM's own stream with
+    medium CPU next to vLLM's GPU events, and kvbridge's decoder reads vLLM's bytes."""
+    pytest.importorskip("zmq", reason="KV events need pyzmq (pip install kvbridge[events])")
+    from kvbridge.connector.events import MEDIUM_CPU, MEDIUM_GPU, BlockStored, EventSubscriber
+    from kvbridge.worker import vllm as harness
+    from tests.harness.offload import DaemonProc, free_port
+    from tests.harness.vllm import model_or_skip
+
+    model = model_or_skip(tmp_path)
+    d_pub, d_replay = f"ipc://{tmp_path}/daemon", f"ipc://{tmp_path}/daemon-replay"
+    v_pub, v_replay = f"ipc://{tmp_path}/vllm", f"ipc://{tmp_path}/vllm-replay"
+    prompt = [5, *range(10, 110)]  # 101 tokens: 3 full 32-token blocks
+    daemon = DaemonProc(
+        "--capacity", "64MiB", "--kv-events", d_pub, "--kv-events-replay", d_replay
+    )  # fmt: skip
+    try:
+        kv = harness.kv_config(
+            "kvbridge",
+            "kv_both",
+            control_port=free_port(),
+            offload_address=daemon.address,
+            offload_kv_events=d_pub,
+            offload_kv_events_replay=d_replay,
+        )
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": v_pub,
+            "replay_endpoint": v_replay,
+            "topic": "kv@pod@tiny",
+        }
+        with (
+            EventSubscriber(d_pub, replay_endpoint=d_replay, from_seq=0) as dsub,
+            harness.Engine(
+                model, core=0, kv=kv, kv_events=events, log=tmp_path / "vllm.log"
+            ) as engine,
+        ):
+            engine.generate([prompt], 4)  # computed, then its full blocks stored in the daemon
+            daemon_stored: set[bytes | int] = set()
+            deadline = time.monotonic() + 120
+            while len(daemon_stored) < 3:
+                assert time.monotonic() < deadline, daemon.log()[-3000:]
+                for got in dsub.receive(timeout_s=0.2):
+                    for e in got.batch.events:
+                        if isinstance(e, BlockStored):
+                            daemon_stored.update(e.block_hashes)
+            media: dict[str | None, set[bytes | int]] = {}
+            with EventSubscriber(v_pub, replay_endpoint=v_replay, from_seq=0) as vsub:
+                while not daemon_stored <= media.get(MEDIUM_CPU, set()):
+                    assert time.monotonic() < deadline, media
+                    engine.generate([[7, 8, 9]], 1)  # scheduler steps drain the relay
+                    for got in vsub.receive(timeout_s=0.2):
+                        assert got.topic == "kv@pod@tiny"
+                        for e in got.batch.events:
+                            if isinstance(e, BlockStored):
+                                media.setdefault(e.medium, set()).update(e.block_hashes)
+            assert media.get(MEDIUM_GPU), "vLLM's own cache events are on the same stream"
+    finally:
+        daemon.stop()

@@ -61,9 +61,11 @@ class Engine:
         max_model_len: int | None = None,
         cpu_kv_layouts: Sequence[str] = (),
         tp: int = 1,
+        kv_events: dict[str, Any] | None = None,
     ) -> None:
         """``cpu_kv_layouts`` (test-only shim): vLLM layout names the CPU attention
-        backend is made to declare before the engine is built (``--cpu-kv-layouts``)."""
+        backend is made to declare before the engine is built (``--cpu-kv-layouts``).
+        ``kv_events``: vLLM's ``--kv-events-config``."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -71,6 +73,8 @@ class Engine:
             cmd += ["--cpu-kv-layouts", ",".join(cpu_kv_layouts)]
         if kv:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if kv_events:
+            cmd += ["--kv-events-config", json.dumps(kv_events)]
         if log_stats:
             cmd.append("--log-stats")
         if tp > 1:  # one worker process per rank, all pinned to ``core`` with the engine

@@ -76,6 +76,10 @@ class Instance:
             from vllm.config import KVTransferConfig
 
             kw["kv_transfer_config"] = KVTransferConfig(**json.loads(args.kv_transfer_config))
+        if args.kv_events_config:
+            from vllm.config import KVEventsConfig
+
+            kw["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
         t0 = time.perf_counter()
         self.llm = LLM(
             model=args.model,
@@ -232,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="")
+    parser.add_argument("--kv-events-config", default="", help="vLLM's, as JSON")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--log-stats", action="store_true")
