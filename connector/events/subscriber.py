@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connector.events.publisher import END_SEQ, import_zmq
-from kvbridge.connector.events.wire import EventBatch, KVEventsError, decode_batch
+from kvbridge.connector.events.wire import (
+    MAX_BATCH_BYTES,
+    EventBatch,
+    KVEventsError,
+    decode_batch,
+)
 
 __all__ = ["EventSubscriber", "ReceivedBatch"]
 
@@ -51,6 +56,7 @@ class EventSubscriber:
         self._ctx = zmq.Context() if context is None else context
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.RCVHWM, hwm)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)  # a bigger frame drops the peer
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
@@ -66,6 +72,7 @@ class EventSubscriber:
             raise KVEventsError("this subscriber has no replay endpoint")
         zmq = self._zmq
         sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         try:
             sock.connect(self._replay_endpoint)
             sock.send_multipart((b"", start_seq.to_bytes(8, "big")))
