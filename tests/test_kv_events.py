@@ -110,6 +110,15 @@ def test_both_wires_decode_back_to_the_same_events(wire: str) -> None:
     assert decode_batch(encode_batch(sample_batch(), wire)) == sample_batch()
 
 
+def test_fields_a_newer_vllm_adds_are_ignored_in_both_shapes() -> None:
+    as_map = {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU", "locality": "LOCAL"}
+    as_array = ["BlockRemoved", [7], "CPU", None, "LOCAL", "tier-2"]
+    for event in (as_map, as_array):
+        assert decode_batch(msgpack.packb([1.0, [event], 0])).events == (
+            BlockRemoved((7,), MEDIUM_CPU),
+        )
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -119,7 +128,8 @@ def test_both_wires_decode_back_to_the_same_events(wire: str) -> None:
         msgpack.packb([1.0, [{"type": "Bogus"}], 0]),
         msgpack.packb([1.0, [["BlockStored", [1], None]], 0]),  # fields missing
         msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": ["x"], "medium": None}]]),
-        msgpack.packb([1.0, [["BlockRemoved", [1], "GPU", None, "extra"]], 0]),
+        msgpack.packb([1.0, [["BlockRemoved", [1], 7]], 0]),  # medium is not a string
+        msgpack.packb([1.0, [["BlockStored", [1], None, ["5"], 16, None, "GPU", None]], 0]),
     ],
 )
 def test_malformed_batches_raise_a_typed_error(payload: bytes) -> None:

@@ -197,14 +197,14 @@ def decode_batch(payload: bytes) -> EventBatch:
 
 
 def _decode_event(raw: Any) -> KVEvent:
+    """One event of either shape; fields a newer vLLM adds (map keys, trailing array
+    positions) are ignored, as llm-d's decoder does."""
     if isinstance(raw, dict):
         tag = raw.get("type")
         values = raw
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag = raw[0]
         names = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(tag, ())
-        if len(raw) - 1 > len(names):
-            raise KVEventsError(f"{tag} has {len(raw) - 1} fields, at most {len(names)} known")
         values = {name: v for (name, _), v in zip(names, raw[1:], strict=False)}
     else:
         raise KVEventsError("a KV event is a tagged map or a tagged array")
@@ -213,22 +213,30 @@ def _decode_event(raw: Any) -> KVEvent:
             return BlockStored(
                 _hashes(values["block_hashes"]),
                 _one_hash(values["parent_block_hash"]),
-                tuple(int(t) for t in values["token_ids"]),
-                int(values["block_size"]),
-                values.get("lora_id"),
-                values.get("medium"),
-                values.get("lora_name"),
-                values.get("group_idx"),
+                tuple(_typed(t, int, "token id") for t in values["token_ids"]),
+                _typed(values["block_size"], int, "block_size"),
+                _typed(values.get("lora_id"), int | None, "lora_id"),
+                _typed(values.get("medium"), str | None, "medium"),
+                _typed(values.get("lora_name"), str | None, "lora_name"),
+                _typed(values.get("group_idx"), int | None, "group_idx"),
             )
         if tag == "BlockRemoved":
             return BlockRemoved(
-                _hashes(values["block_hashes"]), values.get("medium"), values.get("group_idx")
+                _hashes(values["block_hashes"]),
+                _typed(values.get("medium"), str | None, "medium"),
+                _typed(values.get("group_idx"), int | None, "group_idx"),
             )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError) as exc:
         raise KVEventsError(f"malformed {tag} event: {exc!r}") from None
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise KVEventsError(f"unknown KV event type {tag!r}")
+
+
+def _typed(value: Any, kind: Any, name: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise TypeError(f"{name} has type {type(value).__name__}")
+    return value
 
 
 def _one_hash(value: Any) -> ExternalHash | None:
