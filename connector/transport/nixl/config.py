@@ -8,32 +8,36 @@ this module loads neither nixl nor torch.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["NixlConfig", "load_nixl"]
+__all__ = ["NIXL_MODULES", "NixlConfig", "load_nixl"]
+
+NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+"""Where NIXL's Python API may live, tried in this order: the CUDA 12 wheel
+(``nixl-cu12``), the CUDA 13 wheel (``nixl-cu13``), a source build (``nixl``)."""
 
 
 def load_nixl() -> Any:
-    """Import NIXL's Python API lazily (``nixl_cu12._api``, else ``nixl._api``).
+    """Import NIXL's Python API lazily: the first of :data:`NIXL_MODULES` installed.
 
     Sets ``UCX_MODULES=^ib`` first unless the environment says otherwise:
     without it every process segfaults at exit on these machines.
     """
     os.environ.setdefault("UCX_MODULES", "^ib")
-    try:
-        import nixl_cu12._api as api
-    except ImportError:
+    for name in NIXL_MODULES:
         try:
-            import nixl._api as api  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ConfigError(
-                "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (after torch)"
-            ) from exc
-    return api
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ConfigError(
+        "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (CUDA 12) or "
+        "'nixl-cu13==1.5.1' (CUDA 13), after torch"
+    )
 
 
 @dataclass(frozen=True, slots=True)
