@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent import futures
@@ -64,8 +65,12 @@ class NodeConfig:
     """The Inference server closes connections idle this long."""
     max_concurrent_requests: int = 64
     """Inference calls in flight at once; more are refused RESOURCE_EXHAUSTED."""
+    device: str = "cpu"
+    """torch device of the engine's model and KV cache (``cpu``, ``cuda``, ``cuda:N``)."""
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
         for knob in ("port", "control_port"):
             if not 0 <= getattr(self, knob) <= 65535:
                 raise ConfigError(f"{knob} {getattr(self, knob)} is outside 0..65535")
@@ -125,6 +130,7 @@ class Node(Closing):
                 config.engine,
                 connector_scheduler=self.scheduler_connector,
                 connector_worker=self.worker_connector,
+                device=config.device,
             )
             self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
             self.worker_connector.listen_for_releases(self.owner.leases.release)
