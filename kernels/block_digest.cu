@@ -47,10 +47,24 @@ extern "C" __global__ void kvb_block_digest(const long long* __restrict__ pieces
         for (long long c = warp; c < nchunks; c += warps) {
             const unsigned int* w = words + c * chunk_words;
             unsigned long long s[KVB_LANES] = {0ULL, 0ULL, 0ULL, 0ULL};
-            for (int i = lane; i < chunk_words; i += 32) {
-                const unsigned long long m = __ldg(w + i);
+            if (chunk_words == KVB_TABLE) {
+                // the common case (spans of a multiple of 1 KiB): all 8 loads in flight at once
+                unsigned int m8[KVB_TABLE / 32];
 #pragma unroll
-                for (int l = 0; l < KVB_LANES; ++l) s[l] += coef[l * KVB_TABLE + i] * m;
+                for (int k = 0; k < KVB_TABLE / 32; ++k) m8[k] = __ldg(w + lane + 32 * k);
+#pragma unroll
+                for (int k = 0; k < KVB_TABLE / 32; ++k) {
+#pragma unroll
+                    for (int l = 0; l < KVB_LANES; ++l)
+                        s[l] += coef[l * KVB_TABLE + lane + 32 * k] *
+                                static_cast<unsigned long long>(m8[k]);
+                }
+            } else {
+                for (int i = lane; i < chunk_words; i += 32) {
+                    const unsigned long long m = __ldg(w + i);
+#pragma unroll
+                    for (int l = 0; l < KVB_LANES; ++l) s[l] += coef[l * KVB_TABLE + i] * m;
+                }
             }
 #pragma unroll
             for (int l = 0; l < KVB_LANES; ++l) {

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,11 +50,15 @@ from kvbridge.proto.errors import LayoutError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.specs import Region, Span
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "ALGO_DEVICE",
     "LANES",
     "chunk_bytes_of",
     "device_block_digests",
+    "device_digest_sums",
     "reference_digests",
     "reference_block_digests",
 ]
@@ -177,30 +181,41 @@ def reference_block_digests(
 
 def _pieces(
     layout: KVLayout, group: str, block_ids: Sequence[int], chunk: int, device: str = "cuda"
-) -> list[int]:
-    """Flat ``(addr, nbytes, out_index, chunk_seq)`` rows, each at most PIECE_BYTES, over
-    regions on ``device`` (``cpu`` only to check the table against the reference)."""
+) -> npt.NDArray[np.int64]:
+    """``(n, 4)`` rows ``(addr, nbytes, out_index, chunk_seq)``, each at most PIECE_BYTES,
+    over regions on ``device`` (``cpu`` only to check the table against the reference).
+
+    Block ``b``'s spans are block 0's moved by ``b`` block strides (every order), so the
+    table is numpy broadcasting over (block, span, piece): no Python loop per span.
+    """
+    spans = layout.block_spans(group, 0)
+    stride = layout.strides(group)["B"]
+    length = spans[0].length
+    assert all(s.length == length for s in spans)
     step = max(chunk, PIECE_BYTES - PIECE_BYTES % chunk)
-    rows: list[int] = []
-    for i, b in enumerate(block_ids):
-        seq = 0
-        for span in layout.block_spans(group, b):
-            region = layout.regions[span.region]
-            if span.offset < 0 or span.offset + span.length > region.length:
-                raise LayoutError(
-                    f"span {span.offset}+{span.length} lies outside its region of "
-                    f"{region.length} bytes"
-                )
-            if not region.device.startswith(device):
-                raise LayoutError(f"device digest: region on {region.device!r}, expected {device}")
-            addr = region.addr + span.offset
-            if addr % 4:
-                raise LayoutError(f"device digest: span at {addr:#x} is not 4-byte aligned")
-            for off in range(0, span.length, step):
-                n = min(step, span.length - off)
-                rows += [addr + off, n, i, seq + off // chunk]
-            seq += span.length // chunk
-    return rows
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    last = int(ids.max()) if ids.size else 0
+    for span in spans:
+        region = layout.regions[span.region]
+        if not region.device.startswith(device):
+            raise LayoutError(f"device digest: region on {region.device!r}, expected {device}")
+        if span.offset < 0 or span.offset + last * stride + length > region.length:
+            raise LayoutError(
+                f"span {span.offset + last * stride}+{length} lies outside its region of "
+                f"{region.length} bytes"
+            )
+        if (region.addr + span.offset) % 4 or stride % 4:
+            raise LayoutError("device digest: spans must be 4-byte aligned")
+    base = np.array([layout.regions[s.region].addr + s.offset for s in spans], dtype=np.int64)
+    offs = np.arange(0, length, step, dtype=np.int64)
+    nb, ns, npc = ids.size, len(spans), offs.size
+    rows = np.empty((nb, ns, npc, 4), dtype=np.int64)
+    rows[..., 0] = ids[:, None, None] * stride + base[None, :, None] + offs[None, None, :]
+    rows[..., 1] = np.minimum(step, length - offs)[None, None, :]
+    rows[..., 2] = np.arange(nb, dtype=np.int64)[:, None, None]
+    seq = np.arange(ns, dtype=np.int64)[:, None] * (length // chunk) + (offs // chunk)[None, :]
+    rows[..., 3] = seq[None, :, :]
+    return rows.reshape(-1, 4)
 
 
 @functools.cache
@@ -213,30 +228,25 @@ def _kernel(device_index: int) -> Any:
         return module.get_function("kvb_block_digest")
 
 
-def device_block_digests(
+def device_digest_sums(
     layout: KVLayout, group: str, block_ids: Sequence[int], key: int
-) -> list[bytes]:
-    """:data:`ALGO_DEVICE` digests of blocks of a bound layout on one CUDA device, computed
-    there (one kernel launch on torch's current stream; 16 bytes per block come back)."""
+) -> torch.Tensor:
+    """Launch the digest kernel on torch's current stream (asynchronous): the ``(blocks,
+    LANES)`` int64 lane sums on the device, before the length term and the shift."""
     import torch
 
-    if not layout.regions:
-        raise LayoutError("block_digests needs a bound layout (registered regions)")
-    table, b2, blen = _keys(_check_key(key))
-    layout.check_block_ids(group, block_ids)
-    chunk = chunk_bytes_of(layout.span_bytes)
+    table, b2, _ = _keys(_check_key(key))
     devices = {layout.regions[i].device for i in layout.regions_of(group)}
     if len(devices) != 1:
         raise LayoutError(f"device digest: group {group!r} spans devices {sorted(devices)}")
+    chunk = chunk_bytes_of(layout.span_bytes)
     rows = _pieces(layout, group, block_ids, chunk)
-    device = torch.device(devices.pop())
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if not block_ids:
-        return []
     import cupy
 
-    pieces = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(device)
-    coef = torch.from_numpy(table.view(np.int64).copy()).to(device)
+    device = torch.device(devices.pop())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    pieces = torch.from_numpy(rows).to(device, non_blocking=True)
+    coef = torch.from_numpy(table.view(np.int64).copy()).to(device, non_blocking=True)
     out = torch.zeros((len(block_ids), LANES), dtype=torch.int64, device=device)
     stream = torch.cuda.current_stream(device)
     kernel = _kernel(index)
@@ -254,6 +264,22 @@ def device_block_digests(
                 cupy.from_dlpack(out),
             ),
         )
-    sums = out.cpu().numpy().view(np.uint64)
+    # pieces, coef and out came from torch's caching allocator on this stream: their memory
+    # is not handed out again before the kernel has run
+    return out
+
+
+def device_block_digests(
+    layout: KVLayout, group: str, block_ids: Sequence[int], key: int
+) -> list[bytes]:
+    """:data:`ALGO_DEVICE` digests of blocks of a bound layout on one CUDA device, computed
+    there (one kernel launch on torch's current stream; 16 bytes per block come back)."""
+    if not layout.regions:
+        raise LayoutError("block_digests needs a bound layout (registered regions)")
+    _, _, blen = _keys(_check_key(key))
+    layout.check_block_ids(group, block_ids)
+    if not block_ids:
+        return []
+    sums = device_digest_sums(layout, group, block_ids, key).cpu().numpy().view(np.uint64)
     nbytes = sum(s.length for s in layout.block_spans(group, block_ids[0]))
     return [_finish([int(s) for s in row], nbytes, blen) for row in sums]

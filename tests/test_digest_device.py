@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import ctypes
+import shutil
+import subprocess
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -130,8 +134,7 @@ def test_piece_table_covers_every_chunk_once_in_stream_order(
         bound = layout.bind(caches)
         ids = [6, 1, 1, 3]
         chunk = d.chunk_bytes_of(bound.span_bytes)
-        rows = np.array(d._pieces(bound, "self", ids, chunk, device="cpu"), dtype=np.uint64)
-        rows = rows.reshape(-1, 4)
+        rows = d._pieces(bound, "self", ids, chunk, device="cpu").astype(np.uint64)
         sums = np.zeros((len(ids), 4), dtype=np.uint64)
         seen: dict[int, set[int]] = {i: set() for i in range(len(ids))}
         with np.errstate(over="ignore"):
@@ -172,6 +175,21 @@ def test_bad_input_is_refused() -> None:
     assert d.chunk_bytes_of(3 * 4096) == 1024 and d.chunk_bytes_of(96) == 32
     with pytest.raises(LayoutError, match="expected cuda"):
         d.device_block_digests(bound, "self", [0], 1)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_digest_kernel_source_compiles(tmp_path: Path) -> None:
+    """Runs without a GPU wherever nvcc is installed (cupy compiles the same source via NVRTC)."""
+    source = resources.files("kvbridge.kernels").joinpath("block_digest.cu")
+    ptx = tmp_path / "block_digest.ptx"
+    with resources.as_file(source) as cu:
+        subprocess.run(
+            ["nvcc", "--ptx", "-arch=sm_80", "-std=c++14", str(cu), "-o", str(ptx)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    assert ".entry kvb_block_digest" in ptx.read_text()
 
 
 @pytest.mark.gpu
