@@ -25,40 +25,49 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider
 KVB = [sys.executable, "-m", "kvbridge.worker.cli"]
 
 
-def steps(out: Path, quick: bool) -> list[tuple[str, list[str], float]]:
-    """(name, command, time limit in s), in the order they run."""
+Step = tuple[str, list[str], float, dict[str, str]]
+
+
+def steps(out: Path, quick: bool) -> list[Step]:
+    """(name, command, time limit in s, extra environment), in the order they run."""
     mib = "256" if quick else "1024"
     bench_t = [*KVB, "bench", "transfer", "--presets", "llama3-8b", "--block-sizes", "16",
-               "--transports", "default", "--backends", "nixl", "--mib", mib,
-               "--latency-repeats", "10"]  # fmt: skip
+               "--transports", "default", "--backends", "nixl", "--latency-repeats", "5",
+               "--request-tokens", "1024", "8192"]  # fmt: skip
+    host = [*bench_t, "--mib", "256", "--target-device", "cpu", "--reader-device", "cuda"]
     return [
         ("kernel tests (cupy span kernel, torch CUDA fallback)",
-         [*PYTEST, "tests/test_kernels_cuda.py"], 150),
-        ("device digest == CPU reference", [*PYTEST, "tests/test_digest_device.py"], 90),
-        ("engine and reference copies on CUDA", [*PYTEST, "tests/test_gpu_options.py"], 90),
+         [*PYTEST, "tests/test_kernels_cuda.py"], 150, {}),
+        ("device digest == CPU reference", [*PYTEST, "tests/test_digest_device.py"], 90, {}),
+        ("engine and reference copies on CUDA", [*PYTEST, "tests/test_gpu_options.py"], 90, {}),
         ("NIXL VRAM<->VRAM and VRAM<->host READ/WRITE, two processes",
-         [*PYTEST, "tests/test_transport_nixl_cuda.py"], 150),
+         [*PYTEST, "tests/test_transport_nixl_cuda.py"], 150, {}),
         ("P/D demo on CUDA, block-outermost",
          [*KVB, "demo", "--device", "cuda", "--requests", "12",
-          "--json", str(out / "demo-cuda-block.json")], 150),
+          "--json", str(out / "demo-cuda-block.json")], 150, {}),
         ("P/D demo on CUDA, layer-separate prefill -> block-outermost decode",
          [*KVB, "demo", "--device", "cuda", "--requests", "12", "--order", "layer-nhd",
-          "--decode-order", "block-nhd", "--json", str(out / "demo-cuda-layer.json")], 150),
+          "--decode-order", "block-nhd", "--json", str(out / "demo-cuda-layer.json")], 150, {}),
         ("P/D demo on CUDA with the offload daemon (VRAM <-> host pool)",
          [*KVB, "demo", "--device", "cuda", "--requests", "12", "--offload",
-          "--json", str(out / "demo-cuda-offload.json")], 180),
+          "--json", str(out / "demo-cuda-offload.json")], 180, {}),
         ("bench transfer GPU<->GPU",
-         [*bench_t, "--target-device", "cuda", "--reader-device", "cuda",
-          "--out", str(out / "gpu-transfer-gpu-gpu")], 240),
+         [*bench_t, "--mib", mib, "--target-device", "cuda", "--reader-device", "cuda",
+          "--out", str(out / "gpu-transfer-gpu-gpu")], 240, {}),
         ("bench transfer GPU<->host (host pool target, GPU reader)",
-         [*bench_t, "--target-device", "cpu", "--reader-device", "cuda",
-          "--out", str(out / "gpu-transfer-gpu-host")], 240),
+         [*host, "--out", str(out / "gpu-transfer-gpu-host")], 200, {}),
+        ("bench transfer GPU<->host, UCX_RMA_PPLN_ENABLE=y",
+         [*host, "--out", str(out / "gpu-transfer-gpu-host-ppln")], 200,
+         {"UCX_RMA_PPLN_ENABLE": "y"}),
         ("bench kernels --device cuda",
          [*KVB, "bench", "kernels", "--device", "cuda", "--num-blocks", "256", "--moved", "128",
-          "--out", str(out / "gpu-kernels")], 180),
+          "--out", str(out / "gpu-kernels")], 180, {}),
+        ("bench kernels --device cuda, 1 GiB moved per call",
+         [*KVB, "bench", "kernels", "--device", "cuda", "--num-blocks", "1024", "--moved", "512",
+          "--repeats", "5", "--out", str(out / "gpu-kernels-1g")], 180, {}),
         ("device digest GB/s vs d2d copy",
          [sys.executable, "-m", "tests.gpu_checks", "--digest-bench", str(out / "gpu-digest")],
-         120),
+         120, {}),
     ]  # fmt: skip
 
 
@@ -216,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"environment: {json.dumps(env)}", flush=True)
     results: list[dict[str, Any]] = []
-    for name, cmd, limit in steps(args.out, args.quick):
+    for name, cmd, limit, extra_env in steps(args.out, args.quick):
         if args.only and not any(o in name for o in args.only):
             continue
         left = args.budget_s - (time.monotonic() - t_start)
@@ -225,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         elif left < 20:
             status, detail, took = "SKIP", f"out of time ({left:.0f} s left)", 0.0
         else:
-            print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+            print(f"\n=== {name}: {extra_env or ''} {' '.join(cmd[1:])}", flush=True)
             t0 = time.monotonic()
             try:
                 proc = subprocess.run(
                     cmd,
                     cwd=ROOT,
+                    env={**os.environ, **extra_env},
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import random
 import sys
 import types
@@ -56,6 +57,25 @@ def test_nixl_loads_from_the_cuda13_wheel_when_the_cuda12_one_is_absent(
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ConfigError, match=r"nixl-cu13==1\.5\.1"):
         load_nixl()
+
+
+def test_cuda_ipc_reads_are_turned_on_where_an_nvidia_driver_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvbridge.connector.transport.nixl import config
+
+    api = types.ModuleType("nixl_cu12._api")
+    monkeypatch.setitem(sys.modules, "nixl_cu12._api", api)
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    monkeypatch.setattr(config, "_has_nvidia_driver", lambda: False)
+    load_nixl()
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ  # CPU machines: no stray UCX var
+    monkeypatch.setattr(config, "_has_nvidia_driver", lambda: True)
+    load_nixl()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
+    load_nixl()
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"  # the operator's choice wins
 
 
 @pytest.fixture(scope="module")
