@@ -55,7 +55,7 @@ def steps(out: Path, quick: bool) -> list[Step]:
          [*bench_t, "--mib", mib, "--target-device", "cuda", "--reader-device", "cuda",
           "--out", str(out / "gpu-transfer-gpu-gpu")], 240, {}),
         ("bench transfer GPU<->GPU by block size (16, 64, 256 tokens)",
-         [*bench_t[:6], "16", "64", "256", *bench_t[7:], "--mib", mib, "--target-device",
+         [*bench_t[:8], "16", "64", "256", *bench_t[9:], "--mib", mib, "--target-device",
           "cuda", "--reader-device", "cuda", "--out", str(out / "gpu-transfer-gpu-gpu-sizes")],
          240, {}),
         ("bench transfer GPU<->host (host pool target, GPU reader)",
