@@ -14,8 +14,10 @@ loads on first use of a name below, cupy only when a CUDA tensor is passed.
   buffer, block ``i`` at ``i * layout.block_bytes(group)`` (see
   :func:`gather_blocks` for the byte order inside a block);
 - :class:`BlockMapping` — two id lists as one mapping;
-- :func:`block_digests` — keyed XXH3-128 digests of blocks, checked by a reader after a
-  READ (:mod:`kvbridge.kernels.digest`).
+- :func:`block_digests` — keyed digests of blocks, checked by a reader after a READ:
+  XXH3-128 over CPU memory (:mod:`kvbridge.kernels.digest`), a multilinear hash computed
+  on the device over CUDA memory (:mod:`kvbridge.kernels.digest_cuda`, with its CPU
+  reference :func:`reference_block_digests`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvbridge.kernels.digest import DIGEST_BYTES, block_digests, new_key, span_digest
+    from kvbridge.kernels.digest import (
+        ALGO_DEVICE,
+        ALGO_XXH3,
+        DIGEST_BYTES,
+        block_digests,
+        digest_algo,
+        new_key,
+        span_digest,
+    )
+    from kvbridge.kernels.digest_cuda import reference_block_digests, reference_digests
     from kvbridge.kernels.mapping import BlockMapping
     from kvbridge.kernels.ops import (
         convert_blocks,
@@ -35,7 +46,12 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "ALGO_DEVICE",
+    "ALGO_XXH3",
     "DIGEST_BYTES",
+    "digest_algo",
+    "reference_block_digests",
+    "reference_digests",
     "BlockMapping",
     "block_digests",
     "new_key",
@@ -49,7 +65,12 @@ __all__ = [
 
 # ``import kvbridge.kernels`` stays light (no torch): the names load on first use.
 _HOME = {
+    "ALGO_DEVICE": "kvbridge.kernels.digest",
+    "ALGO_XXH3": "kvbridge.kernels.digest",
     "DIGEST_BYTES": "kvbridge.kernels.digest",
+    "digest_algo": "kvbridge.kernels.digest",
+    "reference_block_digests": "kvbridge.kernels.digest_cuda",
+    "reference_digests": "kvbridge.kernels.digest_cuda",
     "block_digests": "kvbridge.kernels.digest",
     "new_key": "kvbridge.kernels.digest",
     "span_digest": "kvbridge.kernels.digest",

@@ -18,9 +18,10 @@ bytes match (XXH3 is not a cryptographic MAC: see docs/DESIGN-NOTES.md, "Trust",
 for what that means).
 
 CPU memory is hashed in place (no copy) at about memcpy speed. CUDA memory
-must be digested on the device (:data:`ALGO_DEVICE`, in
-:mod:`kvbridge.kernels.digest_cuda` when present); a digest names its algorithm
-so a reader on another device computes the same one.
+is digested on the device with another algorithm, ``ALGO_DEVICE``
+(:mod:`kvbridge.kernels.digest_cuda`, which also holds its CPU reference): a
+digest names its algorithm, and a reader passes that name as ``algo`` so it
+computes the same one on whatever device the bytes landed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.specs import Region, Span
 
 __all__ = [
+    "ALGO_DEVICE",
     "ALGO_XXH3",
+    "digest_algo",
     "DIGEST_BYTES",
     "block_digests",
     "new_key",
@@ -45,6 +48,8 @@ __all__ = [
 
 ALGO_XXH3 = "xxh3-128"
 """The CPU digest: XXH3-128, seeded with the hand-over's key."""
+ALGO_DEVICE = "kvb-mlh32x4"
+"""The device digest (:mod:`kvbridge.kernels.digest_cuda`, which checks it is the same name)."""
 DIGEST_BYTES = 16
 """Length of one block digest."""
 _KEY_MASK = (1 << 64) - 1
@@ -81,9 +86,35 @@ def span_digest(regions: Sequence[Region], spans: Iterable[Span], key: int) -> b
     return h.digest()
 
 
-def block_digests(layout: KVLayout, group: str, block_ids: Sequence[int], key: int) -> list[bytes]:
+def digest_algo(layout: KVLayout, group: str) -> str:
+    """The algorithm :func:`block_digests` uses by default for a bound layout's group:
+    :data:`ALGO_XXH3` on CPU memory, ``ALGO_DEVICE`` on CUDA memory."""
+    if not layout.regions:
+        raise LayoutError("block_digests needs a bound layout (registered regions)")
+    device = layout.regions[layout.regions_of(group).start].device
+    return ALGO_DEVICE if device.startswith("cuda") else ALGO_XXH3
+
+
+def block_digests(
+    layout: KVLayout, group: str, block_ids: Sequence[int], key: int, algo: str | None = None
+) -> list[bytes]:
     """One :data:`DIGEST_BYTES`-byte digest per block of ``group``, for a *bound* layout
-    (its regions are the registered addresses) on CPU memory."""
+    (its regions are the registered addresses).
+
+    ``algo`` defaults to :func:`digest_algo` (XXH3 on CPU memory, computed in place; the
+    device digest on CUDA memory, computed on the device). A reader passes the writer's
+    algorithm: ``ALGO_DEVICE`` over CPU memory runs its CPU reference; XXH3 over CUDA
+    memory is refused (it would need a host copy).
+    """
+    algo = digest_algo(layout, group) if algo is None else algo
+    if algo == ALGO_DEVICE:
+        from kvbridge.kernels import digest_cuda
+
+        if digest_algo(layout, group) == ALGO_DEVICE:
+            return digest_cuda.device_block_digests(layout, group, block_ids, key)
+        return digest_cuda.reference_block_digests(layout, group, block_ids, key)
+    if algo != ALGO_XXH3:
+        raise ValueError(f"unknown digest algorithm {algo!r}: use {ALGO_XXH3!r} or {ALGO_DEVICE!r}")
     if not layout.regions:
         raise LayoutError("block_digests needs a bound layout (registered regions)")
     return [span_digest(layout.regions, layout.block_spans(group, b), key) for b in block_ids]

@@ -354,8 +354,8 @@ def test_a_tp2_reader_refuses_a_rank_it_does_not_read_from(stack: ExitStack) -> 
 def test_head_slice_reads_move_each_ranks_heads_byte_for_byte(reader_tp: int) -> None:
     """Real NIXL READs (in a subprocess, as every NIXL agent in these tests): TP=1 -> TP=2
     ranks each get their half of every page; TP=2 ranks -> TP=1 fill its two halves."""
-    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-        pytest.skip("needs NIXL (nixl-cu12)")
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.harness.head_slices", str(reader_tp)],
         cwd=Path(__file__).resolve().parent.parent,

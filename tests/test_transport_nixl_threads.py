@@ -20,8 +20,8 @@ HERE = Path(__file__).parent
 
 @pytest.mark.slow
 def test_connect_disconnect_register_and_close_from_threads_never_break_iteration() -> None:
-    if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-        pytest.skip("needs NIXL (nixl-cu12)")
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
     env = dict(os.environ, UCX_MODULES="^ib")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.harness.nixl_threads", "300"],

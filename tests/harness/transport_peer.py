@@ -37,7 +37,7 @@ def fill(layout: KVLayout, kv: dict[str, torch.Tensor], seed: int) -> None:
 def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: int) -> bytes:
     """Logical content of block ``b``: every owning layer's K and V, in layer order."""
     parts = [kv[x.name][:, b].contiguous().view(torch.uint8) for x in layout.owning_layers(group)]
-    return torch.cat([p.reshape(-1) for p in parts]).numpy().tobytes()
+    return torch.cat([p.reshape(-1) for p in parts]).cpu().numpy().tobytes()
 
 
 def make_transport(name: str, backend: str) -> Transport:
@@ -60,14 +60,20 @@ class Peer:
         self.links: list[PeerLink] = []
         self.handles: list[Any] = []
 
-    def op_setup(self, preset: str, num_blocks: int, order: str, seed: int) -> dict[str, Any]:
+    def op_setup(
+        self, preset: str, num_blocks: int, order: str, seed: int, device: str = "cpu"
+    ) -> dict[str, Any]:
+        from kvbridge.connector.transport.nixl_descs import mem_type
+
         layout = preset_layout(preset, num_blocks=num_blocks, order=order)
-        kv = layout.allocate()
+        kv = layout.allocate(device)
         fill(layout, kv, seed)
         memory = self.transport.register(layout, kv)
         self.memories.append((memory, kv))
         return {
             "mem": len(self.memories) - 1,
+            "device": memory.device,
+            "mem_type": mem_type(memory.device),
             "layout": memory.layout.to_bytes(),
             "metadata": self.transport.metadata(),
             "regions": self.transport.registered_regions(memory),
@@ -116,6 +122,20 @@ class Peer:
     def op_blocks(self, mem: int, ids: list[int], group: str = "self") -> dict[str, Any]:
         memory, kv = self.memories[mem]
         return {"blocks": [block_bytes(memory.layout, kv, group, b) for b in ids]}
+
+    def op_digests(
+        self, mem: int, ids: list[int], key: int, algo: str | None = None
+    ) -> dict[str, Any]:
+        """Block digests of a memory: on the device for CUDA memory (kvbridge.kernels)."""
+        from kvbridge.kernels import block_digests, digest_algo
+
+        layout = self.memories[mem][0].layout
+        if layout.regions[0].device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return {
+            "algo": algo or digest_algo(layout, "self"),
+            "digests": block_digests(layout, "self", ids, key, algo=algo),
+        }
 
     def op_notify(self, link: int, message: bytes) -> dict[str, Any]:
         self.transport.send_notification(self.links[link], message)

@@ -12,6 +12,13 @@ requests. Targets (issue 3), as ratios in one run: block-outermost >= 1.5x
 layer-separate at 16-token blocks, >= 70% of memcpy for >= 1 MiB blocks,
 >= 90% of the raw single-region NIXL figure. With both backends, the
 ``backends`` table puts UCXX over NIXL for every case.
+
+``--target-device`` / ``--reader-device`` put either side's KV pool on the GPU
+(``cuda``): NIXL then registers VRAM. The reference copy is then torch's copy
+of the same bytes between the two devices in the reader process
+(``memcpy_gbps``: device-to-device, or pinned host <-> device), and every row
+also carries a device-to-device copy of the same bytes (``d2d_gbps``,
+``vs_d2d``), all in the same run.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ __all__ = ["add_parser", "run"]
 TRANSPORTS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
 BACKENDS = ("nixl", "ucxx")
 ORDERS = {"block-outermost": "block-nhd", "layer-separate": "layer-nhd"}
+DEVICES = ("cpu", "cuda")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,6 +71,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--target-progress-us", type=float, default=500.0, help="target's progress poll interval"
     )
     p.add_argument("--quick", action="store_true", help="small sizes, default transport: < 1 min")
+    p.add_argument(
+        "--target-device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the target's KV pool lives (cuda: VRAM registered with NIXL)",
+    )
+    p.add_argument(
+        "--reader-device", choices=DEVICES, default="cpu", help="where the reader's KV pool lives"
+    )
     add_output_arguments(p, "transfer")
     p.set_defaults(func=run)
 
@@ -123,9 +140,11 @@ def _peers(backend: str, transport: str, progress_s: float) -> Iterator[tuple[_P
         target.stop()
 
 
-def _pair(target: _Proc, reader: _Proc, key: str, **setup: Any) -> dict[str, Any]:
-    t = target("setup", key=key, **setup)
-    reader("setup", key=key, **setup)
+def _pair(
+    target: _Proc, reader: _Proc, args: argparse.Namespace, key: str, **setup: Any
+) -> dict[str, Any]:
+    t = target("setup", key=key, device=args.target_device, **setup)
+    reader("setup", key=key, device=args.reader_device, **setup)
     return reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
 
 
@@ -157,15 +176,25 @@ def _measure(
     n = max(1, args.mib * 2**20 // block_bytes)
     pool = max(2 * n, min(max(args.request_tokens) // bs, args.max_pool_mib * 2**20 // block_bytes))
     nbytes = n * block_bytes
-    memcpy = reader("memcpy", nbytes=nbytes, repeats=args.repeats)["gbps"]
-    _pair(target, reader, "raw", preset=preset, block_size=bs * n, num_blocks=1, order="block-nhd")
+    copies = reader(
+        "memcpy",
+        nbytes=nbytes,
+        repeats=args.repeats,
+        src=args.target_device,
+        dst=args.reader_device,
+    )
+    memcpy, d2d = copies["gbps"], copies.get("d2d_gbps")
+    _pair(
+        target, reader, args, "raw", preset=preset, block_size=bs * n, num_blocks=1,
+        order="block-nhd",
+    )  # fmt: skip
     raw = reader("bandwidth", key="raw", op="read", pattern="sequential", n=1,
                  repeats=args.repeats, seed=0)["gbps"]  # fmt: skip
     _drop(target, reader, "raw")
     rows = []
     for kind, order in ORDERS.items():
         link = _pair(
-            target, reader, kind, preset=preset, block_size=bs, num_blocks=pool, order=order
+            target, reader, args, kind, preset=preset, block_size=bs, num_blocks=pool, order=order
         )
         latency: dict[str, Any] = {}
         for tokens in args.request_tokens:
@@ -184,6 +213,7 @@ def _measure(
                 {
                     "backend": backend,
                     "transport": transport,
+                    "devices": f"{args.target_device}->{args.reader_device}",
                     "preset": preset,
                     "layout": kind,
                     "pattern": pattern,
@@ -203,6 +233,9 @@ def _measure(
                     "raw_nixl_gbps": raw if backend == "nixl" else None,
                     "vs_memcpy": rd["gbps"] / memcpy,
                     "vs_raw": rd["gbps"] / raw,
+                    "d2d_gbps": d2d,
+                    "vs_d2d": rd["gbps"] / d2d if d2d else None,
+                    "write_vs_d2d": wr["gbps"] / d2d if d2d else None,
                     **latency,
                 }
             )
@@ -263,12 +296,20 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "outermost_vs_layer": r["gbps"] / other["gbps"],
                     "outermost_vs_memcpy": r["vs_memcpy"],
                     "outermost_vs_raw": r["vs_raw"],
+                    "outermost_vs_d2d": r["vs_d2d"],
+                    "layer_vs_d2d": other["vs_d2d"],
                 }
             )
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    if "cuda" in (args.target_device, args.reader_device):
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench transfer: --target-device/--reader-device cuda needs a CUDA device")
+            return 2
     if args.backends is None:
         ucxx = not args.quick and importlib.util.find_spec("ucxx") is not None
         args.backends = ["nixl", "ucxx"] if ucxx else ["nixl"]
@@ -298,10 +339,10 @@ def run(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.__exit__(None, None, None)
     _fill_raw_nixl(rows)
-    columns = ["backend", "transport", "preset", "layout", "pattern", "block_tokens",
+    columns = ["backend", "transport", "devices", "preset", "layout", "pattern", "block_tokens",
                "descriptors", "messages", "prep_ms", "gbps", "write_gbps", "memcpy_gbps",
-               "raw_gbps", "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k", "p50_ms_32k",
-               "p99_ms_32k"]  # fmt: skip
+               "d2d_gbps", "raw_gbps", "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k",
+               "p50_ms_32k", "p99_ms_32k"]  # fmt: skip
     print_table(rows, columns)
     ratios = _ratios(rows)
     print()
@@ -332,7 +373,10 @@ def run(args: argparse.Namespace) -> int:
         "memcpy": [r["memcpy_gbps"] for r in rows if r["layout"] == "block-outermost"],
         "raw (same backend)": [r["raw_gbps"] for r in rows if r["layout"] == "block-outermost"],
     }
-    title = f"READ between two processes ({', '.join(args.backends)})"
+    if any(r["d2d_gbps"] for r in rows):
+        series["d2d copy"] = [r["d2d_gbps"] for r in rows if r["layout"] == "block-outermost"]
+    where = f"{args.target_device} -> {args.reader_device}"
+    title = f"READ between two processes, {where} ({', '.join(args.backends)})"
     bar_plot(png_path, title, labels, series, "GB/s")
     print(f"wrote {path} and {png_path} in {time.monotonic() - t0:.0f} s")
     return 0

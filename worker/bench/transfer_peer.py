@@ -54,10 +54,16 @@ class BenchPeer:
         self.links: dict[str, PeerLink] = {}
 
     def op_setup(
-        self, key: str, preset: str, block_size: int, num_blocks: int, order: str
+        self,
+        key: str,
+        preset: str,
+        block_size: int,
+        num_blocks: int,
+        order: str,
+        device: str = "cpu",
     ) -> dict[str, Any]:
         layout = preset_layout(preset, block_size=block_size, num_blocks=num_blocks, order=order)
-        kv = layout.allocate()
+        kv = layout.allocate(device)
         for layer in layout.owning_layers("self"):
             kv[layer.name].fill_(1)  # touch every page so nothing reads the shared zero page
         memory = self.transport.register(layout, kv)
@@ -124,21 +130,42 @@ class BenchPeer:
             times.append(self._move(key, "read", local_ids, remote_ids)[0])
         return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
 
-    def op_memcpy(self, nbytes: int, repeats: int) -> dict[str, Any]:
-        import torch
-
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.zeros(nbytes, dtype=torch.uint8)
-        dst.copy_(src)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-        return {"gbps": nbytes / best / 1e9}
+    def op_memcpy(
+        self, nbytes: int, repeats: int, src: str = "cpu", dst: str = "cpu"
+    ) -> dict[str, Any]:
+        """GB/s of torch copying ``nbytes`` from ``src`` to ``dst`` (host memory pinned when
+        the other side is a GPU); with a GPU involved, also a device-to-device copy."""
+        out = {"gbps": copy_gbps(nbytes, repeats, src, dst)}
+        if "cuda" in (src, dst):
+            out["d2d_gbps"] = copy_gbps(nbytes, repeats, "cuda", "cuda")
+        return out
 
     def close(self) -> None:
         self.transport.close()
+
+
+def copy_gbps(nbytes: int, repeats: int, src: str, dst: str) -> float:
+    """Best GB/s of ``dst.copy_(src)`` over ``repeats`` runs after a warm-up (bytes moved
+    once: a device-to-device copy reads and writes each byte, counted once as for READs)."""
+    import torch
+
+    pin = "cuda" in (src, dst)
+    a = torch.ones(nbytes, dtype=torch.uint8, device=src, pin_memory=pin and src == "cpu")
+    b = torch.zeros(nbytes, dtype=torch.uint8, device=dst, pin_memory=pin and dst == "cpu")
+
+    def sync() -> None:
+        if pin:
+            torch.cuda.synchronize()
+
+    b.copy_(a)
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a, non_blocking=pin)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def serve(

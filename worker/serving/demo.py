@@ -119,7 +119,7 @@ def reference_outputs(
     from kvbridge.worker.engine import Engine
 
     torch.set_num_threads(1)
-    engine = Engine(engine_config_from_args(args))  # type: ignore[arg-type]
+    engine = Engine(engine_config_from_args(args), device=args.device)  # type: ignore[arg-type]
     return [
         engine.generate([p], args.max_tokens, [e])[0]
         for p, e in zip(prompts, encoder_inputs, strict=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent import futures
@@ -68,8 +69,12 @@ class NodeConfig:
     """Inference calls in flight at once; more are refused RESOURCE_EXHAUSTED."""
     kv_events: KVEventsConfig | None = None
     """Publish the prefix cache's KV events (medium GPU) with these settings."""
+    device: str = "cpu"
+    """torch device of the engine's model and KV cache (``cpu``, ``cuda``, ``cuda:N``)."""
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
         for knob in ("port", "control_port"):
             if not 0 <= getattr(self, knob) <= 65535:
                 raise ConfigError(f"{knob} {getattr(self, knob)} is outside 0..65535")
@@ -136,6 +141,7 @@ class Node(Closing):
                 connector_scheduler=self.scheduler_connector,
                 connector_worker=self.worker_connector,
                 events=events,
+                device=config.device,
             )
             self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
             self.worker_connector.listen_for_releases(self.owner.leases.release)

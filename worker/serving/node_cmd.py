@@ -69,6 +69,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="add an encoder and cross-attention KV (requests then carry encoder input)",
     )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device of the model and its KV cache: cpu (default), cuda or cuda:N "
+        "(KV blocks then move over NIXL from and to VRAM)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, order: str | None = None) -> object:
@@ -94,7 +100,7 @@ def engine_config_from_args(args: argparse.Namespace, order: str | None = None) 
 
 
 def engine_model_flags(args: argparse.Namespace) -> list[str]:
-    """The KV-sharing, prefill-skip and encoder-decoder flags of ``args`` as a command line,
+    """The KV-sharing, prefill-skip, encoder-decoder and device flags of ``args`` as a command line,
     so a parent (``demo``) starts ``serve`` children with the same model."""
     flags: list[str] = []
     for name in ("share_last", "share_every"):
@@ -104,6 +110,9 @@ def engine_model_flags(args: argparse.Namespace) -> list[str]:
     for name in ("prefill_skip", "encoder_decoder"):
         if getattr(args, name, False):
             flags.append(f"--{name.replace('_', '-')}")
+    device = getattr(args, "device", "cpu")
+    if device != "cpu":
+        flags += ["--device", device]
     return flags
 
 
@@ -216,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             offload_address=args.offload,
         ),
         host=args.host,
+        device=args.device,
         port=args.port,
         control_port=args.control_port,
         tls_cert=security.tls_cert,

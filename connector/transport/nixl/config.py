@@ -8,32 +8,48 @@ this module loads neither nixl nor torch.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["NixlConfig", "load_nixl"]
+__all__ = ["NIXL_MODULES", "NixlConfig", "load_nixl"]
+
+NIXL_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl._api")
+"""Where NIXL's Python API may live, tried in this order: the CUDA 12 wheel
+(``nixl-cu12``), the CUDA 13 wheel (``nixl-cu13``), a source build (``nixl``)."""
 
 
 def load_nixl() -> Any:
-    """Import NIXL's Python API lazily (``nixl_cu12._api``, else ``nixl._api``).
+    """Import NIXL's Python API lazily: the first of :data:`NIXL_MODULES` installed.
 
     Sets ``UCX_MODULES=^ib`` first unless the environment says otherwise:
-    without it every process segfaults at exit on these machines.
+    without it every process segfaults at exit on these machines. On a machine
+    with an NVIDIA driver it also sets ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``
+    unless set: UCX's default (``auto``) turns CUDA IPC reads off on GPUs
+    without NVLink, and a READ of another process's VRAM on the same GPU then
+    falls back to a software path (0.6 GB/s measured on an H200, see
+    docs/GPU.md); decode pulls KV with READs.
     """
     os.environ.setdefault("UCX_MODULES", "^ib")
-    try:
-        import nixl_cu12._api as api
-    except ImportError:
+    if _has_nvidia_driver():
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    for name in NIXL_MODULES:
         try:
-            import nixl._api as api  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ConfigError(
-                "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (after torch)"
-            ) from exc
-    return api
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ConfigError(
+        "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (CUDA 12) or "
+        "'nixl-cu13==1.5.1' (CUDA 13), after torch"
+    )
+
+
+def _has_nvidia_driver() -> bool:
+    """Whether this machine has an NVIDIA driver (its control device), without loading CUDA."""
+    return os.path.exists("/dev/nvidiactl")
 
 
 @dataclass(frozen=True, slots=True)
