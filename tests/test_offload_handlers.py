@@ -70,7 +70,11 @@ def handlers() -> OffloadHandlers:
         pb.PrepareStoreRequest(instance=h.instance, hashes=hs, session=resp.session)
     )
     transport.notifications["w"] = [store_notification(prep.store_id)]
-    h.commit_store(pb.CommitStoreRequest(store_id=prep.store_id, session=resp.session))
+    h.commit_store(
+        pb.CommitStoreRequest(
+            store_id=prep.store_id, session=resp.session, digests=[bytes(16)] * len(prep.slots)
+        )
+    )
     h.prepare_load(pb.PrepareLoadRequest(instance=h.instance, hashes=hs[:2], session=resp.session))
     return h
 

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.proto import BlockHash, LeaseError
-from kvbridge.worker.offload.pool import HostPool, pool_key
+from kvbridge.worker.offload.pool import HostPool, PreparedStore, pool_key
 
 TTL = 10.0
+DIGEST = bytes(range(16))
 
 
 class FakeClock:
@@ -32,16 +33,16 @@ def keys(tag: str, n: int, tp_rank: int = 0) -> list[BlockHash]:
     return [pool_key(tp_rank, hashlib.sha256(f"{tag}{i}".encode()).digest()) for i in range(n)]
 
 
-def commit(pool: HostPool, store_id: str, writer: str = "") -> int:
+def commit(pool: HostPool, prep: PreparedStore, writer: str = "") -> int:
     """What the daemon does when ``writer``'s WRITE notification arrived, then the commit."""
-    pool.mark_written(store_id, writer)
-    return pool.commit_store(store_id, writer)
+    pool.mark_written(prep.store_id, writer)
+    return pool.commit_store(prep.store_id, writer, 7, [DIGEST] * len(prep.slots))
 
 
 def stored(pool: HostPool, ks: list[BlockHash]) -> list[bytes]:
     """Store and commit ``ks``; returns the evicted hashes."""
     prep = pool.prepare_store(ks, TTL)
-    commit(pool, prep.store_id)
+    commit(pool, prep)
     return list(prep.evicted)
 
 
@@ -80,7 +81,7 @@ def test_dead_writer_store_expires_and_its_slots_are_reused() -> None:
     clock.t += 1.5
     assert pool.expire() == 1
     with pytest.raises(LeaseError, match="unknown, expired or already finished"):
-        commit(pool, prep.store_id)
+        commit(pool, prep)
     assert pool.lookup(keys("a", 2)) == 0
     assert len(pool.prepare_store(keys("b", 2), TTL).slots) == 2
     assert pool.stats().expired == 1
@@ -109,14 +110,14 @@ def test_pinned_blocks_are_never_evicted_and_unpin_makes_them_evictable() -> Non
     assert len(load.slots) == 2
     prep = pool.prepare_store(keys("b", 4), TTL)
     assert len(prep.slots) == 2 and set(prep.slots).isdisjoint(load.slots)
-    commit(pool, prep.store_id)
+    commit(pool, prep)
     assert pool.lookup(a) == 2
     # the only evictable blocks are b's: the pinned prefix of a stays
     for i in range(4):
         prep = pool.prepare_store(keys(f"c{i}", 1), TTL)
         assert not set(prep.slots) & set(load.slots)
         if prep.store_id:
-            commit(pool, prep.store_id)
+            commit(pool, prep)
     assert pool.lookup(a) == 2
     pool.complete_load(load.load_id)
     assert pool.stats().pinned_blocks == 0
@@ -147,7 +148,7 @@ def test_duplicate_hashes_in_one_store_take_one_slot() -> None:
     k = keys("a", 1)
     prep = pool.prepare_store([k[0], k[0]], TTL)
     assert prep.indices == (0,)
-    commit(pool, prep.store_id)
+    commit(pool, prep)
     assert pool.stats().cached_blocks == 1
 
 
@@ -167,7 +168,7 @@ def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> No
     clock = FakeClock()
     capacity = 5
     pool = HostPool(capacity, 1, clock=clock)
-    stores: list[str] = []
+    stores: list[PreparedStore] = []
     loads: list[str] = []
     for op, start, n in script:
         ks = keys("k", 24)[start : start + n]
@@ -175,12 +176,12 @@ def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> No
             prep = pool.prepare_store(ks, ttl_s=3.0)
             assert len(set(prep.slots)) == len(prep.slots)
             if prep.store_id:
-                stores.append(prep.store_id)
+                stores.append(prep)
         elif op == "commit" and stores:
             with contextlib.suppress(LeaseError):
                 commit(pool, stores.pop(start % len(stores)))
         elif op == "abort" and stores:
-            pool.abort_store(stores.pop(start % len(stores)))
+            pool.abort_store(stores.pop(start % len(stores)).store_id)
         elif op == "load":
             load = pool.prepare_load(ks, ttl_s=3.0)
             if load.load_id:
@@ -193,8 +194,8 @@ def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> No
         pool.check()
         s = pool.stats()
         assert s.cached_blocks + s.writing_blocks <= capacity
-    for store_id in stores:
-        pool.abort_store(store_id)
+    for prep in stores:
+        pool.abort_store(prep.store_id)
     for load_id in loads:
         pool.complete_load(load_id)
     s = pool.stats()

@@ -91,8 +91,12 @@ class Caller:
         req = pb.PrepareStoreRequest(instance=self.instance, hashes=hs, session=self.session)
         return self("PrepareStore", req)
 
-    def commit(self, store_id: str) -> pb.CommitStoreResponse:
-        return self("CommitStore", pb.CommitStoreRequest(store_id=store_id, session=self.session))
+    def commit(self, store_id: str, n: int = 0) -> pb.CommitStoreResponse:
+        """CommitStore with ``n`` (placeholder) digests, one per slot the store holds."""
+        req = pb.CommitStoreRequest(
+            store_id=store_id, session=self.session, digests=[bytes(16)] * n
+        )
+        return self("CommitStore", req)
 
     def lookup(self, hs: list[bytes]) -> int:
         return int(self("Lookup", pb.LookupRequest(hashes=hs)).num_hits)
@@ -230,7 +234,7 @@ def test_a_second_worker_cannot_commit_or_abort_another_workers_store(
         assert a("Stats", pb.StatsRequest()).writing_blocks == 3
         # a's own WRITE completes: a commits
         transport.notify("worker-a", store_notification(prep.store_id))
-        assert a.commit(prep.store_id).committed == 3
+        assert a.commit(prep.store_id, len(prep.slots)).committed == 3
         assert b.lookup(hs) == 3
     finally:
         a.close()
@@ -284,7 +288,7 @@ def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None
             hs = hashes("cached", 4)
             prep = other.prepare_store(hs)
             transport.notify("other", store_notification(prep.store_id))
-            assert other.commit(prep.store_id).committed == 4
+            assert other.commit(prep.store_id, len(prep.slots)).committed == 4
             load = pb.PrepareLoadRequest(
                 instance=greedy.instance, hashes=hs, session=greedy.session
             )
@@ -299,10 +303,13 @@ def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None
             other.close()
 
 
-def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
+def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_back() -> None:
     transport = FakeTransport()
     config = OffloadConfig(
-        capacity_bytes=4 * TINY_BLOCK, max_stores_per_writer=1, reap_interval_s=0.05
+        capacity_bytes=4 * TINY_BLOCK,
+        max_stores_per_writer=1,
+        reap_interval_s=0.05,
+        expired_grace_s=1.0,
     )
     with serve(transport, config) as srv:  # type: ignore[arg-type]
         w = Caller(srv.address)
@@ -321,6 +328,14 @@ def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
                 tick.wait(0.05)
             assert pool.stats().writing_blocks == 0 and pool.stats().expired == 1
             assert pool.pending_of("dead-writer") == (0, 0)
+            # its WRITE never completed (it may still land): the slots sit out the grace
+            assert pool.stats().quarantined_blocks == 4
+            assert w.prepare_store(hashes("y", 4)).store_id == ""
+            pool.check()
+            for _ in range(200):
+                if pool.stats().quarantined_blocks == 0:
+                    break
+                tick.wait(0.05)
             assert len(w.prepare_store(hashes("y", 4)).slots) == 4
             pool.check()
         finally:

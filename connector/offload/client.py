@@ -24,6 +24,16 @@ forgets its session and, after ``reconnect_backoff_s``, handshakes again on
 next use. A load whose pin expired before CompleteLoad
 reports 0 blocks loaded: the engine recomputes rather than decode from
 blocks the daemon may have reused (fail closed).
+
+**Integrity.** The daemon's memory is writable by anyone holding its NIXL
+metadata, and a WRITE posted before a pause can land after its store expired
+and its slots went to another store. So ``store`` digests each block it WRITEs
+(:func:`kvbridge.kernels.block_digests`, keyed with a fresh per-store key) and
+sends key and digests in CommitStore; ``load`` gets them back in PrepareLoad
+and, unless ``config.verify`` is off, recomputes every block's digest after
+the READ landed. The first block that differs and everything after it count
+as not loaded (the engine recomputes them); the bad blocks are named in
+CompleteLoad so the daemon can check and drop them.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from kvbridge.connector.offload.types import (
     OffloadStoreResult,
 )
 from kvbridge.connector.offload.wire import call_metadata, open_channel, store_notification
+from kvbridge.kernels import DIGEST_BYTES, block_digests, new_key, span_digest
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
@@ -140,8 +151,10 @@ class OffloadClient(Closing):
                 )
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
+            key = new_key()
+            digests = block_digests(self._local.layout, GROUP, local_ids, key)
             self._transfer("write", session, local_ids, slots, store_notification(store_id))
-            commit = self._commit(session, store_id)
+            commit = self._commit(session, store_id, key, digests)
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -190,17 +203,38 @@ class OffloadClient(Closing):
             if not 0 < len(slots) <= len(hashes):
                 raise WireError(f"PrepareLoad pinned {len(slots)} blocks for {len(hashes)} hashes")
             session.daemon.layout.check_block_ids(GROUP, slots)
-            self._transfer("read", session, list(block_ids[: len(slots)]), slots)
+            digests = self._digests_of(resp, len(slots))
+            local_ids = list(block_ids[: len(slots)])
+            self._transfer("read", session, local_ids, slots)
+            t_read = time.perf_counter()
+            bad = [] if digests is None else self._verify(local_ids, digests)
+            verify_s = time.perf_counter() - t_read
             done: pb.CompleteLoadResponse = self._call(
-                "CompleteLoad", pb.CompleteLoadRequest(load_id=load_id, session=session.session)
+                "CompleteLoad",
+                pb.CompleteLoadRequest(load_id=load_id, session=session.session, bad=bad),
             )
             load_id = ""
             if not done.released:
                 raise LeaseError("the daemon dropped the load's pin before it completed")
+            good = bad[0] if bad else len(slots)
+            if bad:
+                log.warning(
+                    "offload daemon %s: %d of %d loaded blocks failed their digest check "
+                    "(first at position %d; the daemon confirmed and dropped %d): "
+                    "recomputing from there",
+                    self.config.address,
+                    len(bad),
+                    len(slots),
+                    good,
+                    done.dropped,
+                )
             return OffloadLoadResult(
-                loaded=len(slots),
-                nbytes=len(slots) * self._local.layout.block_bytes(GROUP),
+                loaded=good,
+                nbytes=good * self._local.layout.block_bytes(GROUP),
                 elapsed_s=time.perf_counter() - t0,
+                bad_digest=len(bad),
+                verify_s=verify_s,
+                error=f"{len(bad)} blocks failed their digest check" if bad else "",
             )
         except UNAVAILABLE as exc:
             if load_id:
@@ -289,9 +323,33 @@ class OffloadClient(Closing):
         finally:
             handle.release()
 
-    def _commit(self, session: Session, store_id: str) -> pb.CommitStoreResponse:
+    def _digests_of(self, resp: pb.PrepareLoadResponse, n: int) -> list[tuple[int, bytes]] | None:
+        """PrepareLoad's per-slot ``(key, digest)``, checked; None when verification is off."""
+        if not self.config.verify:
+            return None
+        keys, digests = list(resp.digest_keys), list(resp.digests)
+        if len(keys) != n or len(digests) != n or any(len(d) != DIGEST_BYTES for d in digests):
+            raise WireError(
+                f"PrepareLoad sent {len(keys)} keys and {len(digests)} digests for {n} slots"
+            )
+        return list(zip(keys, map(bytes, digests), strict=True))
+
+    def _verify(self, local_ids: Sequence[int], digests: Sequence[tuple[int, bytes]]) -> list[int]:
+        """Positions of the blocks whose landed bytes do not match their writer's digest."""
+        layout = self._local.layout
+        return [
+            i
+            for i, (block, (key, want)) in enumerate(zip(local_ids, digests, strict=True))
+            if span_digest(layout.regions, layout.block_spans(GROUP, block), key) != want
+        ]
+
+    def _commit(
+        self, session: Session, store_id: str, key: int, digests: Sequence[bytes]
+    ) -> pb.CommitStoreResponse:
         """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
-        req = pb.CommitStoreRequest(store_id=store_id, session=session.session)
+        req = pb.CommitStoreRequest(
+            store_id=store_id, session=session.session, digest_key=key, digests=list(digests)
+        )
         try:
             resp: pb.CommitStoreResponse = self._call("CommitStore", req)
         except LeaseError as exc:

@@ -13,6 +13,11 @@ Slot states:
   evicted. :meth:`HostPool.commit_store` caches it under its hash and drops the
   reference (it becomes evictable); :meth:`HostPool.abort_store` or the store's
   expiry (a dead writer) frees it without a hash;
+- **quarantined**: a slot of a store that was aborted or expired *before its
+  WRITE completed*. Its writer's WRITE may still be in flight (a paused
+  process, a slow link) and nothing can revoke it, so the slot stays out of the
+  free list for ``grace_s`` seconds before it is freed; a store whose WRITE
+  completed (:meth:`HostPool.mark_written`) frees its slots at once;
 - **pinned**: a committed block with references from loads
   (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
   evicted while pinned.
@@ -26,6 +31,14 @@ only that writer commits, aborts or completes it, a store commits only after
 :meth:`HostPool.mark_written` (its WRITE completed), and each writer holds at
 most ``max_stores_per_writer`` prepared stores and ``max_pinned_per_writer``
 pinned blocks.
+
+Every committed block carries its writer's **digest** (a 64-bit key and a
+16-byte keyed XXH3-128 of its bytes, from CommitStore): kept here, in the
+daemon's own memory, never in NIXL-registered memory. :meth:`HostPool.prepare_load`
+hands them to the reader with the slots; a reader that finds a block's bytes
+do not match names it (:meth:`HostPool.drop_bad`), and the daemon drops
+the block from the index only if its own recomputation (``confirm``) agrees:
+a reader's report is a claim, never enough on its own to evict a block.
 """
 
 from __future__ import annotations
@@ -37,12 +50,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
+from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError, WireError
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.offload.stats import OffloadStats
 
-__all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
+__all__ = ["Digest", "HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
+
+DIGEST_BYTES = 16
+Digest = tuple[int, bytes]
+"""A committed block's ``(key, digest)``: its writer's keyed XXH3-128."""
+Confirm = Callable[[BlockId, Digest], bool]
+"""``confirm(slot, digest)``: True if the slot's bytes (in the daemon's memory) still match."""
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +89,8 @@ class PreparedLoad:
     load_id: str
     slots: tuple[BlockId, ...]
     expires_in_s: float
+    digests: tuple[Digest, ...] = ()
+    """Per slot, its writer's ``(key, digest)``."""
 
 
 @dataclass(slots=True)
@@ -95,9 +116,12 @@ class HostPool:
         max_pending: int = 4096,
         max_stores_per_writer: int = 64,
         max_pinned_per_writer: int | None = None,
+        grace_s: float = 0.0,
     ) -> None:
         if block_bytes < 1:
             raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
+        if not 0 <= grace_s < float("inf"):
+            raise ConfigError(f"grace_s must be finite and >= 0, got {grace_s}")
         if max_pending < 1:
             raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
         if max_stores_per_writer < 1:
@@ -119,6 +143,9 @@ class HostPool:
         self._writer_stores: dict[str, int] = {}  # writer -> prepared stores
         self._writer_pins: dict[str, int] = {}  # writer -> pinned blocks
         self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
+        self._grace_s = grace_s
+        self._quarantine: list[tuple[float, list[BlockId]]] = []  # (free at, slots), in order
+        self._digests: list[Digest | None] = [None] * num_blocks  # per slot, set at commit
 
     @property
     def num_blocks(self) -> int:
@@ -155,6 +182,7 @@ class HostPool:
             snapshot.cached_blocks = self._pool.num_cached_blocks
             snapshot.pinned_blocks = self._pinned
             snapshot.writing_blocks = len(self._writing)
+            snapshot.quarantined_blocks = sum(len(s) for _, s in self._quarantine)
             return snapshot
 
     def check(self) -> None:
@@ -165,8 +193,13 @@ class HostPool:
             assert writing == len(self._writing)
             assert pinned == self._pinned
             referenced = self._pool.num_blocks - self._pool.num_free_blocks
+            held = {b for _, slots in self._quarantine for b in slots}
+            assert len(held) == sum(len(s) for _, s in self._quarantine)
             assert len({b for p in self._stores.values() for b in p.slots}) == writing
-            assert writing + len({b for p in self._loads.values() for b in p.slots}) <= referenced
+            assert not held & {b for p in self._stores.values() for b in p.slots}
+            assert all(self._pool.block_hash(b) is None for b in held)
+            pinned_slots = {b for p in self._loads.values() for b in p.slots}
+            assert writing + len(held) + len(pinned_slots) <= referenced
             assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
             stores: dict[str, int] = {}
             pins: dict[str, int] = {}
@@ -237,11 +270,16 @@ class HostPool:
             pending.written = True
             return True
 
-    def commit_store(self, store_id: str, writer: str = "") -> int:
+    def commit_store(
+        self, store_id: str, writer: str = "", key: int = 0, digests: Sequence[bytes] = ()
+    ) -> int:
         """Publish a store's blocks (they become visible and evictable); returns how many.
 
         Only ``writer``, the store's own, may commit it, and only once its WRITE was
         marked done (:meth:`mark_written`); otherwise this raises and changes nothing.
+        ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
+        readers of these blocks will check; a count or size that does not fit raises
+        :class:`WireError` and changes nothing.
         """
         self._expire()
         with self._lock:
@@ -255,11 +293,17 @@ class HostPool:
                 )
                 err.code = "FAILED_PRECONDITION"
                 raise err
+            if len(digests) != len(pending.slots) or any(len(d) != DIGEST_BYTES for d in digests):
+                raise WireError(
+                    f"CommitStore carries {len(digests)} digests for {len(pending.slots)} slots: "
+                    f"send one {DIGEST_BYTES}-byte digest per slot"
+                )
             del self._stores[store_id]
             self._forget_store(pending)
-            for slot, key in zip(pending.slots, pending.keys, strict=True):
-                del self._writing[key]
-                cached = self._pool.cache_block(slot, key)
+            for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
+                del self._writing[block_key]
+                self._digests[slot] = (key, bytes(digest))
+                cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)
             n = len(pending.slots)
@@ -278,7 +322,7 @@ class HostPool:
             if pending is None or pending.writer != writer:
                 return False
             del self._stores[store_id]
-            self._drop_store(pending)
+            self._drop_store(pending, self._clock())
             self._stats.aborted_stores += 1
         return True
 
@@ -313,7 +357,37 @@ class HostPool:
             self._loads[load_id] = _Pending(
                 list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer
             )
-        return PreparedLoad(load_id, tuple(hits), ttl_s)
+            digests = tuple(self._digest_of(b) for b in hits)
+        return PreparedLoad(load_id, tuple(hits), ttl_s, digests)
+
+    def drop_bad(self, load_id: str, writer: str, bad: Sequence[int], confirm: Confirm) -> int:
+        """Drop from the index the blocks of ``writer``'s load at positions ``bad`` (whose
+        bytes failed the reader's digest check) that ``confirm`` also finds bad.
+
+        The reader's report is a claim: ``confirm`` recomputes each digest over the
+        daemon's own memory, and a block that still matches stays. Returns how many
+        were dropped (0 if the load is gone or not ``writer``'s). Positions out of range
+        or repeated raise :class:`WireError` and change nothing.
+        """
+        with self._lock:
+            pending = self._loads.get(load_id)
+            if pending is None or pending.writer != writer:
+                return 0
+            if any(not 0 <= i < len(pending.slots) for i in bad) or len(set(bad)) != len(bad):
+                last = len(pending.slots) - 1
+                raise WireError(f"CompleteLoad names bad positions outside 0..{last} or twice")
+            dropped = 0
+            for i in bad:
+                slot = pending.slots[i]
+                if self._pool.block_hash(slot) != pending.keys[i]:
+                    continue  # already dropped (another reader's confirmed report)
+                if not confirm(slot, self._digest_of(slot)):
+                    self._pool.uncache(slot)
+                    self._digests[slot] = None
+                    dropped += 1
+            self._stats.bad_digest_reports += len(bad)
+            self._stats.bad_digest_blocks += dropped
+            return dropped
 
     def complete_load(self, load_id: str, writer: str = "") -> bool:
         """Unpin a load's blocks (they move to the most recently used end); False if gone
@@ -340,11 +414,14 @@ class HostPool:
         """Drop every pending store and load (the daemon is stopping)."""
         with self._lock:
             for pending in self._stores.values():
-                self._drop_store(pending)
+                self._drop_store(pending, None)
             for pending in self._loads.values():
                 self._unpin(pending)
             self._stores.clear()
             self._loads.clear()
+            for _, slots in self._quarantine:
+                self._pool.free(slots)
+            self._quarantine.clear()
             self._writer_stores.clear()
             self._writer_pins.clear()
 
@@ -357,18 +434,31 @@ class HostPool:
             loads = [k for k, p in self._loads.items() if p.expires_at <= now]
             for store_id in stores:
                 log.info("store %s expired before commit; its slots are freed", store_id)
-                self._drop_store(self._stores.pop(store_id))
+                self._drop_store(self._stores.pop(store_id), now)
             for load_id in loads:
                 log.info("load %s expired before completion; its blocks are unpinned", load_id)
                 self._unpin(self._loads.pop(load_id))
             self._stats.expired += len(stores) + len(loads)
+            while self._quarantine and self._quarantine[0][0] <= now:
+                self._pool.free(self._quarantine.pop(0)[1])
             return len(stores) + len(loads)
 
-    def _drop_store(self, pending: _Pending) -> None:
+    def _drop_store(self, pending: _Pending, now: float | None) -> None:
+        """Forget an uncommitted store. Its slots are free at once if its WRITE completed
+        (or the daemon is closing: ``now`` None), else quarantined for ``grace_s``: a WRITE
+        still in flight must not land on a block another store committed meanwhile."""
         for key in pending.keys:
             del self._writing[key]
-        self._pool.free(pending.slots)
+        if pending.written or now is None or self._grace_s == 0:
+            self._pool.free(pending.slots)
+        else:
+            self._quarantine.append((now + self._grace_s, list(pending.slots)))
         self._forget_store(pending)
+
+    def _digest_of(self, slot: BlockId) -> Digest:
+        digest = self._digests[slot]
+        assert digest is not None, "every committed block has its writer's digest"
+        return digest
 
     def _forget_store(self, pending: _Pending) -> None:
         _decrement(self._writer_stores, pending.writer, 1)
