@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.proto import BlockHash, LeaseError
+from kvbridge.proto import BlockHash, LeaseError, WireError
 from kvbridge.worker.offload.pool import HostPool, PreparedStore, pool_key
 
 TTL = 10.0
@@ -167,7 +167,7 @@ ops = st.lists(
 def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> None:  # type: ignore[type-arg]
     clock = FakeClock()
     capacity = 5
-    pool = HostPool(capacity, 1, clock=clock)
+    pool = HostPool(capacity, 1, clock=clock, grace_s=2.0)
     stores: list[PreparedStore] = []
     loads: list[str] = []
     for op, start, n in script:
@@ -193,13 +193,71 @@ def test_capacity_is_never_exceeded_and_slots_are_never_lost(script: list) -> No
             pool.expire()
         pool.check()
         s = pool.stats()
-        assert s.cached_blocks + s.writing_blocks <= capacity
+        assert s.cached_blocks + s.writing_blocks + s.quarantined_blocks <= capacity
     for prep in stores:
         pool.abort_store(prep.store_id)
     for load_id in loads:
         pool.complete_load(load_id)
     s = pool.stats()
     assert (s.writing_blocks, s.pinned_blocks) == (0, 0)
+    clock.t += 2.0  # past every grace period
+    pool.expire()
+    assert pool.stats().quarantined_blocks == 0
     # every slot is usable again
     fresh = pool.prepare_store(keys("fresh", capacity), TTL)
     assert len(fresh.slots) == capacity
+
+
+def test_an_unwritten_expired_or_aborted_store_sits_out_the_grace_a_written_one_does_not() -> None:
+    clock = FakeClock()
+    pool = HostPool(4, 1, clock=clock, grace_s=5.0)
+    late = pool.prepare_store(keys("late", 2), ttl_s=1.0)  # its WRITE never completed
+    done = pool.prepare_store(keys("done", 2), ttl_s=1.0)
+    pool.mark_written(done.store_id, "")  # its WRITE completed: nothing can land later
+    clock.t += 1.5
+    assert pool.expire() == 2
+    s = pool.stats()
+    assert (s.writing_blocks, s.quarantined_blocks) == (0, 2)
+    again = pool.prepare_store(keys("next", 4), TTL)
+    assert set(again.slots) == set(done.slots)  # never a quarantined slot
+    clock.t += 1.0
+    assert pool.abort_store(again.store_id)  # aborted before its WRITE: quarantined too
+    assert pool.stats().quarantined_blocks == 4
+    assert pool.prepare_store(keys("next", 1), TTL).store_id == ""
+    pool.check()
+    clock.t += 4.0  # the late store's grace is over, the aborted one's not yet
+    pool.expire()
+    assert pool.stats().quarantined_blocks == 2
+    assert set(pool.prepare_store(keys("x", 2), TTL).slots) == set(late.slots)
+    pool.check()
+
+
+def test_a_reported_bad_block_is_dropped_only_if_the_daemon_confirms_it() -> None:
+    pool = HostPool(4, 1)
+    a = keys("a", 3)
+    stored(pool, a)
+    load = pool.prepare_load(a, TTL)
+    assert load.digests == ((7, DIGEST),) * 3
+    with pytest.raises(WireError, match="bad positions"):
+        pool.drop_bad(load.load_id, "", [3], lambda slot, d: False)
+    bad_slot = load.slots[1]
+    dropped = pool.drop_bad(load.load_id, "", [0, 1], lambda slot, d: slot != bad_slot)
+    assert dropped == 1
+    assert pool.complete_load(load.load_id)
+    assert pool.lookup(a) == 1
+    s = pool.stats()
+    assert (s.bad_digest_reports, s.bad_digest_blocks) == (2, 1)
+    pool.check()
+
+
+def test_a_commit_without_one_digest_per_slot_is_refused_and_changes_nothing() -> None:
+    pool = HostPool(4, 1)
+    prep = pool.prepare_store(keys("a", 2), TTL)
+    pool.mark_written(prep.store_id, "")
+    with pytest.raises(WireError, match="2 slots"):
+        pool.commit_store(prep.store_id, "", 1, [DIGEST])
+    with pytest.raises(WireError, match="16-byte"):
+        pool.commit_store(prep.store_id, "", 1, [DIGEST, b"short"])
+    assert pool.stats().writing_blocks == 2
+    assert pool.commit_store(prep.store_id, "", 1, [DIGEST, DIGEST]) == 2
+    pool.check()
