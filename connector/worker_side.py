@@ -126,6 +126,7 @@ class KVBridgeWorker(WorkerConnector):
                 ),
                 self.transport,
                 self.memory,
+                kv_caches,
             )
 
     def start_load_kv(self, metadata: StepMetadata) -> None:

@@ -29,13 +29,15 @@ def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
 
-def setup(worker: WorkerProc, address: str, seed: int, verify: bool = True) -> None:
+def setup(
+    worker: WorkerProc, address: str, seed: int, verify: bool = True, order: str = "block-nhd"
+) -> None:
     worker.call(
         "setup",
         address=address,
         preset="tiny",
         num_blocks=32,
-        order="block-nhd",
+        order=order,
         seed=seed,
         verify=verify,
     )
@@ -196,4 +198,38 @@ def test_with_verification_off_the_reader_trusts_the_daemons_memory() -> None:
     finally:
         for w in (owner, attacker, reader):
             w.stop()
+        daemon.stop()
+
+
+def test_a_worker_in_another_inner_order_stores_and_loads_through_staging_verified(
+    workers: list[WorkerProc],
+) -> None:
+    """A layer-hnd worker and a block-nhd pool (REARRANGE): blocks move through a staging
+    cache in the pool's order, both ways, bit exact; digests are over the pool-order bytes,
+    so a junk WRITE is caught on the staged path too."""
+    nhd, hnd, attacker = workers
+    daemon = DaemonProc("--capacity", f"{16 * TINY_BLOCK}B")
+    try:
+        setup(nhd, daemon.address, 1)  # the pool takes this worker's (NHD) order
+        setup(hnd, daemon.address, 2, order="layer-hnd")
+        setup(attacker, daemon.address, 3)
+        a, b = hashes("from-nhd", 4), hashes("from-hnd", 4)
+        assert nhd.call("store", ids=IDS, hashes=a)["stored"] == 4
+        got = hnd.call("load", ids=READ_IDS, hashes=a)
+        assert (got["loaded"], got["bad_digest"], got["error"]) == (4, 0, "")
+        assert hnd.call("blocks", ids=READ_IDS)["blocks"] == nhd.call("blocks", ids=IDS)["blocks"]
+        assert hnd.call("store", ids=[8, 9, 10, 11], hashes=b)["stored"] == 4
+        got = nhd.call("load", ids=READ_IDS, hashes=b)
+        assert (got["loaded"], got["bad_digest"]) == (4, 0)
+        want = hnd.call("blocks", ids=[8, 9, 10, 11])["blocks"]
+        assert nhd.call("blocks", ids=READ_IDS)["blocks"] == want
+        pin = attacker.call("pin", hashes=b)
+        attacker.call("write_slots", ids=[0], slots=pin["slots"][1:2])
+        attacker.call("unpin", load_id=pin["load_id"], bad=[])
+        got = hnd.call("load", ids=[24, 25, 26, 27], hashes=b)
+        assert (got["loaded"], got["bad_digest"]) == (1, 1), got
+        assert hnd.call("blocks", ids=[24])["blocks"] == want[:1]
+        for w in workers:
+            w.call("close")
+    finally:
         daemon.stop()

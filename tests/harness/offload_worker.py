@@ -54,7 +54,7 @@ class Worker:
             root_cert=root_cert,
             verify=verify,
         )
-        self.client = OffloadClient(config, self.transport, self.memory)
+        self.client = OffloadClient(config, self.transport, self.memory, self.kv)
         return {}
 
     def _c(self) -> OffloadClient:
@@ -88,7 +88,7 @@ class Worker:
         )
         local = [ids[i] for i in resp.indices]
         notify = store_notification(resp.store_id)
-        client._transfer("write", session, local, list(resp.slots), notify)
+        client._mover.transfer("write", session, local, list(resp.slots), notify)
         return {"slots": list(resp.slots), "store_id": resp.store_id}
 
     def op_prepare_store(self, hashes: list[bytes], ttl_s: float) -> dict[str, Any]:
@@ -113,7 +113,7 @@ class Worker:
         client = self._c()
         session = client._connect()
         notify = store_notification(store_id) if store_id else None
-        client._transfer("write", session, ids, slots, notify)
+        client._mover.transfer("write", session, ids, slots, notify)
         return {}
 
     def op_pin(self, hashes: list[bytes]) -> dict[str, Any]:

@@ -117,12 +117,10 @@ class OffloadHandlers:
                 self._create(remote.layout)
         state = self._ready()
         result = negotiate(state.info.layout, remote.layout)
-        # HEAD_SLICE (another TP size) too: the daemon's blocks are whole pages of one size
-        if result.mode in (
-            TransferMode.INCOMPATIBLE,
-            TransferMode.REARRANGE,
-            TransferMode.HEAD_SLICE,
-        ):
+        # HEAD_SLICE (another TP size) too: the daemon's blocks are whole pages of one size.
+        # REARRANGE (another inner order) is the worker's business: it moves blocks through
+        # a staging cache in the pool's order and converts them on its side.
+        if result.mode in (TransferMode.INCOMPATIBLE, TransferMode.HEAD_SLICE):
             ours, theirs = state.info.layout, remote.layout
             raise IncompatibleLayoutError(
                 f"worker {remote.engine_id} ({_describe(theirs)}) cannot use offload daemon "

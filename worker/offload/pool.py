@@ -13,11 +13,9 @@ Slot states:
   evicted. :meth:`HostPool.commit_store` caches it under its hash and drops the
   reference (it becomes evictable); :meth:`HostPool.abort_store` or the store's
   expiry (a dead writer) frees it without a hash;
-- **quarantined**: a slot of a store that was aborted or expired *before its
-  WRITE completed*. Its writer's WRITE may still be in flight (a paused
-  process, a slow link) and nothing can revoke it, so the slot stays out of the
-  free list for ``grace_s`` seconds before it is freed; a store whose WRITE
-  completed (:meth:`HostPool.mark_written`) frees its slots at once;
+- **quarantined**: a slot of a store aborted or expired *before its WRITE
+  completed* (that WRITE may still land: nothing revokes it) stays out of the
+  free list for ``grace_s`` seconds; a written store's slots are freed at once;
 - **pinned**: a committed block with references from loads
   (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
   evicted while pinned.
@@ -32,13 +30,9 @@ only that writer commits, aborts or completes it, a store commits only after
 most ``max_stores_per_writer`` prepared stores and ``max_pinned_per_writer``
 pinned blocks.
 
-Every committed block carries its writer's **digest** (a 64-bit key and a
-16-byte keyed XXH3-128 of its bytes, from CommitStore): kept here, in the
-daemon's own memory, never in NIXL-registered memory. :meth:`HostPool.prepare_load`
-hands them to the reader with the slots; a reader that finds a block's bytes
-do not match names it (:meth:`HostPool.drop_bad`), and the daemon drops
-the block from the index only if its own recomputation (``confirm``) agrees:
-a reader's report is a claim, never enough on its own to evict a block.
+Every committed block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`),
+handed to readers with the slots; :meth:`HostPool.drop_bad` drops a block a
+reader reports only if the daemon's own recomputation agrees.
 """
 
 from __future__ import annotations
@@ -47,61 +41,29 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
-from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError, WireError
+from kvbridge.proto.errors import ConfigError, LeaseError, WireError
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
+from kvbridge.worker.offload.quotas import Quotas, lease_gone
+from kvbridge.worker.offload.slots import (
+    DIGEST_BYTES,
+    Confirm,
+    Digest,
+    Pending,
+    PreparedLoad,
+    PreparedStore,
+    Quarantine,
+    pool_key,
+)
 from kvbridge.worker.offload.stats import OffloadStats
 
 __all__ = ["Digest", "HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
 
-DIGEST_BYTES = 16
-Digest = tuple[int, bytes]
-"""A committed block's ``(key, digest)``: its writer's keyed XXH3-128."""
-Confirm = Callable[[BlockId, Digest], bool]
-"""``confirm(slot, digest)``: True if the slot's bytes (in the daemon's memory) still match."""
 
 log = logging.getLogger(__name__)
-
-
-def pool_key(tp_rank: int, block_hash: bytes) -> BlockHash:
-    """The pool's key of ``block_hash`` for ``tp_rank`` (2-byte rank prefix)."""
-    return BlockHash(tp_rank.to_bytes(2, "big") + block_hash)
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedStore:
-    """Slots to WRITE: ``hashes[indices[i]]`` goes into ``slots[i]``. Empty id: nothing to do."""
-
-    store_id: str
-    indices: tuple[int, ...]
-    slots: tuple[BlockId, ...]
-    evicted: tuple[bytes, ...]
-    expires_in_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLoad:
-    """Pinned slots of the cached prefix; empty id: no hit, nothing to complete."""
-
-    load_id: str
-    slots: tuple[BlockId, ...]
-    expires_in_s: float
-    digests: tuple[Digest, ...] = ()
-    """Per slot, its writer's ``(key, digest)``."""
-
-
-@dataclass(slots=True)
-class _Pending:
-    slots: list[BlockId]
-    keys: list[BlockHash]
-    started: float
-    expires_at: float
-    writer: str = ""
-    written: bool = False
-    """A store: its writer's WRITE-completion notification arrived."""
 
 
 class HostPool:
@@ -118,16 +80,9 @@ class HostPool:
         max_pinned_per_writer: int | None = None,
         grace_s: float = 0.0,
     ) -> None:
-        if block_bytes < 1:
-            raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
-        if not 0 <= grace_s < float("inf"):
-            raise ConfigError(f"grace_s must be finite and >= 0, got {grace_s}")
-        if max_pending < 1:
-            raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
-        if max_stores_per_writer < 1:
-            raise ConfigError(f"max_stores_per_writer must be >= 1, got {max_stores_per_writer}")
-        if max_pinned_per_writer is not None and max_pinned_per_writer < 1:
-            raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned_per_writer}")
+        for knob, value in (("block_bytes", block_bytes), ("max_pending", max_pending)):
+            if value < 1:
+                raise ConfigError(f"{knob} must be >= 1, got {value}")
         self._evicted: list[BlockHash] = []
         self._pool = BlockPool(num_blocks, on_evict=lambda h, _b: self._evicted.append(h))
         self._block_bytes = block_bytes
@@ -135,16 +90,13 @@ class HostPool:
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._writing: dict[BlockHash, str] = {}  # key -> store id
-        self._stores: dict[str, _Pending] = {}
-        self._loads: dict[str, _Pending] = {}
+        self._stores: dict[str, Pending] = {}
+        self._loads: dict[str, Pending] = {}
         self._pinned = 0
-        self._max_stores_per_writer = max_stores_per_writer
-        self._max_pinned_per_writer = max_pinned_per_writer or num_blocks
-        self._writer_stores: dict[str, int] = {}  # writer -> prepared stores
-        self._writer_pins: dict[str, int] = {}  # writer -> pinned blocks
+        pin_cap = num_blocks if max_pinned_per_writer is None else max_pinned_per_writer
+        self._quotas = Quotas(max_stores_per_writer, pin_cap)
         self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
-        self._grace_s = grace_s
-        self._quarantine: list[tuple[float, list[BlockId]]] = []  # (free at, slots), in order
+        self._quarantine = Quarantine(grace_s)
         self._digests: list[Digest | None] = [None] * num_blocks  # per slot, set at commit
 
     @property
@@ -182,7 +134,7 @@ class HostPool:
             snapshot.cached_blocks = self._pool.num_cached_blocks
             snapshot.pinned_blocks = self._pinned
             snapshot.writing_blocks = len(self._writing)
-            snapshot.quarantined_blocks = sum(len(s) for _, s in self._quarantine)
+            snapshot.quarantined_blocks = len(self._quarantine)
             return snapshot
 
     def check(self) -> None:
@@ -193,27 +145,22 @@ class HostPool:
             assert writing == len(self._writing)
             assert pinned == self._pinned
             referenced = self._pool.num_blocks - self._pool.num_free_blocks
-            held = {b for _, slots in self._quarantine for b in slots}
-            assert len(held) == sum(len(s) for _, s in self._quarantine)
-            assert len({b for p in self._stores.values() for b in p.slots}) == writing
-            assert not held & {b for p in self._stores.values() for b in p.slots}
-            assert all(self._pool.block_hash(b) is None for b in held)
+            held = self._quarantine.slots()
+            store_slots = {b for p in self._stores.values() for b in p.slots}
             pinned_slots = {b for p in self._loads.values() for b in p.slots}
+            assert len(set(held)) == len(held) and not set(held) & store_slots
+            assert len(store_slots) == writing
             assert writing + len(held) + len(pinned_slots) <= referenced
+            assert all(self._pool.block_hash(b) is None for b in held)
             assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
-            stores: dict[str, int] = {}
-            pins: dict[str, int] = {}
-            for p in self._stores.values():
-                stores[p.writer] = stores.get(p.writer, 0) + 1
-            for p in self._loads.values():
-                pins[p.writer] = pins.get(p.writer, 0) + len(p.slots)
-            assert stores == self._writer_stores, (stores, self._writer_stores)
-            assert pins == self._writer_pins, (pins, self._writer_pins)
+            stores = Counter(p.writer for p in self._stores.values())
+            pins = Counter(p.writer for p in self._loads.values() for _ in p.slots)
+            assert stores == self._quotas.stores and pins == self._quotas.pins
 
     def pending_of(self, writer: str) -> tuple[int, int]:
         """``(prepared stores, pinned blocks)`` that ``writer`` holds now."""
         with self._lock:
-            return self._writer_stores.get(writer, 0), self._writer_pins.get(writer, 0)
+            return self._quotas.of(writer)
 
     # ---------------------------------------------------------------- mutations
 
@@ -227,13 +174,7 @@ class HostPool:
         """
         self._expire()
         with self._lock:
-            held = self._writer_stores.get(writer, 0)
-            if held >= self._max_stores_per_writer:
-                raise ControlPlaneError(
-                    f"this worker holds {held} prepared stores, the daemon's "
-                    "max_stores_per_writer: commit or abort some first",
-                    code="RESOURCE_EXHAUSTED",
-                )
+            self._quotas.take_store(writer)  # counted now, given back below if nothing to do
             seen: set[BlockHash] = set()
             wanted: list[int] = []
             for i, key in enumerate(keys):
@@ -243,6 +184,7 @@ class HostPool:
                 wanted.append(i)
             take = min(len(wanted), self._pool.num_free_blocks)
             if take == 0 or len(self._stores) >= self._max_pending:
+                self._quotas.drop_store(writer)
                 return PreparedStore("", (), (), (), 0.0)
             wanted = wanted[:take]
             slots = self._pool.allocate(take)
@@ -250,8 +192,7 @@ class HostPool:
             store_id = secrets.token_hex(16)
             now = self._clock()
             chosen = [keys[i] for i in wanted]
-            self._stores[store_id] = _Pending(list(slots), chosen, now, now + ttl_s, writer)
-            self._writer_stores[writer] = held + 1
+            self._stores[store_id] = Pending(list(slots), chosen, now, now + ttl_s, writer)
             for key in chosen:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
@@ -285,7 +226,7 @@ class HostPool:
         with self._lock:
             pending = self._stores.get(store_id)
             if pending is None or pending.writer != writer:
-                raise _lease_gone("store", store_id)
+                raise lease_gone("store", store_id)
             if not pending.written:
                 err = LeaseError(
                     f"store {store_id!r} has no completed WRITE yet: WRITE its slots with the "
@@ -299,7 +240,7 @@ class HostPool:
                     f"send one {DIGEST_BYTES}-byte digest per slot"
                 )
             del self._stores[store_id]
-            self._forget_store(pending)
+            self._quotas.drop_store(pending.writer)
             for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
                 del self._writing[block_key]
                 self._digests[slot] = (key, bytes(digest))
@@ -340,21 +281,13 @@ class HostPool:
             self._count_lookup(len(hits), len(keys))
             if not hits or len(self._loads) >= self._max_pending:
                 return PreparedLoad("", (), 0.0)
-            held = self._writer_pins.get(writer, 0)
-            room = self._max_pinned_per_writer - held
-            if room <= 0:
-                raise ControlPlaneError(
-                    f"this worker pins {held} blocks, the daemon's max_pinned_per_writer: "
-                    "complete some loads first",
-                    code="RESOURCE_EXHAUSTED",
-                )
-            hits = hits[:room]
+            hits = hits[: self._quotas.pin_room(writer)]
             self._pool.touch(hits)
             self._pinned += len(hits)
-            self._writer_pins[writer] = held + len(hits)
+            self._quotas.pin(writer, len(hits))
             load_id = secrets.token_hex(16)
             now = self._clock()
-            self._loads[load_id] = _Pending(
+            self._loads[load_id] = Pending(
                 list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer
             )
             digests = tuple(self._digest_of(b) for b in hits)
@@ -419,11 +352,8 @@ class HostPool:
                 self._unpin(pending)
             self._stores.clear()
             self._loads.clear()
-            for _, slots in self._quarantine:
-                self._pool.free(slots)
-            self._quarantine.clear()
-            self._writer_stores.clear()
-            self._writer_pins.clear()
+            self._pool.free(self._quarantine.drain())
+            self._quotas.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -439,52 +369,31 @@ class HostPool:
                 log.info("load %s expired before completion; its blocks are unpinned", load_id)
                 self._unpin(self._loads.pop(load_id))
             self._stats.expired += len(stores) + len(loads)
-            while self._quarantine and self._quarantine[0][0] <= now:
-                self._pool.free(self._quarantine.pop(0)[1])
+            self._pool.free(self._quarantine.due(now))
             return len(stores) + len(loads)
 
-    def _drop_store(self, pending: _Pending, now: float | None) -> None:
+    def _drop_store(self, pending: Pending, now: float | None) -> None:
         """Forget an uncommitted store. Its slots are free at once if its WRITE completed
         (or the daemon is closing: ``now`` None), else quarantined for ``grace_s``: a WRITE
         still in flight must not land on a block another store committed meanwhile."""
         for key in pending.keys:
             del self._writing[key]
-        if pending.written or now is None or self._grace_s == 0:
+        if pending.written or now is None or self._quarantine.grace_s == 0:
             self._pool.free(pending.slots)
         else:
-            self._quarantine.append((now + self._grace_s, list(pending.slots)))
-        self._forget_store(pending)
+            self._quarantine.hold(now, pending.slots)
+        self._quotas.drop_store(pending.writer)
 
     def _digest_of(self, slot: BlockId) -> Digest:
         digest = self._digests[slot]
         assert digest is not None, "every committed block has its writer's digest"
         return digest
 
-    def _forget_store(self, pending: _Pending) -> None:
-        _decrement(self._writer_stores, pending.writer, 1)
-
-    def _unpin(self, pending: _Pending) -> None:
+    def _unpin(self, pending: Pending) -> None:
         self._pool.free(pending.slots)
         self._pinned -= len(pending.slots)
-        _decrement(self._writer_pins, pending.writer, len(pending.slots))
+        self._quotas.unpin(pending.writer, len(pending.slots))
 
     def _count_lookup(self, hits: int, asked: int) -> None:
         self._stats.hits += hits
         self._stats.misses += asked - hits
-
-
-def _decrement(counts: dict[str, int], writer: str, n: int) -> None:
-    left = counts[writer] - n
-    if left:
-        counts[writer] = left
-    else:
-        del counts[writer]  # no entry per idle writer: the maps stay as small as the work
-
-
-def _lease_gone(what: str, ident: str) -> LeaseError:
-    err = LeaseError(
-        f"{what} {ident[:64]!r} is unknown, expired or already finished; "
-        f"its slots were freed: prepare the {what} again"
-    )
-    err.code = "NOT_FOUND"
-    return err
