@@ -16,8 +16,9 @@ import torch
 from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport import NixlConfig, NixlTransport
-from kvbridge.proto import BlockHash, BlockId, preset_layout
+from kvbridge.proto import BlockHash, BlockId, parse_order, preset_layout
 from kvbridge.proto import offload_pb2 as pb
+from kvbridge.worker.engine import EngineConfig
 from tests.harness.frames import serve_ops
 from tests.harness.transport_peer import block_bytes, fill
 
@@ -38,8 +39,15 @@ class Worker:
         token: str | None = None,
         root_cert: bytes | None = None,
         verify: bool = True,
+        engine_model: str | None = None,
     ) -> dict[str, Any]:
-        self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        """``engine_model``: the layout of `kvbridge serve --model NAME` (seed 0, 16-token
+        blocks) instead of the layout preset ``preset``."""
+        if engine_model is None:
+            self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        else:
+            engine = EngineConfig.preset(engine_model, block_size=16, num_blocks=num_blocks)
+            self.layout = engine.layout().with_order(parse_order(order))
         self.kv = self.layout.allocate()
         fill(self.layout, self.kv, seed)
         self.memory = self.transport.register(self.layout, self.kv)
