@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbridge.proto import BlockHash, LeaseError, WireError
+from kvbridge.proto import BlockHash, ConfigError, LeaseError, WireError
+from kvbridge.worker.offload import OffloadConfig
 from kvbridge.worker.offload.pool import HostPool, PreparedStore, pool_key
 
 TTL = 10.0
@@ -261,3 +262,11 @@ def test_a_commit_without_one_digest_per_slot_is_refused_and_changes_nothing() -
     assert pool.stats().writing_blocks == 2
     assert pool.commit_store(prep.store_id, "", 1, [DIGEST, DIGEST]) == 2
     pool.check()
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("inf"), float("nan")])
+def test_a_grace_period_that_is_not_a_finite_nonnegative_number_is_refused(grace: float) -> None:
+    with pytest.raises(ConfigError, match="grace"):
+        HostPool(4, 1, grace_s=grace)
+    with pytest.raises(ConfigError, match="expired_grace_s"):
+        OffloadConfig(expired_grace_s=grace)
