@@ -306,7 +306,7 @@ def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None
 def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_back() -> None:
     transport = FakeTransport()
     config = OffloadConfig(
-        capacity_bytes=4 * TINY_BLOCK,
+        capacity_bytes=16 * TINY_BLOCK,
         max_stores_per_writer=1,
         reap_interval_s=0.05,
         expired_grace_s=1.0,
@@ -318,7 +318,8 @@ def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_
             req = pb.PrepareStoreRequest(
                 instance=w.instance, hashes=hashes("x", 4), session=w.session, ttl_ms=100
             )
-            assert len(w("PrepareStore", req).slots) == 4
+            dead = set(w("PrepareStore", req).slots)
+            assert len(dead) == 4
             pool = srv.handlers.pool
             assert pool is not None
             tick = threading.Event()  # never set: a 50 ms wait between looks
@@ -330,13 +331,17 @@ def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_
             assert pool.pending_of("dead-writer") == (0, 0)
             # its WRITE never completed (it may still land): the slots sit out the grace
             assert pool.stats().quarantined_blocks == 4
-            assert w.prepare_store(hashes("y", 4)).store_id == ""
+            others = w.prepare_store(hashes("y", 16))
+            assert len(others.slots) == 12 and not dead & set(others.slots)
+            assert w(
+                "AbortStore", pb.AbortStoreRequest(store_id=others.store_id, session=w.session)
+            ).aborted
             pool.check()
             for _ in range(200):
                 if pool.stats().quarantined_blocks == 0:
                     break
                 tick.wait(0.05)
-            assert len(w.prepare_store(hashes("y", 4)).slots) == 4
+            assert len(w.prepare_store(hashes("y", 16)).slots) == 16
             pool.check()
         finally:
             w.close()

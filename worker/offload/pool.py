@@ -15,7 +15,8 @@ Slot states:
   expiry (a dead writer) frees it without a hash;
 - **quarantined**: a slot of a store aborted or expired *before its WRITE
   completed* (that WRITE may still land: nothing revokes it) stays out of the
-  free list for ``grace_s`` seconds; a written store's slots are freed at once;
+  free list for ``grace_s`` seconds, up to a quarter of the pool; a written
+  store's slots (and any past that quarter) are freed at once;
 - **pinned**: a committed block with references from loads
   (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
   evicted while pinned.
@@ -96,7 +97,7 @@ class HostPool:
         pin_cap = num_blocks if max_pinned_per_writer is None else max_pinned_per_writer
         self._quotas = Quotas(max_stores_per_writer, pin_cap)
         self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
-        self._quarantine = Quarantine(grace_s)
+        self._quarantine = Quarantine(grace_s, limit=num_blocks // 4)
         self._digests: list[Digest | None] = [None] * num_blocks  # per slot, set at commit
 
     @property
@@ -378,10 +379,10 @@ class HostPool:
         still in flight must not land on a block another store committed meanwhile."""
         for key in pending.keys:
             del self._writing[key]
-        if pending.written or now is None or self._quarantine.grace_s == 0:
+        if pending.written or now is None:
             self._pool.free(pending.slots)
         else:
-            self._quarantine.hold(now, pending.slots)
+            self._pool.free(self._quarantine.hold(now, pending.slots))
         self._quotas.drop_store(pending.writer)
 
     def _digest_of(self, slot: BlockId) -> Digest:

@@ -81,31 +81,47 @@ class Pending:
 
 class Quarantine:
     """Slots of stores dropped before their WRITE completed, held ``grace_s`` seconds (a late
-    WRITE may still land in them) before they go back to the free list; not thread-safe."""
+    WRITE may still land in them) before they go back to the free list; not thread-safe.
 
-    def __init__(self, grace_s: float) -> None:
+    At most ``limit`` slots are held at once: past that a dropped store's slots are free at
+    once (readers' digest checks still catch a late WRITE), so a worker that prepares and
+    abandons stores cannot keep more than ``limit`` slots of the pool out of use."""
+
+    def __init__(self, grace_s: float, limit: int) -> None:
         if not 0 <= grace_s < float("inf"):
             raise ConfigError(f"grace_s must be finite and >= 0, got {grace_s}")
         self.grace_s = grace_s
+        self.limit = limit
+        self._count = 0
         self._held: list[tuple[float, list[BlockId]]] = []  # (free at, slots), oldest first
 
     def __len__(self) -> int:
-        return sum(len(slots) for _, slots in self._held)
+        return self._count
 
-    def hold(self, now: float, slots: Sequence[BlockId]) -> None:
-        self._held.append((now + self.grace_s, list(slots)))
+    def hold(self, now: float, slots: Sequence[BlockId]) -> list[BlockId]:
+        """Hold what fits under the limit; returns the slots to free now."""
+        if self.grace_s == 0:
+            return list(slots)
+        room = max(0, self.limit - self._count)
+        kept, rest = list(slots[:room]), list(slots[room:])
+        if kept:
+            self._held.append((now + self.grace_s, kept))
+            self._count += len(kept)
+        return rest
 
     def due(self, now: float) -> list[BlockId]:
         """Take the slots whose grace is over."""
         out: list[BlockId] = []
         while self._held and self._held[0][0] <= now:
             out += self._held.pop(0)[1]
+        self._count -= len(out)
         return out
 
     def drain(self) -> list[BlockId]:
         """Take every held slot (the daemon is stopping)."""
         out = self.slots()
         self._held.clear()
+        self._count = 0
         return out
 
     def slots(self) -> list[BlockId]:
