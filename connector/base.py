@@ -135,6 +135,9 @@ class LoadResult:
     """The backend's own timing of the block READs, summed (NIXL telemetry, post to
     completion): the span vLLM's NixlConnector reports as its transfer time. None where the
     backend does not say; ``transfer_ms`` is the whole load (link, READs, proof, release)."""
+    offload_bad_digest: int = 0
+    """``self`` blocks read from the offload daemon whose bytes failed their writer's digest
+    (re-read from the peer or recomputed, never used)."""
     path: str = ""
     """How the peer's blocks were proven: ``sealed`` (no control RPC), ``owner`` (the owner
     named them over the control plane), or ``""`` (nothing read from a peer)."""

@@ -44,6 +44,9 @@ class ConnectorConfig:
     max_concurrent_loads: int = DEFAULT_MAX_CONCURRENT_LOADS
     offload_address: str = ""
     """host:port of the node's CPU offload daemon; empty: no offloading."""
+    offload_verify: bool = True
+    """Check every block loaded from the offload daemon against its writer's digest before
+    the engine uses it (default); False trusts the daemon's memory."""
 
     def __post_init__(self) -> None:
         if not self.engine_id or len(self.engine_id) > 128:

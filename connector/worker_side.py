@@ -122,9 +122,11 @@ class KVBridgeWorker(WorkerConnector):
                     token=self.config.token,
                     transfer_timeout_s=timeout,
                     ttl_s=max(2 * timeout, self.config.lease_ttl_s),
+                    verify=self.config.offload_verify,
                 ),
                 self.transport,
                 self.memory,
+                kv_caches,
             )
 
     def start_load_kv(self, metadata: StepMetadata) -> None:
@@ -253,6 +255,7 @@ class KVBridgeWorker(WorkerConnector):
                 {},
                 0,
                 m,
+                offload_bad_digest=got.bad_digest,
             )
         # always go to the peer, if only to release the lease on what it pinned for us
         result = remote.load(_skip_self(load, m))
@@ -261,6 +264,7 @@ class KVBridgeWorker(WorkerConnector):
             blocks_requested=result.blocks_requested + m,
             transfer_ms=result.transfer_ms + got.elapsed_s * 1e3,
             blocks_offloaded=m,
+            offload_bad_digest=got.bad_digest,
         )
 
 

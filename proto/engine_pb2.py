@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvbridge/proto/engine.proto\x12\x0ekvbridge.proto\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1a\n\x12kv_transfer_params\x18\x04 \x01(\x0c\x12\x15\n\rencoder_input\x18\x05 \x01(\x0c\"\xff\x02\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10\x62locks_local_hit\x18\x02 \x01(\r\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x18\n\x10\x62locks_offloaded\x18\x04 \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x05 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x12\n\nload_error\x18\x08 \x01(\t\x12S\n\x15\x62locks_moved_by_group\x18\t \x03(\x0b\x32\x34.kvbridge.proto.RequestStats.BlocksMovedByGroupEntry\x12\x13\n\x0b\x62ytes_moved\x18\n \x01(\x04\x12\x14\n\x0c\x63ross_source\x18\x0b \x01(\t\x1a\x39\n\x17\x42locksMovedByGroupEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\x12kv_transfer_params\x18\x03 \x01(\x0c\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.kvbridge.proto.RequestStats\"\x14\n\x12\x45ngineStatsRequest\"\xe4\x02\n\x13\x45ngineStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12H\n\x0b\x66ree_blocks\x18\x03 \x03(\x0b\x32\x33.kvbridge.proto.EngineStatsResponse.FreeBlocksEntry\x12J\n\x0ctotal_blocks\x18\x04 \x03(\x0b\x32\x34.kvbridge.proto.EngineStatsResponse.TotalBlocksEntry\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x1a\x31\n\x0f\x46reeBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10TotalBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xb2\x01\n\tInference\x12M\n\x08Generate\x12\x1f.kvbridge.proto.GenerateRequest\x1a .kvbridge.proto.GenerateResponse\x12V\n\x0b\x45ngineStats\x12\".kvbridge.proto.EngineStatsRequest\x1a#.kvbridge.proto.EngineStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvbridge/proto/engine.proto\x12\x0ekvbridge.proto\"\x86\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x1a\n\x12kv_transfer_params\x18\x04 \x01(\x0c\x12\x15\n\rencoder_input\x18\x05 \x01(\x0c\"\x9b\x03\n\x0cRequestStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x18\n\x10\x62locks_local_hit\x18\x02 \x01(\r\x12\x14\n\x0c\x62locks_moved\x18\x03 \x01(\r\x12\x18\n\x10\x62locks_offloaded\x18\x04 \x01(\r\x12\x19\n\x11\x62locks_recomputed\x18\x05 \x01(\r\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x07 \x01(\x01\x12\x12\n\nload_error\x18\x08 \x01(\t\x12S\n\x15\x62locks_moved_by_group\x18\t \x03(\x0b\x32\x34.kvbridge.proto.RequestStats.BlocksMovedByGroupEntry\x12\x13\n\x0b\x62ytes_moved\x18\n \x01(\x04\x12\x14\n\x0c\x63ross_source\x18\x0b \x01(\t\x12\x1a\n\x12offload_bad_digest\x18\x14 \x01(\r\x1a\x39\n\x17\x42locksMovedByGroupEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x82\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1a\n\x12kv_transfer_params\x18\x03 \x01(\x0c\x12+\n\x05stats\x18\x04 \x01(\x0b\x32\x1c.kvbridge.proto.RequestStats\"\x14\n\x12\x45ngineStatsRequest\"\xe4\x02\n\x13\x45ngineStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12H\n\x0b\x66ree_blocks\x18\x03 \x03(\x0b\x32\x33.kvbridge.proto.EngineStatsResponse.FreeBlocksEntry\x12J\n\x0ctotal_blocks\x18\x04 \x03(\x0b\x32\x34.kvbridge.proto.EngineStatsResponse.TotalBlocksEntry\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x18\n\x10running_requests\x18\x06 \x01(\r\x1a\x31\n\x0f\x46reeBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x32\n\x10TotalBlocksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xb2\x01\n\tInference\x12M\n\x08Generate\x12\x1f.kvbridge.proto.GenerateRequest\x1a .kvbridge.proto.GenerateResponse\x12V\n\x0b\x45ngineStats\x12\".kvbridge.proto.EngineStatsRequest\x1a#.kvbridge.proto.EngineStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=48
   _globals['_GENERATEREQUEST']._serialized_end=182
   _globals['_REQUESTSTATS']._serialized_start=185
-  _globals['_REQUESTSTATS']._serialized_end=568
-  _globals['_REQUESTSTATS_BLOCKSMOVEDBYGROUPENTRY']._serialized_start=511
-  _globals['_REQUESTSTATS_BLOCKSMOVEDBYGROUPENTRY']._serialized_end=568
-  _globals['_GENERATERESPONSE']._serialized_start=571
-  _globals['_GENERATERESPONSE']._serialized_end=701
-  _globals['_ENGINESTATSREQUEST']._serialized_start=703
-  _globals['_ENGINESTATSREQUEST']._serialized_end=723
-  _globals['_ENGINESTATSRESPONSE']._serialized_start=726
-  _globals['_ENGINESTATSRESPONSE']._serialized_end=1082
-  _globals['_ENGINESTATSRESPONSE_FREEBLOCKSENTRY']._serialized_start=981
-  _globals['_ENGINESTATSRESPONSE_FREEBLOCKSENTRY']._serialized_end=1030
-  _globals['_ENGINESTATSRESPONSE_TOTALBLOCKSENTRY']._serialized_start=1032
-  _globals['_ENGINESTATSRESPONSE_TOTALBLOCKSENTRY']._serialized_end=1082
-  _globals['_INFERENCE']._serialized_start=1085
-  _globals['_INFERENCE']._serialized_end=1263
+  _globals['_REQUESTSTATS']._serialized_end=596
+  _globals['_REQUESTSTATS_BLOCKSMOVEDBYGROUPENTRY']._serialized_start=539
+  _globals['_REQUESTSTATS_BLOCKSMOVEDBYGROUPENTRY']._serialized_end=596
+  _globals['_GENERATERESPONSE']._serialized_start=599
+  _globals['_GENERATERESPONSE']._serialized_end=729
+  _globals['_ENGINESTATSREQUEST']._serialized_start=731
+  _globals['_ENGINESTATSREQUEST']._serialized_end=751
+  _globals['_ENGINESTATSRESPONSE']._serialized_start=754
+  _globals['_ENGINESTATSRESPONSE']._serialized_end=1110
+  _globals['_ENGINESTATSRESPONSE_FREEBLOCKSENTRY']._serialized_start=1009
+  _globals['_ENGINESTATSRESPONSE_FREEBLOCKSENTRY']._serialized_end=1058
+  _globals['_ENGINESTATSRESPONSE_TOTALBLOCKSENTRY']._serialized_start=1060
+  _globals['_ENGINESTATSRESPONSE_TOTALBLOCKSENTRY']._serialized_end=1110
+  _globals['_INFERENCE']._serialized_start=1113
+  _globals['_INFERENCE']._serialized_end=1291
 # @@protoc_insertion_point(module_scope)

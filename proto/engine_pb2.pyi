@@ -97,6 +97,7 @@ class RequestStats(_message.Message):
     BLOCKS_MOVED_BY_GROUP_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     CROSS_SOURCE_FIELD_NUMBER: _builtins.int
+    OFFLOAD_BAD_DIGEST_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     blocks_local_hit: _builtins.int
     """full blocks found in this worker's own prefix cache"""
@@ -115,6 +116,8 @@ class RequestStats(_message.Message):
     """bytes read from the remote worker (owning layers only)"""
     cross_source: _builtins.str
     """encoder-decoder: "hit", "loaded" or "computed" """
+    offload_bad_digest: _builtins.int
+    """blocks read from the offload daemon that failed their digest"""
     @_builtins.property
     def blocks_moved_by_group(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """"self", and "cross" for encoder-decoder"""
@@ -133,10 +136,11 @@ class RequestStats(_message.Message):
         blocks_moved_by_group: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         bytes_moved: _builtins.int = ...,
         cross_source: _builtins.str = ...,
+        offload_bad_digest: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_local_hit", b"blocks_local_hit", "blocks_moved", b"blocks_moved", "blocks_moved_by_group", b"blocks_moved_by_group", "blocks_offloaded", b"blocks_offloaded", "blocks_recomputed", b"blocks_recomputed", "bytes_moved", b"bytes_moved", "cross_source", b"cross_source", "load_error", b"load_error", "prompt_tokens", b"prompt_tokens", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_local_hit", b"blocks_local_hit", "blocks_moved", b"blocks_moved", "blocks_moved_by_group", b"blocks_moved_by_group", "blocks_offloaded", b"blocks_offloaded", "blocks_recomputed", b"blocks_recomputed", "bytes_moved", b"bytes_moved", "cross_source", b"cross_source", "load_error", b"load_error", "offload_bad_digest", b"offload_bad_digest", "prompt_tokens", b"prompt_tokens", "transfer_ms", b"transfer_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

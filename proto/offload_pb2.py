@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvbridge.proto import control_pb2 as kvbridge_dot_proto_dot_control__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/proto/offload.proto\x12\x0ekvbridge.proto\x1a\x1ckvbridge/proto/control.proto\"U\n\x17OffloadHandshakeRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xbf\x01\n\x18OffloadHandshakeResponse\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12*\n\x04mode\x18\x02 \x01(\x0e\x32\x1c.kvbridge.proto.TransferMode\x12\x13\n\x0bmode_reason\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\r\x12\x0f\n\x07session\x18\x06 \x01(\t\"0\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\"\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\"i\n\x13PrepareStoreRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\t\"p\n\x14PrepareStoreResponse\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x0f\n\x07\x65victed\x18\x04 \x03(\x0c\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"7\n\x12\x43ommitStoreRequest\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"(\n\x13\x43ommitStoreResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"6\n\x11\x41\x62ortStoreRequest\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"%\n\x12\x41\x62ortStoreResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"h\n\x12PrepareLoadRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\t\"L\n\x13PrepareLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x15\n\rexpires_in_ms\x18\x03 \x01(\x04\"7\n\x13\x43ompleteLoadRequest\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"(\n\x14\x43ompleteLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xc3\x03\n\rStatsResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x15\n\rstored_blocks\x18\t \x01(\x04\x12\x14\n\x0cstored_bytes\x18\n \x01(\x04\x12\x15\n\rloaded_blocks\x18\x0b \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\r \x01(\x04\x12\x15\n\revicted_bytes\x18\x0e \x01(\x04\x12\x16\n\x0e\x61\x62orted_stores\x18\x0f \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x10 \x01(\x04\x12\x19\n\x11store_seconds_sum\x18\x11 \x01(\x01\x12\x13\n\x0bstore_count\x18\x12 \x01(\x04\x12\x18\n\x10load_seconds_sum\x18\x13 \x01(\x01\x12\x12\n\nload_count\x18\x14 \x01(\x04\x32\xb8\x05\n\x0cOffloadStore\x12^\n\tHandshake\x12\'.kvbridge.proto.OffloadHandshakeRequest\x1a(.kvbridge.proto.OffloadHandshakeResponse\x12G\n\x06Lookup\x12\x1d.kvbridge.proto.LookupRequest\x1a\x1e.kvbridge.proto.LookupResponse\x12Y\n\x0cPrepareStore\x12#.kvbridge.proto.PrepareStoreRequest\x1a$.kvbridge.proto.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".kvbridge.proto.CommitStoreRequest\x1a#.kvbridge.proto.CommitStoreResponse\x12S\n\nAbortStore\x12!.kvbridge.proto.AbortStoreRequest\x1a\".kvbridge.proto.AbortStoreResponse\x12V\n\x0bPrepareLoad\x12\".kvbridge.proto.PrepareLoadRequest\x1a#.kvbridge.proto.PrepareLoadResponse\x12Y\n\x0c\x43ompleteLoad\x12#.kvbridge.proto.CompleteLoadRequest\x1a$.kvbridge.proto.CompleteLoadResponse\x12\x44\n\x05Stats\x12\x1c.kvbridge.proto.StatsRequest\x1a\x1d.kvbridge.proto.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/proto/offload.proto\x12\x0ekvbridge.proto\x1a\x1ckvbridge/proto/control.proto\"U\n\x17OffloadHandshakeRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12\x12\n\nagent_name\x18\x02 \x01(\t\"\xbf\x01\n\x18OffloadHandshakeResponse\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12*\n\x04mode\x18\x02 \x01(\x0e\x32\x1c.kvbridge.proto.TransferMode\x12\x13\n\x0bmode_reason\x18\x03 \x01(\t\x12\x10\n\x08instance\x18\x04 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x05 \x01(\r\x12\x0f\n\x07session\x18\x06 \x01(\t\"0\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\"\"\n\x0eLookupResponse\x12\x10\n\x08num_hits\x18\x01 \x01(\r\"i\n\x13PrepareStoreRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\t\"p\n\x14PrepareStoreResponse\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07indices\x18\x02 \x03(\r\x12\r\n\x05slots\x18\x03 \x03(\r\x12\x0f\n\x07\x65victed\x18\x04 \x03(\x0c\x12\x15\n\rexpires_in_ms\x18\x05 \x01(\x04\"\\\n\x12\x43ommitStoreRequest\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x12\n\ndigest_key\x18\x03 \x01(\x06\x12\x0f\n\x07\x64igests\x18\x04 \x03(\x0c\"(\n\x13\x43ommitStoreResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\"6\n\x11\x41\x62ortStoreRequest\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\"%\n\x12\x41\x62ortStoreResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"h\n\x12PrepareLoadRequest\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x0e\n\x06hashes\x18\x03 \x03(\x0c\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\t\"r\n\x13PrepareLoadResponse\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\r\x12\x15\n\rexpires_in_ms\x18\x03 \x01(\x04\x12\x13\n\x0b\x64igest_keys\x18\x04 \x03(\x06\x12\x0f\n\x07\x64igests\x18\x05 \x03(\x0c\"D\n\x13\x43ompleteLoadRequest\x12\x0f\n\x07load_id\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\t\x12\x0b\n\x03\x62\x61\x64\x18\x03 \x03(\r\"9\n\x14\x43ompleteLoadResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x0f\n\x07\x64ropped\x18\x02 \x01(\r\"\x0e\n\x0cStatsRequest\"\x96\x04\n\rStatsResponse\x12\x10\n\x08instance\x18\x01 \x01(\t\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x15\n\rcached_blocks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\x12\x16\n\x0ewriting_blocks\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x0e\n\x06misses\x18\x08 \x01(\x04\x12\x15\n\rstored_blocks\x18\t \x01(\x04\x12\x14\n\x0cstored_bytes\x18\n \x01(\x04\x12\x15\n\rloaded_blocks\x18\x0b \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\r \x01(\x04\x12\x15\n\revicted_bytes\x18\x0e \x01(\x04\x12\x16\n\x0e\x61\x62orted_stores\x18\x0f \x01(\x04\x12\x0f\n\x07\x65xpired\x18\x10 \x01(\x04\x12\x19\n\x11store_seconds_sum\x18\x11 \x01(\x01\x12\x13\n\x0bstore_count\x18\x12 \x01(\x04\x12\x18\n\x10load_seconds_sum\x18\x13 \x01(\x01\x12\x12\n\nload_count\x18\x14 \x01(\x04\x12\x1a\n\x12quarantined_blocks\x18\x15 \x01(\x04\x12\x1a\n\x12\x62\x61\x64_digest_reports\x18\x16 \x01(\x04\x12\x19\n\x11\x62\x61\x64_digest_blocks\x18\x17 \x01(\x04\x32\xb8\x05\n\x0cOffloadStore\x12^\n\tHandshake\x12\'.kvbridge.proto.OffloadHandshakeRequest\x1a(.kvbridge.proto.OffloadHandshakeResponse\x12G\n\x06Lookup\x12\x1d.kvbridge.proto.LookupRequest\x1a\x1e.kvbridge.proto.LookupResponse\x12Y\n\x0cPrepareStore\x12#.kvbridge.proto.PrepareStoreRequest\x1a$.kvbridge.proto.PrepareStoreResponse\x12V\n\x0b\x43ommitStore\x12\".kvbridge.proto.CommitStoreRequest\x1a#.kvbridge.proto.CommitStoreResponse\x12S\n\nAbortStore\x12!.kvbridge.proto.AbortStoreRequest\x1a\".kvbridge.proto.AbortStoreResponse\x12V\n\x0bPrepareLoad\x12\".kvbridge.proto.PrepareLoadRequest\x1a#.kvbridge.proto.PrepareLoadResponse\x12Y\n\x0c\x43ompleteLoad\x12#.kvbridge.proto.CompleteLoadRequest\x1a$.kvbridge.proto.CompleteLoadResponse\x12\x44\n\x05Stats\x12\x1c.kvbridge.proto.StatsRequest\x1a\x1d.kvbridge.proto.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,25 +45,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREPARESTORERESPONSE']._serialized_start=552
   _globals['_PREPARESTORERESPONSE']._serialized_end=664
   _globals['_COMMITSTOREREQUEST']._serialized_start=666
-  _globals['_COMMITSTOREREQUEST']._serialized_end=721
-  _globals['_COMMITSTORERESPONSE']._serialized_start=723
-  _globals['_COMMITSTORERESPONSE']._serialized_end=763
-  _globals['_ABORTSTOREREQUEST']._serialized_start=765
-  _globals['_ABORTSTOREREQUEST']._serialized_end=819
-  _globals['_ABORTSTORERESPONSE']._serialized_start=821
-  _globals['_ABORTSTORERESPONSE']._serialized_end=858
-  _globals['_PREPARELOADREQUEST']._serialized_start=860
-  _globals['_PREPARELOADREQUEST']._serialized_end=964
-  _globals['_PREPARELOADRESPONSE']._serialized_start=966
-  _globals['_PREPARELOADRESPONSE']._serialized_end=1042
-  _globals['_COMPLETELOADREQUEST']._serialized_start=1044
-  _globals['_COMPLETELOADREQUEST']._serialized_end=1099
-  _globals['_COMPLETELOADRESPONSE']._serialized_start=1101
-  _globals['_COMPLETELOADRESPONSE']._serialized_end=1141
-  _globals['_STATSREQUEST']._serialized_start=1143
-  _globals['_STATSREQUEST']._serialized_end=1157
-  _globals['_STATSRESPONSE']._serialized_start=1160
-  _globals['_STATSRESPONSE']._serialized_end=1611
-  _globals['_OFFLOADSTORE']._serialized_start=1614
-  _globals['_OFFLOADSTORE']._serialized_end=2310
+  _globals['_COMMITSTOREREQUEST']._serialized_end=758
+  _globals['_COMMITSTORERESPONSE']._serialized_start=760
+  _globals['_COMMITSTORERESPONSE']._serialized_end=800
+  _globals['_ABORTSTOREREQUEST']._serialized_start=802
+  _globals['_ABORTSTOREREQUEST']._serialized_end=856
+  _globals['_ABORTSTORERESPONSE']._serialized_start=858
+  _globals['_ABORTSTORERESPONSE']._serialized_end=895
+  _globals['_PREPARELOADREQUEST']._serialized_start=897
+  _globals['_PREPARELOADREQUEST']._serialized_end=1001
+  _globals['_PREPARELOADRESPONSE']._serialized_start=1003
+  _globals['_PREPARELOADRESPONSE']._serialized_end=1117
+  _globals['_COMPLETELOADREQUEST']._serialized_start=1119
+  _globals['_COMPLETELOADREQUEST']._serialized_end=1187
+  _globals['_COMPLETELOADRESPONSE']._serialized_start=1189
+  _globals['_COMPLETELOADRESPONSE']._serialized_end=1246
+  _globals['_STATSREQUEST']._serialized_start=1248
+  _globals['_STATSREQUEST']._serialized_end=1262
+  _globals['_STATSRESPONSE']._serialized_start=1265
+  _globals['_STATSRESPONSE']._serialized_end=1799
+  _globals['_OFFLOADSTORE']._serialized_start=1802
+  _globals['_OFFLOADSTORE']._serialized_end=2498
 # @@protoc_insertion_point(module_scope)

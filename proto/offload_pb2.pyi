@@ -23,6 +23,16 @@ daemon received the notification "kvbridge-offload-store:<store_id>" that
 the worker's WRITE carries (NIXL delivers it once the WRITE completed) from
 that agent.
 
+Integrity: registered memory is writable by anyone holding its NIXL
+metadata, and a WRITE posted before a pause can land after its store
+expired. So the storing worker digests each block it WRITEs (keyed XXH3-128,
+kvbridge.kernels.block_digests, with a key it picks per store) and sends key
+and digests in CommitStore; the daemon keeps them in its index, never in
+NIXL memory, and hands them to every reader in PrepareLoad. The reader
+checks each block after its READ lands and names the ones that failed in
+CompleteLoad; the daemon recomputes those digests over its own memory and
+drops from its index only the blocks that really differ.
+
 Regenerate the committed stubs with `python -m kvbridge.proto.generate`.
 """
 
@@ -230,18 +240,28 @@ class CommitStoreRequest(_message.Message):
 
     STORE_ID_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    DIGEST_KEY_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
     store_id: _builtins.str
     session: _builtins.str
     """the session that prepared the store"""
+    digest_key: _builtins.int
+    """the key the writer digested this store's blocks with"""
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """one 16-byte digest per slot, in PrepareStore's order"""
+
     def __init__(
         self,
         *,
         store_id: _builtins.str = ...,
         session: _builtins.str = ...,
+        digest_key: _builtins.int = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session", b"session", "store_id", b"store_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_key", b"digest_key", "digests", b"digests", "session", b"session", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -347,6 +367,8 @@ class PrepareLoadResponse(_message.Message):
     LOAD_ID_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    DIGEST_KEYS_FIELD_NUMBER: _builtins.int
+    DIGESTS_FIELD_NUMBER: _builtins.int
     load_id: _builtins.str
     """empty: no hit, nothing to complete"""
     expires_in_ms: _builtins.int
@@ -354,16 +376,26 @@ class PrepareLoadResponse(_message.Message):
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """pinned daemon blocks of the hit prefix"""
 
+    @_builtins.property
+    def digest_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """per slot: the key its writer digested it with"""
+
+    @_builtins.property
+    def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """per slot: its writer's 16-byte digest"""
+
     def __init__(
         self,
         *,
         load_id: _builtins.str = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
         expires_in_ms: _builtins.int = ...,
+        digest_keys: _abc.Iterable[_builtins.int] | None = ...,
+        digests: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_ms", b"expires_in_ms", "load_id", b"load_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_keys", b"digest_keys", "digests", b"digests", "expires_in_ms", b"expires_in_ms", "load_id", b"load_id", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -375,17 +407,23 @@ class CompleteLoadRequest(_message.Message):
 
     LOAD_ID_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    BAD_FIELD_NUMBER: _builtins.int
     load_id: _builtins.str
     session: _builtins.str
+    @_builtins.property
+    def bad(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """positions in the load's slots whose READ failed the digest"""
+
     def __init__(
         self,
         *,
         load_id: _builtins.str = ...,
         session: _builtins.str = ...,
+        bad: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_id", b"load_id", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bad", b"bad", "load_id", b"load_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -396,15 +434,19 @@ class CompleteLoadResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RELEASED_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
     released: _builtins.bool
+    dropped: _builtins.int
+    """reported blocks the daemon confirmed bad and dropped"""
     def __init__(
         self,
         *,
         released: _builtins.bool = ...,
+        dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "released", b"released"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -449,6 +491,9 @@ class StatsResponse(_message.Message):
     STORE_COUNT_FIELD_NUMBER: _builtins.int
     LOAD_SECONDS_SUM_FIELD_NUMBER: _builtins.int
     LOAD_COUNT_FIELD_NUMBER: _builtins.int
+    QUARANTINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    BAD_DIGEST_REPORTS_FIELD_NUMBER: _builtins.int
+    BAD_DIGEST_BLOCKS_FIELD_NUMBER: _builtins.int
     instance: _builtins.str
     capacity_blocks: _builtins.int
     block_bytes: _builtins.int
@@ -477,6 +522,12 @@ class StatsResponse(_message.Message):
     load_seconds_sum: _builtins.float
     """PrepareLoad -> CompleteLoad"""
     load_count: _builtins.int
+    quarantined_blocks: _builtins.int
+    """slots of expired/aborted stores kept out of the free list"""
+    bad_digest_reports: _builtins.int
+    """blocks readers reported failing their digest"""
+    bad_digest_blocks: _builtins.int
+    """of those, blocks the daemon confirmed bad and dropped"""
     def __init__(
         self,
         *,
@@ -500,10 +551,13 @@ class StatsResponse(_message.Message):
         store_count: _builtins.int = ...,
         load_seconds_sum: _builtins.float = ...,
         load_count: _builtins.int = ...,
+        quarantined_blocks: _builtins.int = ...,
+        bad_digest_reports: _builtins.int = ...,
+        bad_digest_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_stores", b"aborted_stores", "block_bytes", b"block_bytes", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "evicted_blocks", b"evicted_blocks", "evicted_bytes", b"evicted_bytes", "expired", b"expired", "hits", b"hits", "instance", b"instance", "load_count", b"load_count", "load_seconds_sum", b"load_seconds_sum", "loaded_blocks", b"loaded_blocks", "loaded_bytes", b"loaded_bytes", "misses", b"misses", "pinned_blocks", b"pinned_blocks", "store_count", b"store_count", "store_seconds_sum", b"store_seconds_sum", "stored_blocks", b"stored_blocks", "stored_bytes", b"stored_bytes", "writing_blocks", b"writing_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted_stores", b"aborted_stores", "bad_digest_blocks", b"bad_digest_blocks", "bad_digest_reports", b"bad_digest_reports", "block_bytes", b"block_bytes", "cached_blocks", b"cached_blocks", "capacity_blocks", b"capacity_blocks", "evicted_blocks", b"evicted_blocks", "evicted_bytes", b"evicted_bytes", "expired", b"expired", "hits", b"hits", "instance", b"instance", "load_count", b"load_count", "load_seconds_sum", b"load_seconds_sum", "loaded_blocks", b"loaded_blocks", "loaded_bytes", b"loaded_bytes", "misses", b"misses", "pinned_blocks", b"pinned_blocks", "quarantined_blocks", b"quarantined_blocks", "store_count", b"store_count", "store_seconds_sum", b"store_seconds_sum", "stored_blocks", b"stored_blocks", "stored_bytes", b"stored_bytes", "writing_blocks", b"writing_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,16 @@ daemon received the notification "kvbridge-offload-store:<store_id>" that
 the worker's WRITE carries (NIXL delivers it once the WRITE completed) from
 that agent.
 
+Integrity: registered memory is writable by anyone holding its NIXL
+metadata, and a WRITE posted before a pause can land after its store
+expired. So the storing worker digests each block it WRITEs (keyed XXH3-128,
+kvbridge.kernels.block_digests, with a key it picks per store) and sends key
+and digests in CommitStore; the daemon keeps them in its index, never in
+NIXL memory, and hands them to every reader in PrepareLoad. The reader
+checks each block after its READ lands and names the ones that failed in
+CompleteLoad; the daemon recomputes those digests over its own memory and
+drops from its index only the blocks that really differ.
+
 Regenerate the committed stubs with `python -m kvbridge.proto.generate`.
 """
 

@@ -156,7 +156,7 @@ def test_a_bug_in_the_client_propagates_instead_of_becoming_a_miss(
         def broken(*args: Any, **kwargs: Any) -> None:
             raise TypeError("a bug")
 
-        monkeypatch.setattr(client, "_transfer", broken)
+        monkeypatch.setattr(client._mover, "transfer", broken)
         with pytest.raises(TypeError, match="a bug"):
             client.store([BlockId(0), BlockId(1)], names(2))
         pool = server.handlers.pool

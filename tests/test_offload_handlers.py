@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector.control.errors import status_for
-from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
+from kvbridge.connector.control.types import PeerInfo, Role, mode_from_pb, peer_to_pb
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport import LocalMemory
-from kvbridge.proto import EngineId, KVBridgeError, KVLayout, preset_layout
+from kvbridge.proto import EngineId, KVBridgeError, KVLayout, TransferMode, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.worker.offload.server import OffloadConfig, OffloadHandlers
 
@@ -70,7 +70,11 @@ def handlers() -> OffloadHandlers:
         pb.PrepareStoreRequest(instance=h.instance, hashes=hs, session=resp.session)
     )
     transport.notifications["w"] = [store_notification(prep.store_id)]
-    h.commit_store(pb.CommitStoreRequest(store_id=prep.store_id, session=resp.session))
+    h.commit_store(
+        pb.CommitStoreRequest(
+            store_id=prep.store_id, session=resp.session, digests=[bytes(16)] * len(prep.slots)
+        )
+    )
     h.prepare_load(pb.PrepareLoadRequest(instance=h.instance, hashes=hs[:2], session=resp.session))
     return h
 
@@ -158,9 +162,10 @@ def test_incompatible_worker_fails_the_handshake_with_the_reason(
     peer = PeerInfo(EngineId("w2"), Role.BOTH, other, b"md")
     with pytest.raises(KVBridgeError, match=r"model\.name differs"):
         handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(peer), agent_name="w2"))
+    # another inner order is the worker's to convert (it stages blocks in the pool's order)
     hnd = PeerInfo(EngineId("w3"), Role.BOTH, worker_layout(order="block-hnd"), b"md")
-    with pytest.raises(KVBridgeError, match="rearrange"):
-        handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(hnd), agent_name="w3"))
+    resp = handlers.handshake(pb.OffloadHandshakeRequest(peer=peer_to_pb(hnd), agent_name="w3"))
+    assert mode_from_pb(resp.mode) is TransferMode.REARRANGE
 
 
 def test_calls_before_any_handshake_are_refused() -> None:

@@ -91,8 +91,12 @@ class Caller:
         req = pb.PrepareStoreRequest(instance=self.instance, hashes=hs, session=self.session)
         return self("PrepareStore", req)
 
-    def commit(self, store_id: str) -> pb.CommitStoreResponse:
-        return self("CommitStore", pb.CommitStoreRequest(store_id=store_id, session=self.session))
+    def commit(self, store_id: str, n: int = 0) -> pb.CommitStoreResponse:
+        """CommitStore with ``n`` (placeholder) digests, one per slot the store holds."""
+        req = pb.CommitStoreRequest(
+            store_id=store_id, session=self.session, digests=[bytes(16)] * n
+        )
+        return self("CommitStore", req)
 
     def lookup(self, hs: list[bytes]) -> int:
         return int(self("Lookup", pb.LookupRequest(hashes=hs)).num_hits)
@@ -170,8 +174,8 @@ def test_a_worker_with_token_and_tls_stores_and_loads_over_nixl(
         assert (stored["stored"], stored["error"]) == (4, "")
         original = worker.call("blocks", ids=[0, 1, 2, 3])["blocks"]
         worker.call("scramble", ids=[0, 1, 2, 3])
-        assert worker.call("load", ids=[0, 1, 2, 3], hashes=hs) == {"ok": True, "loaded": 4,
-                                                                   "error": ""}  # fmt: skip
+        got = worker.call("load", ids=[0, 1, 2, 3], hashes=hs)
+        assert (got["loaded"], got["error"], got["bad_digest"]) == (4, "", 0)
         assert worker.call("blocks", ids=[0, 1, 2, 3])["blocks"] == original
 
         def lookup(**kw: Any) -> int:
@@ -230,7 +234,7 @@ def test_a_second_worker_cannot_commit_or_abort_another_workers_store(
         assert a("Stats", pb.StatsRequest()).writing_blocks == 3
         # a's own WRITE completes: a commits
         transport.notify("worker-a", store_notification(prep.store_id))
-        assert a.commit(prep.store_id).committed == 3
+        assert a.commit(prep.store_id, len(prep.slots)).committed == 3
         assert b.lookup(hs) == 3
     finally:
         a.close()
@@ -284,7 +288,7 @@ def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None
             hs = hashes("cached", 4)
             prep = other.prepare_store(hs)
             transport.notify("other", store_notification(prep.store_id))
-            assert other.commit(prep.store_id).committed == 4
+            assert other.commit(prep.store_id, len(prep.slots)).committed == 4
             load = pb.PrepareLoadRequest(
                 instance=greedy.instance, hashes=hs, session=greedy.session
             )
@@ -299,10 +303,13 @@ def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None
             other.close()
 
 
-def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
+def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_back() -> None:
     transport = FakeTransport()
     config = OffloadConfig(
-        capacity_bytes=4 * TINY_BLOCK, max_stores_per_writer=1, reap_interval_s=0.05
+        capacity_bytes=16 * TINY_BLOCK,
+        max_stores_per_writer=1,
+        reap_interval_s=0.05,
+        expired_grace_s=1.0,
     )
     with serve(transport, config) as srv:  # type: ignore[arg-type]
         w = Caller(srv.address)
@@ -311,7 +318,8 @@ def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
             req = pb.PrepareStoreRequest(
                 instance=w.instance, hashes=hashes("x", 4), session=w.session, ttl_ms=100
             )
-            assert len(w("PrepareStore", req).slots) == 4
+            dead = set(w("PrepareStore", req).slots)
+            assert len(dead) == 4
             pool = srv.handlers.pool
             assert pool is not None
             tick = threading.Event()  # never set: a 50 ms wait between looks
@@ -321,7 +329,19 @@ def test_an_expired_store_gives_its_slots_and_its_writers_quota_back() -> None:
                 tick.wait(0.05)
             assert pool.stats().writing_blocks == 0 and pool.stats().expired == 1
             assert pool.pending_of("dead-writer") == (0, 0)
-            assert len(w.prepare_store(hashes("y", 4)).slots) == 4
+            # its WRITE never completed (it may still land): the slots sit out the grace
+            assert pool.stats().quarantined_blocks == 4
+            others = w.prepare_store(hashes("y", 16))
+            assert len(others.slots) == 12 and not dead & set(others.slots)
+            assert w(
+                "AbortStore", pb.AbortStoreRequest(store_id=others.store_id, session=w.session)
+            ).aborted
+            pool.check()
+            for _ in range(200):
+                if pool.stats().quarantined_blocks == 0:
+                    break
+                tick.wait(0.05)
+            assert len(w.prepare_store(hashes("y", 16)).slots) == 16
             pool.check()
         finally:
             w.close()

@@ -299,3 +299,11 @@ def test_load_reports_kept_by_a_long_running_worker_stay_bounded_newest_kept() -
     newest = [RequestId(f"r{i}") for i in range(total - RESULTS_KEPT, total)]
     assert list(worker.results) == newest
     assert worker.results[newest[-1]].blocks_moved == 1
+
+
+def test_offload_verify_is_on_by_default_and_must_be_a_boolean() -> None:
+    assert _config("kv_consumer", offload_address="127.0.0.1:50060").connector.offload_verify
+    off = _config("kv_consumer", offload_address="127.0.0.1:50060", offload_verify=False)
+    assert off.connector.offload_verify is False
+    with pytest.raises(ConfigError, match="offload_verify must be true or false"):
+        _config("kv_consumer", offload_verify="no")

@@ -24,6 +24,12 @@ forgets its session and, after ``reconnect_backoff_s``, handshakes again on
 next use. A load whose pin expired before CompleteLoad
 reports 0 blocks loaded: the engine recomputes rather than decode from
 blocks the daemon may have reused (fail closed).
+
+**Integrity.** ``store`` sends the digests of the blocks it WRITEs (keyed per
+store) in CommitStore; ``load`` gets them in PrepareLoad and, unless
+``config.verify`` is off, checks every block after its READ
+(:mod:`kvbridge.connector.offload.moves`): the first bad block and all after it
+are not loaded (recomputed), and the bad ones are named in CompleteLoad.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
+from kvbridge.connector.offload.moves import BlockMover
 from kvbridge.connector.offload.session import GROUP, Session, checked_slots, handshake
 from kvbridge.connector.offload.types import (
     OffloadClientConfig,
@@ -44,6 +51,7 @@ from kvbridge.connector.offload.types import (
     OffloadStoreResult,
 )
 from kvbridge.connector.offload.wire import call_metadata, open_channel, store_notification
+from kvbridge.kernels import DIGEST_BYTES, new_key
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
@@ -60,6 +68,8 @@ from kvbridge.proto.errors import (
 from kvbridge.proto.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
+    import torch
+
     from kvbridge.connector.transport.base import LocalMemory, Transport
 
 __all__ = ["OffloadClient", "OffloadClientConfig", "OffloadStoreResult", "OffloadLoadResult"]
@@ -75,11 +85,19 @@ class OffloadClient(Closing):
     """One worker's session with the node's offload daemon; thread-safe; close it."""
 
     def __init__(
-        self, config: OffloadClientConfig, transport: Transport, local: LocalMemory
+        self,
+        config: OffloadClientConfig,
+        transport: Transport,
+        local: LocalMemory,
+        caches: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """``caches``: the tensors of ``local``; with them a pool in another inner order
+        (``REARRANGE``) is used through a staging cache, without them it is refused."""
         self.config = config
         self._transport = transport
         self._local = local
+        self._caches = caches
+        self._mover = BlockMover(transport, local, caches, config.transfer_timeout_s)
         self._tp_rank = local.layout.tp_rank
         self._metadata = call_metadata(config.token)
         self._channel, self._stub = self._open_channel()
@@ -140,8 +158,11 @@ class OffloadClient(Closing):
                 )
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
-            self._transfer("write", session, local_ids, slots, store_notification(store_id))
-            commit = self._commit(session, store_id)
+            key = new_key()
+            digests = self._mover.write(
+                session, local_ids, slots, store_notification(store_id), key
+            )
+            commit = self._commit(session, store_id, key, digests)
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -190,17 +211,35 @@ class OffloadClient(Closing):
             if not 0 < len(slots) <= len(hashes):
                 raise WireError(f"PrepareLoad pinned {len(slots)} blocks for {len(hashes)} hashes")
             session.daemon.layout.check_block_ids(GROUP, slots)
-            self._transfer("read", session, list(block_ids[: len(slots)]), slots)
+            digests = self._digests_of(resp, len(slots))
+            local_ids = list(block_ids[: len(slots)])
+            bad, verify_s = self._mover.read(session, local_ids, slots, digests)
             done: pb.CompleteLoadResponse = self._call(
-                "CompleteLoad", pb.CompleteLoadRequest(load_id=load_id, session=session.session)
+                "CompleteLoad",
+                pb.CompleteLoadRequest(load_id=load_id, session=session.session, bad=bad),
             )
             load_id = ""
             if not done.released:
                 raise LeaseError("the daemon dropped the load's pin before it completed")
+            good = bad[0] if bad else len(slots)
+            if bad:
+                log.warning(
+                    "offload daemon %s: %d of %d loaded blocks failed their digest check "
+                    "(first at position %d; the daemon confirmed and dropped %d): "
+                    "recomputing from there",
+                    self.config.address,
+                    len(bad),
+                    len(slots),
+                    good,
+                    done.dropped,
+                )
             return OffloadLoadResult(
-                loaded=len(slots),
-                nbytes=len(slots) * self._local.layout.block_bytes(GROUP),
+                loaded=good,
+                nbytes=good * self._local.layout.block_bytes(GROUP),
                 elapsed_s=time.perf_counter() - t0,
+                bad_digest=len(bad),
+                verify_s=verify_s,
+                error=f"{len(bad)} blocks failed their digest check" if bad else "",
             )
         except UNAVAILABLE as exc:
             if load_id:
@@ -264,34 +303,29 @@ class OffloadClient(Closing):
                 self._channel.close()
                 self._channel, self._stub = self._open_channel()
                 self._retry_at = 0.0
-            self._session = handshake(self._call, self.config, self._transport, self._local)
+            self._session = handshake(
+                self._call, self.config, self._transport, self._local, self._caches
+            )
             return self._session
 
-    def _transfer(
-        self,
-        op: str,
-        session: Session,
-        local_ids: Sequence[int],
-        slots: Sequence[int],
-        notify: bytes | None = None,
-    ) -> None:
-        post = self._transport.write_blocks if op == "write" else self._transport.read_blocks
-        handle = post(
-            session.link,
-            GROUP,
-            local_ids,
-            slots,
-            notify=notify,
-            timeout_s=self.config.transfer_timeout_s,
-        )
-        try:
-            handle.wait()
-        finally:
-            handle.release()
+    def _digests_of(self, resp: pb.PrepareLoadResponse, n: int) -> list[tuple[int, bytes]] | None:
+        """PrepareLoad's per-slot ``(key, digest)``, checked; None when verification is off."""
+        if not self.config.verify:
+            return None
+        keys, digests = list(resp.digest_keys), list(resp.digests)
+        if len(keys) != n or len(digests) != n or any(len(d) != DIGEST_BYTES for d in digests):
+            raise WireError(
+                f"PrepareLoad sent {len(keys)} keys and {len(digests)} digests for {n} slots"
+            )
+        return list(zip(keys, map(bytes, digests), strict=True))
 
-    def _commit(self, session: Session, store_id: str) -> pb.CommitStoreResponse:
+    def _commit(
+        self, session: Session, store_id: str, key: int, digests: Sequence[bytes]
+    ) -> pb.CommitStoreResponse:
         """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
-        req = pb.CommitStoreRequest(store_id=store_id, session=session.session)
+        req = pb.CommitStoreRequest(
+            store_id=store_id, session=session.session, digest_key=key, digests=list(digests)
+        )
         try:
             resp: pb.CommitStoreResponse = self._call("CommitStore", req)
         except LeaseError as exc:
@@ -349,6 +383,9 @@ class OffloadClient(Closing):
                 self._transport.disconnect(session.link)
             except Exception as exc:
                 log.debug("disconnecting from the offload daemon: %r", exc)
+            if session.staging is not None:
+                with session.staging.lock:  # no transfer of another thread still uses it
+                    self._transport.unregister(session.staging.memory)
 
 
 def _check_lengths(block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]) -> None:

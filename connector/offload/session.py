@@ -4,8 +4,11 @@ Used by :class:`~kvbridge.connector.offload.client.OffloadClient` (worker
 process). The handshake sends our layout, NIXL metadata and agent name; the
 daemon answers its own, its instance id and our session id. We check the
 answer (it is an offload daemon, we agree on the transfer mode) and link our
-transport to its pool. Slots the daemon hands out later are checked against
-its layout here before they can reach NIXL.
+transport to its pool. A worker whose inner order differs from the pool's
+(``REARRANGE``) links through a staging cache in the pool's order
+(:mod:`kvbridge.connector.offload.staging`) when it was given its KV tensors.
+Slots the daemon hands out later are checked against its layout here before
+they can reach NIXL.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from kvbridge.connector.control.types import (
     peer_from_pb,
     peer_to_pb,
 )
+from kvbridge.connector.offload.staging import Staging
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import IncompatibleLayoutError, WireError
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import EngineId
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
     from kvbridge.connector.offload.types import OffloadClientConfig
     from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
 
@@ -49,12 +57,19 @@ class Session:
     """Our session id: every store and load call carries it."""
     daemon: PeerInfo
     link: PeerLink
+    staging: Staging | None = None
+    """REARRANGE: the cache in the pool's order that blocks move through."""
 
 
 def handshake(
-    call: Call, config: OffloadClientConfig, transport: Transport, local: LocalMemory
+    call: Call,
+    config: OffloadClientConfig,
+    transport: Transport,
+    local: LocalMemory,
+    caches: Mapping[str, torch.Tensor] | None = None,
 ) -> Session:
-    """Handshake through ``call`` (the client's RPC), check the answer, link to the pool."""
+    """Handshake through ``call`` (the client's RPC), check the answer, link to the pool
+    (through a staging cache if the orders differ and ``caches``, our KV, is given)."""
     info = PeerInfo(
         engine_id=EngineId(config.engine_id),
         role=config.role,
@@ -69,13 +84,29 @@ def handshake(
     daemon = peer_from_pb(resp.peer, config.limits)
     mode = mode_from_pb(resp.mode)
     ours = negotiate(local.layout, daemon.layout)
-    if ours.mode is not mode or mode in (TransferMode.REARRANGE, TransferMode.HEAD_SLICE):
+    rearrange = mode is TransferMode.REARRANGE and caches is not None
+    if (
+        ours.mode is not mode
+        or mode is TransferMode.HEAD_SLICE
+        or (mode is TransferMode.REARRANGE and not rearrange)
+    ):
         raise IncompatibleLayoutError(
             f"offload daemon negotiated {mode.value}, we computed {ours.mode.value}"
         )
     if daemon.role is not Role.OFFLOAD or not resp.instance or not resp.session:
         raise WireError(f"{config.address} is not an offload daemon")
-    link = transport.connect(daemon.engine_id, daemon.agent_metadata, daemon.layout, local)
+    staging = None
+    target = local
+    if rearrange:
+        assert caches is not None
+        staging = Staging.create(transport, local.layout, caches, daemon.layout, GROUP)
+        target = staging.memory
+    try:
+        link = transport.connect(daemon.engine_id, daemon.agent_metadata, daemon.layout, target)
+    except BaseException:
+        if staging is not None:
+            transport.unregister(staging.memory)
+        raise
     log.info(
         "offload daemon %s at %s: %s, %d blocks",
         resp.instance,
@@ -83,7 +114,7 @@ def handshake(
         mode.value,
         resp.capacity_blocks,
     )
-    return Session(resp.instance, resp.session, daemon, link)
+    return Session(resp.instance, resp.session, daemon, link, staging)
 
 
 def checked_slots(

@@ -25,6 +25,10 @@ class OffloadClientConfig:
     ttl_s: float = 30.0
     """How long the daemon keeps a store's slots / a load's pins; > 2x transfer_timeout_s."""
     reconnect_backoff_s: float = 0.5
+    verify: bool = True
+    """Check every loaded block against its writer's digest after the READ (default). Off
+    trusts the daemon's memory: any NIXL peer's WRITE into it, or a paused writer's late
+    one, is then decoded from unnoticed."""
     token: str | None = None
     """The daemon's shared token (``kvbridge offload serve --token``); None: no auth."""
     root_cert: bytes | None = None
@@ -75,12 +79,18 @@ class OffloadStoreResult:
 @dataclass(frozen=True, slots=True)
 class OffloadLoadResult:
     """What one :meth:`OffloadClient.load` did: ``block_ids[:loaded]`` now hold the blocks
-    of ``hashes[:loaded]``; anything after is untouched or garbage (recompute it)."""
+    of ``hashes[:loaded]``; anything after is untouched or garbage (recompute it).
+
+    ``bad_digest``: blocks whose bytes did not match their writer's digest (the first
+    one and every block after it are not counted in ``loaded``); ``verify_s``: time the
+    digest check took (0 with verification off)."""
 
     loaded: int = 0
     nbytes: int = 0
     elapsed_s: float = 0.0
     error: str = ""
+    bad_digest: int = 0
+    verify_s: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -31,6 +31,9 @@ adapter passes plain values.
 ``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
                          requests load the blocks it holds after their local prefix-cache hit,
                          and finished requests store their full prompt blocks in it
+``offload_verify``       check every block loaded from the offload daemon against its
+                         writer's digest before vLLM uses it (default ``true``); ``false``
+                         trusts the daemon's memory
 ``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
                          block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
@@ -74,6 +77,7 @@ _KNOWN = frozenset(
         "allowed_peers",
         "load_timeout_s",
         "offload_address",
+        "offload_verify",
         "max_concurrent_loads",
         "kv_cache_layout",
         "offload_kv_events",
@@ -161,6 +165,7 @@ class VllmConnectorConfig:
             load_timeout_s=_float(extra, "load_timeout_s", min(10.0, lease_ttl_s / 2)),
             max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
+            offload_verify=_offload_verify(extra),
         )
         return cls(
             connector=connector,
@@ -248,4 +253,11 @@ def _int(extra: Mapping[str, Any], key: str, default: int) -> int:
     value = extra.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config.{key} must be an integer, got {value!r}")
+    return value
+
+
+def _offload_verify(extra: Mapping[str, Any]) -> bool:
+    value = extra.get("offload_verify", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"offload_verify must be true or false, got {value!r}")
     return value

@@ -16,8 +16,9 @@ import torch
 from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport import NixlConfig, NixlTransport
-from kvbridge.proto import BlockHash, BlockId, preset_layout
+from kvbridge.proto import BlockHash, BlockId, parse_order, preset_layout
 from kvbridge.proto import offload_pb2 as pb
+from kvbridge.worker.engine import EngineConfig
 from tests.harness.frames import serve_ops
 from tests.harness.transport_peer import block_bytes, fill
 
@@ -37,8 +38,16 @@ class Worker:
         seed: int,
         token: str | None = None,
         root_cert: bytes | None = None,
+        verify: bool = True,
+        engine_model: str | None = None,
     ) -> dict[str, Any]:
-        self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        """``engine_model``: the layout of `kvbridge serve --model NAME` (seed 0, 16-token
+        blocks) instead of the layout preset ``preset``."""
+        if engine_model is None:
+            self.layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        else:
+            engine = EngineConfig.preset(engine_model, block_size=16, num_blocks=num_blocks)
+            self.layout = engine.layout().with_order(parse_order(order))
         self.kv = self.layout.allocate()
         fill(self.layout, self.kv, seed)
         self.memory = self.transport.register(self.layout, self.kv)
@@ -51,8 +60,9 @@ class Worker:
             reconnect_backoff_s=0.2,
             token=token,
             root_cert=root_cert,
+            verify=verify,
         )
-        self.client = OffloadClient(config, self.transport, self.memory)
+        self.client = OffloadClient(config, self.transport, self.memory, self.kv)
         return {}
 
     def _c(self) -> OffloadClient:
@@ -69,7 +79,7 @@ class Worker:
 
     def op_load(self, ids: list[int], hashes: list[bytes]) -> dict[str, Any]:
         r = self._c().load([BlockId(i) for i in ids], [BlockHash(h) for h in hashes])
-        return {"loaded": r.loaded, "error": r.error}
+        return {"loaded": r.loaded, "error": r.error, "bad_digest": r.bad_digest}
 
     def op_begin_store(self, ids: list[int], hashes: list[bytes], ttl_s: float) -> dict[str, Any]:
         """PrepareStore and WRITE, but never commit (the test then kills this process)."""
@@ -86,8 +96,51 @@ class Worker:
         )
         local = [ids[i] for i in resp.indices]
         notify = store_notification(resp.store_id)
-        client._transfer("write", session, local, list(resp.slots), notify)
+        client._mover.transfer("write", session, local, list(resp.slots), notify)
         return {"slots": list(resp.slots), "store_id": resp.store_id}
+
+    def op_prepare_store(self, hashes: list[bytes], ttl_s: float) -> dict[str, Any]:
+        """PrepareStore only: the WRITE comes later (:meth:`op_write_slots`), as from a
+        writer paused (GC, SIGSTOP, a slow link) between the two."""
+        client = self._c()
+        session = client._connect()
+        req = pb.PrepareStoreRequest(
+            instance=session.instance,
+            hashes=hashes,
+            ttl_ms=round(ttl_s * 1000),
+            session=session.session,
+        )
+        resp = client._call("PrepareStore", req)
+        return {"slots": list(resp.slots), "indices": list(resp.indices), "store_id": resp.store_id}
+
+    def op_write_slots(
+        self, ids: list[int], slots: list[int], store_id: str = ""
+    ) -> dict[str, Any]:
+        """NIXL WRITE of local ``ids`` into daemon ``slots`` (with the store's notification if
+        ``store_id``): a late writer's WRITE, or a token holder's into blocks it does not own."""
+        client = self._c()
+        session = client._connect()
+        notify = store_notification(store_id) if store_id else None
+        client._mover.transfer("write", session, ids, slots, notify)
+        return {}
+
+    def op_pin(self, hashes: list[bytes]) -> dict[str, Any]:
+        """PrepareLoad only (what any session may do): the slots and digests it answers."""
+        client = self._c()
+        session = client._connect()
+        req = pb.PrepareLoadRequest(
+            instance=session.instance, hashes=hashes, session=session.session
+        )
+        resp = client._call("PrepareLoad", req)
+        return {"load_id": resp.load_id, "slots": list(resp.slots)}
+
+    def op_unpin(self, load_id: str, bad: list[int]) -> dict[str, Any]:
+        """CompleteLoad naming ``bad`` positions (true or not) as failing their digest."""
+        client = self._c()
+        session = client._connect()
+        req = pb.CompleteLoadRequest(load_id=load_id, session=session.session, bad=bad)
+        resp = client._call("CompleteLoad", req)
+        return {"released": resp.released, "dropped": resp.dropped}
 
     def op_blocks(self, ids: list[int]) -> dict[str, Any]:
         return {"blocks": [block_bytes(self.layout, self.kv, "self", b) for b in ids]}

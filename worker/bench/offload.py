@@ -7,8 +7,12 @@ over its own NIXL transport. In the same run it measures single-thread memcpy
 of the same bytes, then ``store`` (PrepareStore → NIXL WRITE → CommitStore,
 new hashes each time) and ``load`` (PrepareLoad → NIXL READ → CompleteLoad)
 of ``--mib`` MiB, best of ``--repeats``; and the latency of a 10k-hash
-``lookup``. Targets (issue 7): store and load >= 70% of memcpy for >= 1 MiB
-blocks; 10k-hash lookup <= 5 ms.
+``lookup``. Loads run twice per repeat, in alternating order: verified (every
+block's digest checked after the READ, the default) and unverified
+(``OffloadClientConfig.verify`` off), so the check's cost is a same-run ratio;
+``verify_gbps`` is the digest check alone. Stores always digest what they
+write. Targets: store and load >= 70% of memcpy for >= 1 MiB blocks; 10k-hash
+lookup <= 5 ms.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvbridge.proto.errors import KVBridgeError
@@ -125,7 +130,9 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
             config = OffloadClientConfig(address=daemon.address, engine_id="bench-offload")
             with OffloadClient(config, transport, memory) as client:
                 ids = [BlockId(i) for i in range(n)]
-                store_s, load_s = [], []
+                store_s: list[float] = []
+                load_s: dict[bool, list[float]] = {True: [], False: []}
+                verify_s: list[float] = []
                 hashes: list[BlockHash] = []
                 for r in range(args.repeats):
                     hashes = _hashes(f"{preset}-{block_size}-{r}", n)
@@ -134,11 +141,16 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
                     store_s.append(time.perf_counter() - t0)
                     if stored.stored != n:
                         raise KVBridgeError(f"store wrote {stored.stored} of {n}: {stored.error}")
-                    t0 = time.perf_counter()
-                    loaded = client.load(ids, hashes)
-                    load_s.append(time.perf_counter() - t0)
-                    if loaded.loaded != n:
-                        raise KVBridgeError(f"load read {loaded.loaded} of {n}: {loaded.error}")
+                    for verify in (True, False) if r % 2 == 0 else (False, True):
+                        client.config = replace(config, verify=verify)
+                        t0 = time.perf_counter()
+                        loaded = client.load(ids, hashes)
+                        load_s[verify].append(time.perf_counter() - t0)
+                        if loaded.loaded != n:
+                            raise KVBridgeError(f"load read {loaded.loaded} of {n}: {loaded.error}")
+                        if verify:
+                            verify_s.append(loaded.verify_s)
+                    client.config = config
                 lookup = hashes + _hashes("absent", max(0, args.lookup_hashes - n))
                 lookup = lookup[: args.lookup_hashes]
                 lat = []
@@ -149,7 +161,8 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
     finally:
         daemon.stop()
     store = nbytes / min(store_s) / 1e9
-    load = nbytes / min(load_s) / 1e9
+    load = nbytes / min(load_s[True]) / 1e9
+    unverified = nbytes / min(load_s[False]) / 1e9
     return {
         "preset": preset,
         "block_size": block_size,
@@ -161,6 +174,9 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
         "load_gbps": load,
         "store_pct": 100 * store / memcpy,
         "load_pct": 100 * load / memcpy,
+        "load_unverified_gbps": unverified,
+        "verified_over_unverified": load / unverified,
+        "verify_gbps": nbytes / max(min(verify_s), 1e-9) / 1e9,
         "lookup_p50_ms": percentile(lat, 50) * 1e3,
         "lookup_p99_ms": percentile(lat, 99) * 1e3,
     }
@@ -174,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         rows,
         ["preset", "block_size", "block_kib", "mib", "memcpy_gbps", "store_gbps", "load_gbps",
-         "store_pct", "load_pct", "lookup_p50_ms", "lookup_p99_ms"],
+         "load_unverified_gbps", "verify_gbps", "store_pct", "load_pct", "lookup_p50_ms",
+         "lookup_p99_ms"],
     )  # fmt: skip
     big = [r for r in rows if r["block_kib"] >= 1024]
     for r in big:
@@ -186,11 +203,17 @@ def run(args: argparse.Namespace) -> int:
     worst = max(r["lookup_p50_ms"] for r in rows)
     verdict = "meets" if worst <= 5 else "misses"
     print(f"{args.lookup_hashes}-hash lookup p50 <= {worst:.2f} ms ({verdict} the 5 ms target)")
-    settings = settings_of(args)
+    saving = [1 - r["verified_over_unverified"] for r in rows]
+    print(
+        f"verification costs {100 * min(saving):.0f}-{100 * max(saving):.0f}% of load "
+        "bandwidth (verified vs unverified, same run)"
+    )
+    settings = {**settings_of(args), "verify": "both: load_gbps verified, load_unverified_gbps not"}
     json_path, png_path = output_paths(args.out)
     path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [f"{r['preset']}/{r['block_size']}" for r in rows]
-    series = {k: [r[f"{k}_gbps"] for r in rows] for k in ("memcpy", "store", "load")}
+    keys = ("memcpy", "store", "load", "load_unverified")
+    series = {k: [r[f"{k}_gbps"] for r in rows] for k in keys}
     bar_plot(png_path, "offload daemon vs memcpy (best of runs)", labels,
              series, "GB/s")  # fmt: skip
     print(f"wrote {path} and {png_path}")

@@ -128,6 +128,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
     p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
     add_kv_events_arguments(p, "the host pool's blocks (medium CPU)")
+    p.add_argument(
+        "--expired-grace",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="keep the slots of a store that expired or aborted before its WRITE completed "
+        "out of the free list this long, so a paused writer's late WRITE lands nowhere "
+        "in use (default 60; readers check block digests either way)",
+    )
     p.set_defaults(func=run)
 
 
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         order=None if args.order is None else parse_order(args.order),
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
+        expired_grace_s=args.expired_grace,
         token=auth.token,
         tls_cert=auth.tls_cert,
         tls_key=auth.tls_key,

@@ -52,6 +52,11 @@ class OffloadConfig:
     max_pinned_per_writer: int | None = None
     """Blocks one worker may keep pinned by loads; None: the whole pool (a lone worker may
     load all of it; with many workers, cap it so none can pin the others' room away)."""
+    expired_grace_s: float = 60.0
+    """How long the slots of a store that expired or was aborted before its WRITE completed
+    stay out of the free list: a paused writer's late WRITE then lands in a slot nobody
+    else uses. Readers verify digests anyway; this only makes the late write harmless
+    instead of detected (and recomputed)."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
@@ -76,6 +81,8 @@ class OffloadConfig:
         for knob in ("reap_interval_s", "idle_timeout_s"):
             if not (math.isfinite(getattr(self, knob)) and getattr(self, knob) > 0):
                 raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
+        if not (math.isfinite(self.expired_grace_s) and self.expired_grace_s >= 0):
+            raise ConfigError(f"expired_grace_s must be >= 0, got {self.expired_grace_s}")
         if self.commit_wait_s < 0:
             raise ConfigError(f"commit_wait_s must be >= 0, got {self.commit_wait_s}")
         for knob in (

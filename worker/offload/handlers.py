@@ -18,6 +18,11 @@ READ from the slots of a prepared load); nothing but ids and hashes crosses
 gRPC. Stores and loads belong to the worker session that made them, and a
 store commits only after its writer's WRITE notification arrived
 (:mod:`kvbridge.worker.offload.writers`).
+
+CommitStore carries the writer's key and block digests; the pool keeps them and
+PrepareLoad hands them to readers. A reader's CompleteLoad may name blocks that
+failed its check: the daemon recomputes those digests over its own pool memory
+(:func:`kvbridge.kernels.span_digest`) and drops only blocks that really differ.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from kvbridge.connector.control.types import (
     peer_from_pb,
     peer_to_pb,
 )
+from kvbridge.kernels import span_digest
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import (
     ConfigError,
@@ -48,9 +54,9 @@ from kvbridge.proto.errors import (
 )
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.negotiate import TransferMode, negotiate
-from kvbridge.proto.types import BlockHash, EngineId
+from kvbridge.proto.types import BlockHash, BlockId, EngineId
 from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
-from kvbridge.worker.offload.pool import HostPool, OffloadStats, pool_key
+from kvbridge.worker.offload.pool import Digest, HostPool, OffloadStats, pool_key
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
 
 if TYPE_CHECKING:
@@ -121,12 +127,10 @@ class OffloadHandlers:
                 self._create(remote.layout)
         state = self._ready()
         result = negotiate(state.info.layout, remote.layout)
-        # HEAD_SLICE (another TP size) too: the daemon's blocks are whole pages of one size
-        if result.mode in (
-            TransferMode.INCOMPATIBLE,
-            TransferMode.REARRANGE,
-            TransferMode.HEAD_SLICE,
-        ):
+        # HEAD_SLICE (another TP size) too: the daemon's blocks are whole pages of one size.
+        # REARRANGE (another inner order) is the worker's business: it moves blocks through
+        # a staging cache in the pool's order and converts them on its side.
+        if result.mode in (TransferMode.INCOMPATIBLE, TransferMode.HEAD_SLICE):
             ours, theirs = state.info.layout, remote.layout
             raise IncompatibleLayoutError(
                 f"worker {remote.engine_id} ({_describe(theirs)}) cannot use offload daemon "
@@ -176,10 +180,12 @@ class OffloadHandlers:
         store_id = check_lease_id(request.store_id)
         writer = self.sessions.agent(request.session)
         deadline = time.monotonic() + self.config.commit_wait_s
+        digests = list(request.digests)
         while True:
             self._collect(state)
             try:
-                return pb.CommitStoreResponse(committed=state.pool.commit_store(store_id, writer))
+                n = state.pool.commit_store(store_id, writer, request.digest_key, digests)
+                return pb.CommitStoreResponse(committed=n)
             except LeaseError as exc:
                 if exc.code != "FAILED_PRECONDITION" or time.monotonic() >= deadline:
                     raise
@@ -202,13 +208,32 @@ class OffloadHandlers:
             load_id=prepared.load_id,
             slots=prepared.slots,
             expires_in_ms=round(prepared.expires_in_s * 1000),
+            digest_keys=[k for k, _ in prepared.digests],
+            digests=[d for _, d in prepared.digests],
         )
 
     def complete_load(self, request: pb.CompleteLoadRequest) -> pb.CompleteLoadResponse:
         state = self._ready()
         load_id = check_lease_id(request.load_id)
         writer = self.sessions.agent(request.session)
-        return pb.CompleteLoadResponse(released=state.pool.complete_load(load_id, writer))
+        layout = state.memory.layout
+
+        def confirm(slot: BlockId, digest: Digest) -> bool:
+            key, want = digest
+            return span_digest(layout.regions, layout.block_spans(GROUP, slot), key) == want
+
+        dropped = state.pool.drop_bad(load_id, writer, list(request.bad), confirm)
+        released = state.pool.complete_load(load_id, writer)
+        if request.bad:
+            log.warning(
+                "worker %s reported %d blocks of load %s failing their digest; %d confirmed "
+                "and dropped",
+                writer,
+                len(request.bad),
+                load_id,
+                dropped,
+            )
+        return pb.CompleteLoadResponse(released=released, dropped=dropped)
 
     def stats(self, request: pb.StatsRequest) -> pb.StatsResponse:
         return stats_to_pb(self.snapshot(), self.instance)
@@ -254,6 +279,7 @@ class OffloadHandlers:
             max_stores_per_writer=self.config.max_stores_per_writer,
             max_pinned_per_writer=self.config.max_pinned_per_writer,
             events=None if self._events is None else self._events(layout.block_size),
+            grace_s=self.config.expired_grace_s,
         )
         self._state = _Pool(info, memory, caches, pool)
         log.info(

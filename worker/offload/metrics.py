@@ -32,6 +32,11 @@ GAUGES: dict[str, tuple[str, str]] = {
     "cached_blocks": ("cached_blocks", "Committed blocks (pinned or evictable)."),
     "pinned_blocks": ("pinned_blocks", "Block pins held by loads in progress."),
     "writing_blocks": ("writing_blocks", "Slots held by stores not yet committed."),
+    "quarantined_blocks": (
+        "quarantined_blocks",
+        "Slots of stores that expired or aborted before their WRITE completed, kept out of "
+        "the free list for the grace period.",
+    ),
 }
 COUNTERS: dict[str, tuple[str, str]] = {
     "hits": ("hits_total", "Blocks found by lookups and loads."),
@@ -44,6 +49,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "evicted_bytes": ("evicted_bytes_total", "Bytes evicted (LRU)."),
     "aborted_stores": ("aborted_stores_total", "Stores aborted by workers."),
     "expired": ("expired_total", "Stores and loads dropped at expiry."),
+    "bad_digest_reports": (
+        "bad_digest_reports_total",
+        "Blocks readers reported failing their digest check after a READ.",
+    ),
+    "bad_digest_blocks": (
+        "bad_digest_blocks_total",
+        "Reported blocks the daemon's own digest check confirmed bad (dropped from the index).",
+    ),
 }
 SUMMARIES: dict[str, tuple[str, str, str]] = {
     # operation -> (seconds-sum field, count field, help)

@@ -11,18 +11,25 @@ Slot states:
   pool*: invisible to lookups and loads, never evicted. :meth:`HostPool.commit_store` caches
   it under its hash and drops the reference (it becomes evictable); an abort
   (:meth:`HostPool.abort_store`) or the store's expiry (a dead writer) frees it without a hash;
-- **pinned**: a committed block with references from loads
-  (:meth:`HostPool.prepare_load` / :meth:`HostPool.complete_load`), never
-  evicted while pinned.
+- **quarantined**: a slot of a store aborted or expired *before its WRITE completed* (that
+  WRITE may still land: nothing revokes it) stays out of the free list for ``grace_s``
+  seconds, up to a quarter of the pool; a written store's slots (and any past that quarter)
+  are freed at once;
+- **pinned**: a committed block with references from loads (:meth:`HostPool.prepare_load` /
+  :meth:`HostPool.complete_load`), never evicted while pinned.
 
-Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head
-slices of a block of the same name.
+Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head slices of a
+block of the same name.
 
 Every store and load belongs to a **writer** (the daemon's name for an authenticated worker
 session, see :mod:`kvbridge.worker.offload.writers`): only that writer commits, aborts or
 completes it, a store commits only after :meth:`HostPool.mark_written` (its WRITE completed),
 and each writer holds at most ``max_stores_per_writer`` prepared stores and
 ``max_pinned_per_writer`` pinned blocks.
+
+Every committed block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`),
+handed to readers with the slots; :meth:`HostPool.drop_bad` drops a block a
+reader reports only if the daemon's own recomputation agrees.
 """
 
 from __future__ import annotations
@@ -31,54 +38,30 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 from kvbridge.connector.events import BlockEventSink
-from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
+from kvbridge.proto.errors import ConfigError, LeaseError, WireError
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
+from kvbridge.worker.offload.quotas import Quotas, lease_gone
+from kvbridge.worker.offload.slots import (
+    DIGEST_BYTES,
+    Confirm,
+    Digest,
+    Pending,
+    PreparedLoad,
+    PreparedStore,
+    Quarantine,
+    pool_key,
+)
 from kvbridge.worker.offload.stats import OffloadStats
 
-__all__ = ["HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
+__all__ = ["Digest", "HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
+
 
 log = logging.getLogger(__name__)
-
-
-def pool_key(tp_rank: int, block_hash: bytes) -> BlockHash:
-    """The pool's key of ``block_hash`` for ``tp_rank`` (2-byte rank prefix)."""
-    return BlockHash(tp_rank.to_bytes(2, "big") + block_hash)
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedStore:
-    """Slots to WRITE: ``hashes[indices[i]]`` goes into ``slots[i]``. Empty id: nothing to do."""
-
-    store_id: str
-    indices: tuple[int, ...]
-    slots: tuple[BlockId, ...]
-    evicted: tuple[bytes, ...]
-    expires_in_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedLoad:
-    """Pinned slots of the cached prefix; empty id: no hit, nothing to complete."""
-
-    load_id: str
-    slots: tuple[BlockId, ...]
-    expires_in_s: float
-
-
-@dataclass(slots=True)
-class _Pending:
-    slots: list[BlockId]
-    keys: list[BlockHash]
-    started: float
-    expires_at: float
-    writer: str = ""
-    written: bool = False
-    """A store: its writer's WRITE-completion notification arrived."""
 
 
 class HostPool:
@@ -94,15 +77,11 @@ class HostPool:
         max_stores_per_writer: int = 64,
         max_pinned_per_writer: int | None = None,
         events: BlockEventSink | None = None,
+        grace_s: float = 0.0,
     ) -> None:
-        if block_bytes < 1:
-            raise ConfigError(f"block_bytes must be >= 1, got {block_bytes}")
-        if max_pending < 1:
-            raise ConfigError(f"max_pending must be >= 1, got {max_pending}")
-        if max_stores_per_writer < 1:
-            raise ConfigError(f"max_stores_per_writer must be >= 1, got {max_stores_per_writer}")
-        if max_pinned_per_writer is not None and max_pinned_per_writer < 1:
-            raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned_per_writer}")
+        for knob, value in (("block_bytes", block_bytes), ("max_pending", max_pending)):
+            if value < 1:
+                raise ConfigError(f"{knob} must be >= 1, got {value}")
         self._evicted: list[BlockHash] = []
         on_evict = lambda h, _b: self._evicted.append(h)  # noqa: E731 (self._evicted is rebound)
         self._pool = BlockPool(num_blocks, on_evict=on_evict, events=events)
@@ -111,14 +90,14 @@ class HostPool:
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._writing: dict[BlockHash, str] = {}  # key -> store id
-        self._stores: dict[str, _Pending] = {}
-        self._loads: dict[str, _Pending] = {}
+        self._stores: dict[str, Pending] = {}
+        self._loads: dict[str, Pending] = {}
         self._pinned = 0
-        self._max_stores_per_writer = max_stores_per_writer
-        self._max_pinned_per_writer = max_pinned_per_writer or num_blocks
-        self._writer_stores: dict[str, int] = {}  # writer -> prepared stores
-        self._writer_pins: dict[str, int] = {}  # writer -> pinned blocks
+        pin_cap = num_blocks if max_pinned_per_writer is None else max_pinned_per_writer
+        self._quotas = Quotas(max_stores_per_writer, pin_cap)
         self._stats = OffloadStats(capacity_blocks=num_blocks, block_bytes=block_bytes)
+        self._quarantine = Quarantine(grace_s, limit=num_blocks // 4)
+        self._digests: list[Digest | None] = [None] * num_blocks  # per slot, set at commit
 
     @property
     def num_blocks(self) -> int:
@@ -155,6 +134,7 @@ class HostPool:
             snapshot.cached_blocks = self._pool.num_cached_blocks
             snapshot.pinned_blocks = self._pinned
             snapshot.writing_blocks = len(self._writing)
+            snapshot.quarantined_blocks = len(self._quarantine)
             return snapshot
 
     def check(self) -> None:
@@ -165,22 +145,22 @@ class HostPool:
             assert writing == len(self._writing)
             assert pinned == self._pinned
             referenced = self._pool.num_blocks - self._pool.num_free_blocks
-            assert len({b for p in self._stores.values() for b in p.slots}) == writing
-            assert writing + len({b for p in self._loads.values() for b in p.slots}) <= referenced
+            held = self._quarantine.slots()
+            store_slots = {b for p in self._stores.values() for b in p.slots}
+            pinned_slots = {b for p in self._loads.values() for b in p.slots}
+            assert len(set(held)) == len(held) and not set(held) & store_slots
+            assert len(store_slots) == writing
+            assert writing + len(held) + len(pinned_slots) <= referenced
+            assert all(self._pool.block_hash(b) is None for b in held)
             assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
-            stores: dict[str, int] = {}
-            pins: dict[str, int] = {}
-            for p in self._stores.values():
-                stores[p.writer] = stores.get(p.writer, 0) + 1
-            for p in self._loads.values():
-                pins[p.writer] = pins.get(p.writer, 0) + len(p.slots)
-            assert stores == self._writer_stores, (stores, self._writer_stores)
-            assert pins == self._writer_pins, (pins, self._writer_pins)
+            stores = Counter(p.writer for p in self._stores.values())
+            pins = Counter(p.writer for p in self._loads.values() for _ in p.slots)
+            assert stores == self._quotas.stores and pins == self._quotas.pins
 
     def pending_of(self, writer: str) -> tuple[int, int]:
         """``(prepared stores, pinned blocks)`` that ``writer`` holds now."""
         with self._lock:
-            return self._writer_stores.get(writer, 0), self._writer_pins.get(writer, 0)
+            return self._quotas.of(writer)
 
     # ---------------------------------------------------------------- mutations
 
@@ -194,13 +174,7 @@ class HostPool:
         """
         self._expire()
         with self._lock:
-            held = self._writer_stores.get(writer, 0)
-            if held >= self._max_stores_per_writer:
-                raise ControlPlaneError(
-                    f"this worker holds {held} prepared stores, the daemon's "
-                    "max_stores_per_writer: commit or abort some first",
-                    code="RESOURCE_EXHAUSTED",
-                )
+            self._quotas.take_store(writer)  # counted now, given back below if nothing to do
             seen: set[BlockHash] = set()
             wanted: list[int] = []
             for i, key in enumerate(keys):
@@ -210,6 +184,7 @@ class HostPool:
                 wanted.append(i)
             take = min(len(wanted), self._pool.num_free_blocks)
             if take == 0 or len(self._stores) >= self._max_pending:
+                self._quotas.drop_store(writer)
                 return PreparedStore("", (), (), (), 0.0)
             wanted = wanted[:take]
             slots = self._pool.allocate(take)
@@ -217,8 +192,7 @@ class HostPool:
             store_id = secrets.token_hex(16)
             now = self._clock()
             chosen = [keys[i] for i in wanted]
-            self._stores[store_id] = _Pending(list(slots), chosen, now, now + ttl_s, writer)
-            self._writer_stores[writer] = held + 1
+            self._stores[store_id] = Pending(list(slots), chosen, now, now + ttl_s, writer)
             for key in chosen:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
@@ -237,17 +211,22 @@ class HostPool:
             pending.written = True
             return True
 
-    def commit_store(self, store_id: str, writer: str = "") -> int:
+    def commit_store(
+        self, store_id: str, writer: str = "", key: int = 0, digests: Sequence[bytes] = ()
+    ) -> int:
         """Publish a store's blocks (they become visible and evictable); returns how many.
 
         Only ``writer``, the store's own, may commit it, and only once its WRITE was
         marked done (:meth:`mark_written`); otherwise this raises and changes nothing.
+        ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
+        readers of these blocks will check; a count or size that does not fit raises
+        :class:`WireError` and changes nothing.
         """
         self._expire()
         with self._lock:
             pending = self._stores.get(store_id)
             if pending is None or pending.writer != writer:
-                raise _lease_gone("store", store_id)
+                raise lease_gone("store", store_id)
             if not pending.written:
                 err = LeaseError(
                     f"store {store_id!r} has no completed WRITE yet: WRITE its slots with the "
@@ -255,11 +234,17 @@ class HostPool:
                 )
                 err.code = "FAILED_PRECONDITION"
                 raise err
+            if len(digests) != len(pending.slots) or any(len(d) != DIGEST_BYTES for d in digests):
+                raise WireError(
+                    f"CommitStore carries {len(digests)} digests for {len(pending.slots)} slots: "
+                    f"send one {DIGEST_BYTES}-byte digest per slot"
+                )
             del self._stores[store_id]
-            self._forget_store(pending)
-            for slot, key in zip(pending.slots, pending.keys, strict=True):
-                del self._writing[key]
-                cached = self._pool.cache_block(slot, key)
+            self._quotas.drop_store(pending.writer)
+            for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
+                del self._writing[block_key]
+                self._digests[slot] = (key, bytes(digest))
+                cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)
             n = len(pending.slots)
@@ -278,7 +263,7 @@ class HostPool:
             if pending is None or pending.writer != writer:
                 return False
             del self._stores[store_id]
-            self._drop_store(pending)
+            self._drop_store(pending, self._clock())
             self._stats.aborted_stores += 1
         return True
 
@@ -296,24 +281,46 @@ class HostPool:
             self._count_lookup(len(hits), len(keys))
             if not hits or len(self._loads) >= self._max_pending:
                 return PreparedLoad("", (), 0.0)
-            held = self._writer_pins.get(writer, 0)
-            room = self._max_pinned_per_writer - held
-            if room <= 0:
-                raise ControlPlaneError(
-                    f"this worker pins {held} blocks, the daemon's max_pinned_per_writer: "
-                    "complete some loads first",
-                    code="RESOURCE_EXHAUSTED",
-                )
-            hits = hits[:room]
+            hits = hits[: self._quotas.pin_room(writer)]
             self._pool.touch(hits)
             self._pinned += len(hits)
-            self._writer_pins[writer] = held + len(hits)
+            self._quotas.pin(writer, len(hits))
             load_id = secrets.token_hex(16)
             now = self._clock()
-            self._loads[load_id] = _Pending(
+            self._loads[load_id] = Pending(
                 list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer
             )
-        return PreparedLoad(load_id, tuple(hits), ttl_s)
+            digests = tuple(self._digest_of(b) for b in hits)
+        return PreparedLoad(load_id, tuple(hits), ttl_s, digests)
+
+    def drop_bad(self, load_id: str, writer: str, bad: Sequence[int], confirm: Confirm) -> int:
+        """Drop from the index the blocks of ``writer``'s load at positions ``bad`` (whose
+        bytes failed the reader's digest check) that ``confirm`` also finds bad.
+
+        The reader's report is a claim: ``confirm`` recomputes each digest over the
+        daemon's own memory, and a block that still matches stays. Returns how many
+        were dropped (0 if the load is gone or not ``writer``'s). Positions out of range
+        or repeated raise :class:`WireError` and change nothing.
+        """
+        with self._lock:
+            pending = self._loads.get(load_id)
+            if pending is None or pending.writer != writer:
+                return 0
+            if any(not 0 <= i < len(pending.slots) for i in bad) or len(set(bad)) != len(bad):
+                last = len(pending.slots) - 1
+                raise WireError(f"CompleteLoad names bad positions outside 0..{last} or twice")
+            dropped = 0
+            for i in bad:
+                slot = pending.slots[i]
+                if self._pool.block_hash(slot) != pending.keys[i]:
+                    continue  # already dropped (another reader's confirmed report)
+                if not confirm(slot, self._digest_of(slot)):
+                    self._pool.uncache(slot)
+                    self._digests[slot] = None
+                    dropped += 1
+            self._stats.bad_digest_reports += len(bad)
+            self._stats.bad_digest_blocks += dropped
+            return dropped
 
     def complete_load(self, load_id: str, writer: str = "") -> bool:
         """Unpin a load's blocks (they move to the most recently used end); False if gone
@@ -340,13 +347,13 @@ class HostPool:
         """Drop every pending store and load (the daemon is stopping)."""
         with self._lock:
             for pending in self._stores.values():
-                self._drop_store(pending)
+                self._drop_store(pending, None)
             for pending in self._loads.values():
                 self._unpin(pending)
             self._stores.clear()
             self._loads.clear()
-            self._writer_stores.clear()
-            self._writer_pins.clear()
+            self._pool.free(self._quarantine.drain())
+            self._quotas.clear()
 
     # ------------------------------------------------------------------ helpers
 
@@ -357,44 +364,36 @@ class HostPool:
             loads = [k for k, p in self._loads.items() if p.expires_at <= now]
             for store_id in stores:
                 log.info("store %s expired before commit; its slots are freed", store_id)
-                self._drop_store(self._stores.pop(store_id))
+                self._drop_store(self._stores.pop(store_id), now)
             for load_id in loads:
                 log.info("load %s expired before completion; its blocks are unpinned", load_id)
                 self._unpin(self._loads.pop(load_id))
             self._stats.expired += len(stores) + len(loads)
+            self._pool.free(self._quarantine.due(now))
             return len(stores) + len(loads)
 
-    def _drop_store(self, pending: _Pending) -> None:
+    def _drop_store(self, pending: Pending, now: float | None) -> None:
+        """Forget an uncommitted store. Its slots are free at once if its WRITE completed
+        (or the daemon is closing: ``now`` None), else quarantined for ``grace_s``: a WRITE
+        still in flight must not land on a block another store committed meanwhile."""
         for key in pending.keys:
             del self._writing[key]
-        self._pool.free(pending.slots)
-        self._forget_store(pending)
+        if pending.written or now is None:
+            self._pool.free(pending.slots)
+        else:
+            self._pool.free(self._quarantine.hold(now, pending.slots))
+        self._quotas.drop_store(pending.writer)
 
-    def _forget_store(self, pending: _Pending) -> None:
-        _decrement(self._writer_stores, pending.writer, 1)
+    def _digest_of(self, slot: BlockId) -> Digest:
+        digest = self._digests[slot]
+        assert digest is not None, "every committed block has its writer's digest"
+        return digest
 
-    def _unpin(self, pending: _Pending) -> None:
+    def _unpin(self, pending: Pending) -> None:
         self._pool.free(pending.slots)
         self._pinned -= len(pending.slots)
-        _decrement(self._writer_pins, pending.writer, len(pending.slots))
+        self._quotas.unpin(pending.writer, len(pending.slots))
 
     def _count_lookup(self, hits: int, asked: int) -> None:
         self._stats.hits += hits
         self._stats.misses += asked - hits
-
-
-def _decrement(counts: dict[str, int], writer: str, n: int) -> None:
-    left = counts[writer] - n
-    if left:
-        counts[writer] = left
-    else:
-        del counts[writer]  # no entry per idle writer: the maps stay as small as the work
-
-
-def _lease_gone(what: str, ident: str) -> LeaseError:
-    err = LeaseError(
-        f"{what} {ident[:64]!r} is unknown, expired or already finished; "
-        f"its slots were freed: prepare the {what} again"
-    )
-    err.code = "NOT_FOUND"
-    return err

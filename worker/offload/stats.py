@@ -30,3 +30,6 @@ class OffloadStats:
     store_count: int = 0
     load_seconds_sum: float = 0.0
     load_count: int = 0
+    quarantined_blocks: int = 0
+    bad_digest_reports: int = 0
+    bad_digest_blocks: int = 0

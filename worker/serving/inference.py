@@ -137,6 +137,7 @@ class InferenceServicer(epb_grpc.InferenceServicer):
             blocks_moved_by_group=result.blocks_moved_by_group,
             bytes_moved=result.bytes_moved,
             cross_source=out.cross_source,
+            offload_bad_digest=result.offload_bad_digest,
         )
         params_bytes = (
             codec.pack("KVTransferParams", out.kv_transfer_params)

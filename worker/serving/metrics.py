@@ -25,9 +25,10 @@ __all__ = ["NodeMetrics", "LOAD_FAILURE_REASONS", "failure_reason", "METRICS"]
 
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-BLOCK_SOURCES = ("moved", "local_hit", "recomputed", "offload")
+BLOCK_SOURCES = ("moved", "local_hit", "recomputed", "offload", "offload_bad_digest")
 """``kvbridge_blocks_total{source}``: read from the peer (every group), found in this
-engine's prefix cache, recomputed after a failed load, loaded from the offload daemon."""
+engine's prefix cache, recomputed after a failed load, loaded from the offload daemon,
+read from the offload daemon but failing their writer's digest (never used)."""
 
 LOAD_PATHS = ("sealed", "owner")
 """``kvbridge_loads_total{path}``: proven by the lease's seal (no control RPC), or named by
@@ -133,6 +134,7 @@ class NodeMetrics:
         self.transfer_bytes.inc(load.bytes_moved)
         self.blocks.labels("moved").inc(load.blocks_moved)
         self.blocks.labels("offload").inc(load.blocks_offloaded)
+        self.blocks.labels("offload_bad_digest").inc(load.offload_bad_digest)
         self.descriptors.inc(load.descriptors)
         if load.path in LOAD_PATHS:
             self.loads.labels(load.path).inc()

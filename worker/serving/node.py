@@ -99,6 +99,7 @@ class GenerateResult:
     blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
     bytes_moved: int = 0
     blocks_offloaded: int = 0
+    offload_bad_digest: int = 0
 
 
 @dataclass(slots=True)
@@ -280,6 +281,7 @@ class Node(Closing):
             result.blocks_moved_by_group = dict(load.moved_by_group)
             result.bytes_moved = load.bytes_moved
             result.blocks_offloaded = load.blocks_offloaded
+            result.offload_bad_digest = load.offload_bad_digest
             result.load_error = load.error
             if load.error and self.config.connector.on_load_error == "fail":
                 sub.future.set_exception(

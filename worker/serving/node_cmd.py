@@ -171,6 +171,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="HOST:PORT",
         help="this node's CPU offload daemon (kvbridge offload serve); default: none",
     )
+    p.add_argument(
+        "--no-offload-verify",
+        action="store_true",
+        help="trust the offload daemon's memory: skip the digest check of every block loaded "
+        "from it (faster loads; a late or hostile WRITE into the daemon then goes unnoticed)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument(
         "--metrics-port",
@@ -223,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             stall_before_read_s=args.stall_before_read,
             on_load_error=args.on_load_error,
             offload_address=args.offload,
+            offload_verify=not args.no_offload_verify,
         ),
         host=args.host,
         device=args.device,

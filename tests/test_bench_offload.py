@@ -1,0 +1,35 @@
+"""``kvbridge bench offload`` runs end to end (a real daemon) and reports verified and
+unverified loads of the same run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_offload_reports_verified_and_unverified_loads_of_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "offload"
+    cmd = [sys.executable, "-m", "kvbridge.worker.cli", "bench", "offload", "--presets", "small"]
+    done = subprocess.run(
+        [*cmd, "--block-sizes", "16", "--mib", "8", "--repeats", "2", "--lookup-repeats", "2",
+         "--lookup-hashes", "100", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    (row,) = report["rows"]
+    assert row["load_gbps"] > 0 and row["load_unverified_gbps"] > 0 and row["verify_gbps"] > 0
+    assert row["verified_over_unverified"] == pytest.approx(
+        row["load_gbps"] / row["load_unverified_gbps"]
+    )
+    assert "verified" in report["settings"]["verify"]
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "verification costs" in done.stdout
