@@ -280,7 +280,7 @@ def test_host_pool_publishes_every_store_and_eviction_its_counters_show(tmp_path
             hashes = [h(10 * round_ + i) for i in range(3)]
             prep = pool.prepare_store([pool_key(0, x) for x in hashes], ttl_s=30, writer="w")
             assert pool.mark_written(prep.store_id, "w")
-            pool.commit_store(prep.store_id, "w")
+            pool.commit_store(prep.store_id, "w", 7, [bytes(16)] * len(prep.slots))
             stored += [hashes[i] for i in prep.indices]
         stats = pool.stats()
         assert stats.evicted_blocks > 0
