@@ -136,7 +136,7 @@ class InferenceServicer(epb_grpc.InferenceServicer):
             blocks_local_hit=out.blocks_local_hit,
             blocks_moved=result.blocks_moved,
             blocks_offloaded=result.blocks_offloaded,
-            blocks_recomputed=out.blocks_recomputed,
+            blocks_recomputed=out.blocks_recomputed + result.blocks_refused,
             transfer_ms=result.transfer_ms,
             ttft_ms=(out.ttft_s or 0.0) * 1e3,
             load_error=result.load_error,
