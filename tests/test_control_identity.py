@@ -296,3 +296,17 @@ def test_vllms_named_hand_overs_are_claimed_under_the_schedulers_id() -> None:
     assert table.heartbeat([name], 5.0, other, claim=True) == []
     assert table.peer_usage("token:a") == (1, 2)
     assert table.release(name) and len(table) == 0
+
+
+@pytest.mark.parametrize("ttl_s", [1e300, float("inf"), 2.0**70])
+def test_the_client_asks_for_any_long_ttl_and_gets_the_servers_maximum(
+    open_server: Cluster, ttl_s: float
+) -> None:
+    open_server.owner.fill(hashes(2))
+    client = open_server.client()
+    lease = client.pin_hashes({"self": hashes(2)}, ttl_s=ttl_s)
+    assert lease.lease_id is not None and 0 < lease.expires_in_s <= 5.0
+    assert client.heartbeat([lease.lease_id], ttl_s=ttl_s) == {lease.lease_id}
+    assert client.release(lease.lease_id)
+    with pytest.raises(ConfigError, match="ttl_s must be > 0"):
+        client.heartbeat([lease.lease_id], ttl_s=float("nan"))
