@@ -218,6 +218,17 @@ def test_no_peer_holds_a_lease_past_its_lifetime(open_server: Cluster) -> None:
             reader.pin_request(RequestId("req-1"))
 
 
+def test_a_heartbeat_reports_the_soonest_expiry_it_left(open_server: Cluster) -> None:
+    lease = hand_over(open_server, "req-1")
+    with grpc.insecure_channel(open_server.server.address) as channel:
+        stub = pb_grpc.PeerControlStub(channel)
+        stub.Pin(pb.PinRequest(request_id="req-1", ttl_ms=5000), timeout=5)
+        open_server.clock.advance(4.0)  # 4 s of its 8 s lifetime left, 5 s asked
+        beat = stub.Heartbeat(pb.HeartbeatRequest(lease_ids=[lease], ttl_ms=5000), timeout=5)
+        assert list(beat.alive) == [lease] and beat.expires_in_ms == 4000
+        stub.Release(pb.ReleaseRequest(lease_id=lease), timeout=5)
+
+
 # ------------------------------------------------------------------------ absurd TTLs
 
 

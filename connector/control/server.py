@@ -122,8 +122,11 @@ class ControlHandlers:
         ids = [check_lease_id(x) for x in request.lease_ids]
         ttl_s = self._ttl(request.ttl_ms)
         alive = self.leases.heartbeat(ids, ttl_s, self._claimant(peer))
+        now = self.leases.now()
+        # the soonest expiry among them: a lifetime cap may stop one short of the TTL asked
+        soonest = min((lease.expires_at - now for lease in alive), default=ttl_s)
         return pb.HeartbeatResponse(
-            alive=[lease.lease_id for lease in alive], expires_in_ms=_ms(ttl_s)
+            alive=[lease.lease_id for lease in alive], expires_in_ms=_ms(soonest)
         )
 
     def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
