@@ -1,4 +1,4 @@
-"""Who may call a kvbridge gRPC server: the shared-token interceptor and the caller's host.
+"""Who may call a kvbridge gRPC server (the shared-token interceptor) and who the caller is.
 
 Every kvbridge port that changes state (peer control, the serving node's
 Inference API) installs :class:`TokenInterceptor` when a token is configured:
