@@ -108,12 +108,15 @@ def test_a_plaintext_token_beyond_loopback_needs_the_operators_word(
     warn_if_open(log, "10.0.0.1", read_auth(parse(*command)), "pin blocks")  # no token
 
 
-def test_serve_control_refuses_a_plaintext_token_beyond_loopback(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    "command", [["serve-control"], ["serve", "--role", "decode"], ["offload", "serve"]]
+)
+def test_every_server_command_refuses_a_plaintext_token_beyond_loopback(
+    command: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvbridge.worker.cli import main
 
-    code = main(["serve-control", "--host", "0.0.0.0", "--token", "t"])
+    code = main([*command, "--host", "0.0.0.0", "--token", "t"])
     assert code == 2
     err = capsys.readouterr().err
     assert "--insecure-plaintext-token" in err and "--tls-cert/--tls-key" in err
