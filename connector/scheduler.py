@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,9 @@ from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 __all__ = ["KVBridgeScheduler", "LeaseIssuer", "tail_name"]
 
 log = logging.getLogger(__name__)
+
+MAX_REFUSALS = 4096
+"""Refused loads remembered for the stats (engines that never ask for them forget)."""
 
 
 class LeaseIssuer(ABC):
@@ -128,6 +132,10 @@ class KVBridgeScheduler(SchedulerConnector):
         self._loaded: set[RequestId] = set()
         """Requests whose load was planned: asked again after a failed load, the answer is
         0 (recompute), never a second try at the same lease."""
+        self.refused: OrderedDict[RequestId, tuple[str, int]] = OrderedDict()
+        """Why a request's remote KV was not loaded and how many of its blocks it
+        recomputes for that, for its stats (the node pops them; the oldest go past
+        :data:`MAX_REFUSALS`)."""
 
     def attach(
         self,
@@ -154,20 +162,14 @@ class KVBridgeScheduler(SchedulerConnector):
             params = KVTransferParams.parse(raw, self.block_size)
             self._check_matches_prompt(request, params)
         except WireError as exc:
-            log.warning(
-                "request %s: not loading remote KV (%s); recomputing", request.request_id, exc
-            )
-            return 0, False
+            return self._refuse(request, num_computed_tokens, str(exc))
         small, big = sorted((params.tp_size, self.tp_size))
         if small < 1 or big % small:
-            log.warning(
-                "request %s: not loading remote KV (prefill TP=%d, decode TP=%d: neither TP "
-                "size divides the other); recomputing",
-                request.request_id,
-                params.tp_size,
-                self.tp_size,
+            why = (
+                f"prefill TP={params.tp_size}, decode TP={self.tp_size}: neither TP size "
+                "divides the other"
             )
-            return 0, False
+            return self._refuse(request, num_computed_tokens, why)
         external = params.num_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
@@ -178,6 +180,15 @@ class KVBridgeScheduler(SchedulerConnector):
         hits = self._lookup(names)
         self._pending[request.request_id] = _Pending(params, first, names[:hits])
         return external, True
+
+    def _refuse(self, request: RequestView, computed: int, why: str) -> tuple[int, bool]:
+        """Recompute instead of loading prefill's KV: logged, and kept for the stats."""
+        log.warning("request %s: not loading remote KV (%s); recomputing", request.request_id, why)
+        blocks = -(-(len(request.prompt_token_ids) - computed) // self.block_size)
+        self.refused[request.request_id] = (f"not loaded: {why}", max(0, blocks))
+        while len(self.refused) > MAX_REFUSALS:
+            self.refused.popitem(last=False)
+        return 0, False
 
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""

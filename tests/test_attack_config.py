@@ -82,3 +82,12 @@ def test_a_server_never_takes_an_infinite_lease_cap(server: str) -> None:
     with pytest.raises(ConfigError, match="reap_interval_s"):
         config(reap_interval_s=math.nan)
     assert config(max_ttl_s=60.0).max_ttl_s == 60.0
+
+
+def test_a_plaintext_token_beyond_loopback_needs_the_operators_word() -> None:
+    with pytest.raises(ConfigError, match=r"insecure_plaintext_token.*accept that risk"):
+        vllm(token="secret", control_host="0.0.0.0")
+    cfg = vllm(token="secret", control_host="0.0.0.0", insecure_plaintext_token=True)
+    assert cfg.control_host == "0.0.0.0"
+    vllm(control_host="0.0.0.0")  # no token: nothing to read off the wire
+    vllm(token="secret", control_host="::1")  # loopback

@@ -112,3 +112,29 @@ def test_a_prefill_listening_on_every_interface_must_say_where_peers_reach_it(
     code = main(["serve", "--role", "prefill", "--host", "0.0.0.0", "--model", "tiny"])
     assert code == 2
     assert "--advertise HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["Generate", "EngineStats"])
+def test_a_malformed_inference_request_is_invalid_argument(method: str) -> None:
+    import grpc
+
+    from kvbridge.worker.serving import NodeConfig
+    from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+
+    config = NodeConfig(
+        engine=EngineConfig.preset("tiny", num_blocks=8), connector=ConnectorConfig("bad-bytes")
+    )
+    node = StatsOnlyNode()
+    server = inference_server(config, InferenceServicer(node))  # type: ignore[arg-type]
+    port = listen(server, "127.0.0.1", 0, None, None)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary(f"/kvbridge.proto.Inference/{method}")
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\xff\xff\xff", timeout=5)  # not a protobuf message
+            assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "malformed" in (info.value.details() or "")
+        assert EngineClient(f"127.0.0.1:{port}").stats().engine_id == "idle-test"
+    finally:
+        server.stop(0).wait()

@@ -134,3 +134,33 @@ def test_spare_nodes_answer_every_request_while_nodes_hang_and_die(tmp_path: Pat
         # p0's answer to the abandoned attempt left a lease, but p0 is gone; the rest is clean
         assert check_no_leaks({"p1": clients["p1"], spare: clients[spare]}, timeout_s=15) == []
         assert len(results) == 12
+
+
+def test_a_node_restarted_on_the_same_port_is_served_at_once(tmp_path: Path) -> None:
+    """The client's channel does not keep gRPC's reconnect backoff across a restart: the
+    first call after the node is back (ready on a fresh connection) is served."""
+    port = _closed_port().rpartition(":")[2]
+    args = argparse.Namespace(
+        model="tiny",
+        block_size=16,
+        num_blocks=64,
+        seed=0,
+        on_load_error="recompute",
+        startup_timeout=90.0,
+    )
+    extra = ["--port", port]
+    client = EngineClient(f"127.0.0.1:{port}", timeout_s=30.0)
+    try:
+        with start_node("d0", args, "block-nhd", tmp_path, None, extra, role="decode") as (p, _):
+            assert client.generate(PROMPTS[0], 2, "before").token_ids
+            p.kill()
+            p.wait()
+        for i in range(3):  # the node is gone: each call fails at once
+            with pytest.raises(NodeDownError, match="UNAVAILABLE"):
+                client.generate(PROMPTS[0], 2, f"down{i}")
+            time.sleep(0.2)
+        with start_node("d1", args, "block-nhd", tmp_path, None, extra, role="decode"):
+            for i in range(2):  # two requests right after the restart, no retries
+                assert client.generate(PROMPTS[1], 2, f"after{i}").token_ids
+    finally:
+        client.close()

@@ -56,7 +56,7 @@ def test_only_an_unguarded_non_loopback_listener_is_warned_about(
 ) -> None:
     log = logging.getLogger("kvbridge.test.server_auth")
     open_auth = read_auth(parse("offload", "serve", "--token", ""))
-    guarded = read_auth(parse("offload", "serve", "--token", "t"))
+    guarded = read_auth(parse("offload", "serve", "--token", "t", "--insecure-plaintext-token"))
     with caplog.at_level(logging.WARNING, logger=log.name):
         warn_if_open(log, "127.0.0.1", open_auth, "store and load blocks")
         warn_if_open(log, "::1", open_auth, "store and load blocks")
@@ -79,3 +79,44 @@ def test_an_unreadable_default_root_names_the_flag_it_came_from(tmp_path: Path) 
     tls = ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem")]
     with pytest.raises(ConfigError, match=r"--tls-ca .*ca\.pem"):
         read_auth(parse("serve", *tls, "--tls-ca", str(tmp_path / "ca.pem")))
+
+
+PLAINTEXT = (
+    r"refusing to serve a token in plaintext on 10\.0\.0\.1.*"
+    r"--tls-cert/--tls-key.*--insecure-plaintext-token"
+)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["offload", "serve"]])
+def test_a_plaintext_token_beyond_loopback_needs_the_operators_word(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVBRIDGE_TOKEN", raising=False)
+    log = logging.getLogger("kvbridge.test.server_auth")
+    plain = read_auth(parse(*command, "--token", "t"))
+    with pytest.raises(ConfigError, match=PLAINTEXT):
+        warn_if_open(log, "10.0.0.1", plain, "pin blocks")
+    with pytest.raises(ConfigError, match=r"plaintext on 0\.0\.0\.0"):
+        warn_if_open(log, "0.0.0.0", plain, "pin blocks")
+    for host in ("127.0.0.1", "::1", "localhost"):  # loopback never leaves the host
+        warn_if_open(log, host, plain, "pin blocks")
+    (tmp_path / "c").write_bytes(b"C")
+    tls = ["--tls-cert", str(tmp_path / "c"), "--tls-key", str(tmp_path / "c")]
+    warn_if_open(log, "10.0.0.1", read_auth(parse(*command, "--token", "t", *tls)), "x")
+    accepted = read_auth(parse(*command, "--token", "t", "--insecure-plaintext-token"))
+    warn_if_open(log, "10.0.0.1", accepted, "pin blocks")
+    warn_if_open(log, "10.0.0.1", read_auth(parse(*command)), "pin blocks")  # no token
+
+
+@pytest.mark.parametrize(
+    "command", [["serve-control"], ["serve", "--role", "decode"], ["offload", "serve"]]
+)
+def test_every_server_command_refuses_a_plaintext_token_beyond_loopback(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvbridge.worker.cli import main
+
+    code = main([*command, "--host", "0.0.0.0", "--token", "t"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--insecure-plaintext-token" in err and "--tls-cert/--tls-key" in err

@@ -4,16 +4,20 @@ prometheus_client's WSGI app renders the registry; wsgiref's threading server
 (the one behind ``prometheus_client.start_http_server``) serves it, with two
 additions that function lacks: every connection gets a socket timeout, so an
 idle or slow client frees its thread after ``idle_timeout_s`` instead of
-pinning it until the process exits, and at most ``max_connections`` are served
-at once (more are closed at accept). The registry is the caller's: nothing
-here touches prometheus_client's global default registry.
+pinning it until the process exits, and at most ``max_connections`` are open
+at once: a new connection past that closes the *oldest* open one, so a scrape
+always gets through however many idle connections others hold (they are the
+oldest; a scrape is served in milliseconds). The registry is the caller's:
+nothing here touches prometheus_client's global default registry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -70,29 +74,35 @@ class _Handler(WSGIRequestHandler):
 
 
 class _Server(ThreadingWSGIServer):
+    request_queue_size = 128  # the listen backlog: a burst of connects waits, not fails
+
     def __init__(self, config: MetricsServerConfig) -> None:
         self.config = config
-        self._slots = threading.BoundedSemaphore(config.max_connections)
+        self._lock = threading.Lock()
+        self._open: OrderedDict[int, socket.socket] = OrderedDict()  # oldest first
         if ":" in config.host:
             self.address_family = socket.AF_INET6
         WSGIServer.__init__(self, (config.host, config.port), _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            log.warning(
-                "metrics: %d connections open; closing one from %s",
-                self.config.max_connections,
-                client_address,
-            )
-            self.shutdown_request(request)
-            return
+        with self._lock:
+            oldest = []
+            while len(self._open) >= self.config.max_connections:
+                oldest.append(self._open.popitem(last=False)[1])
+            self._open[id(request)] = request
+        for sock in oldest:
+            log.debug("metrics: %d connections open; closing the oldest", len(self._open))
+            with contextlib.suppress(OSError):  # its handler thread then ends
+                sock.shutdown(socket.SHUT_RDWR)
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            with self._lock:
+                if self._open.get(id(request)) is request:
+                    del self._open[id(request)]
 
 
 class MetricsServer(Closing):

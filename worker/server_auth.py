@@ -4,9 +4,11 @@
 offload daemon) both listen on gRPC ports that hand out or accept KV blocks, so
 both take the same ``--token`` / ``--token-file`` / ``$KVBRIDGE_TOKEN`` and
 ``--tls-cert`` / ``--tls-key`` flags (README "Security"), read files the same
-way (a missing file is a :class:`ConfigError` naming the flag) and warn the same
-way when they listen beyond loopback without a token. Nothing heavy is imported
-here: ``kvbridge --help`` builds these parsers.
+way (a missing file is a :class:`ConfigError` naming the flag), warn the same
+way when they listen beyond loopback without a token, and refuse the same way
+to send a token in plaintext beyond loopback unless ``--insecure-plaintext-token``
+says the operator accepts it. Nothing heavy is imported here: ``kvbridge
+--help`` builds these parsers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ServerAuth", "add_auth_arguments", "read_auth", "warn_if_open"]
+__all__ = [
+    "ServerAuth",
+    "add_auth_arguments",
+    "add_plaintext_argument",
+    "read_auth",
+    "warn_if_open",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +38,8 @@ class ServerAuth:
     tls_root_cert: bytes | None
     """Roots a peer's certificate must chain to when this process dials out over TLS
     (``--tls-ca``, default ``--tls-cert``); None for servers that never dial."""
+    insecure_plaintext_token: bool = False
+    """``--insecure-plaintext-token``: a token may travel without TLS beyond loopback."""
 
 
 def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool) -> None:
@@ -47,6 +57,7 @@ def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool)
     auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    add_plaintext_argument(p)
     if dials:
         p.add_argument(
             "--tls-ca",
@@ -54,6 +65,16 @@ def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool)
             help="PEM roots peers' control certificates must chain to; dials peers over TLS "
             "(default with --tls-cert: that certificate)",
         )
+
+
+def add_plaintext_argument(p: argparse.ArgumentParser) -> None:
+    """``--insecure-plaintext-token``: without it a token on a non-loopback host needs TLS."""
+    p.add_argument(
+        "--insecure-plaintext-token",
+        action="store_true",
+        help="allow a token without TLS on a non-loopback --host: anyone on the network "
+        "path can read it (default: refuse to start; use --tls-cert/--tls-key)",
+    )
 
 
 def read_auth(args: argparse.Namespace) -> ServerAuth:
@@ -77,13 +98,24 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
         tls_cert=cert,
         tls_key=None if args.tls_key is None else _read(args.tls_key, "--tls-key"),
         tls_root_cert=roots,
+        insecure_plaintext_token=bool(getattr(args, "insecure_plaintext_token", False)),
     )
 
 
 def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str) -> None:
-    """Warn once at start when ``host`` is not loopback and no token guards the ports."""
-    from kvbridge.connector.control.peers import is_loopback
+    """Warn once at start when ``host`` is not loopback and no token guards the ports;
+    ConfigError when a token would travel there in plaintext and the operator did not
+    pass ``--insecure-plaintext-token``."""
+    from kvbridge.connector.control.peers import is_loopback, refuse_plaintext_token
 
+    refuse_plaintext_token(
+        host,
+        token=auth.token is not None,
+        tls=auth.tls_cert is not None,
+        accepted=auth.insecure_plaintext_token,
+        flag="--insecure-plaintext-token",
+        tls_flags="--tls-cert/--tls-key",
+    )
     if auth.token is None and not is_loopback(f"{host}:0"):
         log.warning(
             "listening on %s without a token: anyone who reaches the port may %s; "

@@ -13,6 +13,7 @@ client is wanted.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -245,9 +246,13 @@ class ControlClient(Closing):
         )
 
 
+_U64_MAX = (1 << 64) - 1
+
+
 def _ttl_ms(ttl_s: float | None) -> int:
     if ttl_s is None:
         return 0
-    if ttl_s <= 0:
+    if not ttl_s > 0:  # NaN too
         raise ConfigError(f"ttl_s must be > 0, got {ttl_s}")
-    return max(1, round(ttl_s * 1000))
+    # the field is a uint64 and the server clamps to its maximum anyway: ask for at most that
+    return max(1, min(_U64_MAX, round(ttl_s * 1000) if math.isfinite(ttl_s) else _U64_MAX))

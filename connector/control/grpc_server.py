@@ -36,12 +36,12 @@ from kvbridge.connector.control.errors import (
 )
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["ReapingServer", "tls_credentials"]
+__all__ = ["LenientRequests", "ReapingServer", "tls_credentials"]
 
 log = logging.getLogger(__name__)
 
 
-class _LenientRequests(grpc.ServerInterceptor):  # type: ignore[misc]
+class LenientRequests(grpc.ServerInterceptor):  # type: ignore[misc]
     """Wraps each unary-unary handler's deserializer with :func:`lenient_deserializer`."""
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
@@ -96,7 +96,7 @@ class ReapingServer:
         guards = [] if token is None else [TokenInterceptor(token)]
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix=f"kvbridge-{name}"),
-            interceptors=[*guards, *interceptors, _LenientRequests()],
+            interceptors=[*guards, *interceptors, LenientRequests()],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),

@@ -11,30 +11,49 @@ The table calls the :class:`BlockOwner` — whoever owns the KV memory — to
 unpin. The control server's threads call both, so both are thread-safe.
 
 A lease may name the *peer* it was created for (the control server passes the
-caller's host); :meth:`LeaseTable.create` then enforces per-peer caps on leases
-and pinned blocks, so one peer cannot pin the whole pool. Released and expired
-leases give their memory back: per-peer counters drop to nothing and the
-deadline heap is compacted when stale entries outnumber live leases.
+caller's authenticated identity, :func:`~kvbridge.connector.control.auth.caller_identity`);
+:meth:`LeaseTable.create` then enforces per-peer caps on leases and pinned
+blocks, so one peer cannot pin the whole pool. A lease the owner made for a
+hand-over names no peer until the first peer that pins it by request id claims
+it (:meth:`LeaseTable.heartbeat` with ``claim=True``): from then on it is
+charged to that peer and only that peer may extend it. Extensions by a peer
+(a :class:`Claimant`) never reach past ``max_lifetime_s`` after the lease was
+created. Released and expired leases give their memory back: per-peer counters
+drop to nothing and the deadline heap is compacted when stale entries
+outnumber live leases.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-import math
 import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvbridge.connector.control.bounds import (
+    Claimant,
+    PeerCaps,
+    PeerUse,
+    block_keys,
+    check_ttl,
+)
 from kvbridge.connector.control.seal import SealTable, seal_digest
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["BlockOwner", "GroupBlocks", "GroupHashes", "Lease", "LeaseTable", "PeerCaps"]
+__all__ = [
+    "BlockOwner",
+    "Claimant",
+    "GroupBlocks",
+    "GroupHashes",
+    "Lease",
+    "LeaseTable",
+    "PeerCaps",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,19 +90,6 @@ class BlockOwner(ABC):
 
 
 @dataclass(frozen=True, slots=True)
-class PeerCaps:
-    """Most leases and pinned blocks one peer may hold at once."""
-
-    max_leases: int
-    max_blocks: int
-
-    def __post_init__(self) -> None:
-        for knob in ("max_leases", "max_blocks"):
-            if getattr(self, knob) < 1:
-                raise ConfigError(f"per-peer {knob} must be >= 1, got {getattr(self, knob)}")
-
-
-@dataclass(frozen=True, slots=True)
 class Lease:
     """Blocks pinned for a peer until ``expires_at`` (on the table's clock)."""
 
@@ -93,23 +99,15 @@ class Lease:
     hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
     request_id: RequestId | None = None
     peer: str | None = None
-    """Who asked for the pin (per-peer caps); None for the owner's own hand-overs."""
+    """Who holds the pin (per-peer caps): the peer that asked for it, or the one that
+    claimed an owner-made hand-over; None for a hand-over nobody claimed yet."""
+    created_at: float = 0.0
+    """When the lease was made (table clock): extensions stop at ``created_at`` plus the
+    claimant's ``max_lifetime_s``."""
 
     @property
     def num_blocks(self) -> int:
         return sum(len(ids) for ids in self.blocks.values())
-
-
-@dataclass(slots=True)
-class _PeerUse:
-    """What one peer's leases hold: how many, and each block with its lease count."""
-
-    leases: int = 0
-    blocks: Counter[tuple[str, BlockId]] = field(default_factory=Counter)
-
-
-def _block_keys(blocks: Mapping[str, Sequence[BlockId]]) -> list[tuple[str, BlockId]]:
-    return [(group, b) for group, ids in blocks.items() for b in ids]
 
 
 def new_lease_id() -> LeaseId:
@@ -145,7 +143,7 @@ class LeaseTable:
         self.seal = seal
         """Where each lease's seal is published while it is held (see :mod:`.seal`)."""
         self._sealed_as: dict[LeaseId, str] = {}
-        self._per_peer: dict[str, _PeerUse] = {}
+        self._per_peer: dict[str, PeerUse] = {}
 
     @property
     def owner(self) -> BlockOwner:
@@ -183,10 +181,12 @@ class LeaseTable:
         If this raises (table full, peer over its caps, request already leased)
         the caller still owns the pin and must unpin.
         """
-        _check_ttl(ttl_s)
+        check_ttl(ttl_s)
+        now = self._clock()
         lease = Lease(
             lease_id=new_lease_id(),
-            expires_at=self._clock() + ttl_s,
+            expires_at=now + ttl_s,
+            created_at=now,
             blocks={g: tuple(ids) for g, ids in blocks.items()},
             hashes={g: tuple(h) for g, h in (hashes or {}).items()},
             request_id=request_id,
@@ -225,17 +225,40 @@ class LeaseTable:
             lease_id = self._by_request.get(request_id)
             return None if lease_id is None else self._leases.get(lease_id)
 
-    def heartbeat(self, lease_ids: Iterable[LeaseId], ttl_s: float) -> list[Lease]:
-        """Extend the live ones among ``lease_ids`` to at least ``now + ttl_s``; returns them."""
-        _check_ttl(ttl_s)
+    def heartbeat(
+        self,
+        lease_ids: Iterable[LeaseId],
+        ttl_s: float,
+        by: Claimant | None = None,
+        *,
+        claim: bool = False,
+    ) -> list[Lease]:
+        """Extend the live ones among ``lease_ids`` to at least ``now + ttl_s``; returns them.
+
+        ``by`` None is the owner itself: any lease is extended. A peer (``by``) extends
+        only the leases charged to it, and never past ``created_at + by.max_lifetime_s``;
+        the others are left alone and not returned. With ``claim``, an owner-made lease
+        nobody holds yet is first charged to ``by`` (ControlPlaneError
+        ``RESOURCE_EXHAUSTED`` if that exceeds its caps; nothing changes then).
+        """
+        check_ttl(ttl_s)
         self.expire()
         alive = []
         with self._lock:
-            until = self._clock() + ttl_s
+            now = self._clock()
             for lease_id in lease_ids:
                 lease = self._leases.get(lease_id)
                 if lease is None:
                     continue
+                until = now + ttl_s
+                if by is not None:
+                    if lease.peer is None and claim:
+                        lease = replace(lease, peer=by.peer)
+                        self._charge(by.peer, lease, by.caps)
+                        self._leases[lease_id] = lease
+                    if lease.peer != by.peer:
+                        continue
+                    until = min(until, lease.created_at + by.max_lifetime_s)
                 if until > lease.expires_at:
                     lease = replace(lease, expires_at=until)
                     self._leases[lease_id] = lease
@@ -314,7 +337,7 @@ class LeaseTable:
         if lease is not None and lease.peer is not None:
             use = self._per_peer[lease.peer]
             use.leases -= 1
-            use.blocks.subtract(_block_keys(lease.blocks))
+            use.blocks.subtract(block_keys(lease.blocks))
             if use.leases == 0:
                 del self._per_peer[lease.peer]  # nothing kept for a peer that holds nothing
             else:
@@ -324,8 +347,8 @@ class LeaseTable:
     def _charge(self, peer: str, lease: Lease, caps: PeerCaps | None) -> None:
         """Count ``lease`` against ``peer`` (lock held), within ``caps``. Blocks count once
         per peer however many of its leases pin them: the cap bounds memory, not calls."""
-        use = self._per_peer.get(peer) or _PeerUse()
-        keys = _block_keys(lease.blocks)
+        use = self._per_peer.get(peer) or PeerUse()
+        keys = block_keys(lease.blocks)
         new = len(set(keys) - set(use.blocks))
         if caps is not None and (
             use.leases + 1 > caps.max_leases or len(use.blocks) + new > caps.max_blocks
@@ -359,10 +382,3 @@ class LeaseTable:
         except Exception:
             # The lease is gone either way: retrying could unpin twice.
             log.exception("lease %s %s: the block owner failed to unpin", lease.lease_id, why)
-
-
-def _check_ttl(ttl_s: float) -> None:
-    # NaN passes `<= 0` and would sit at the deadline heap's root forever, never expiring,
-    # and keeping every later lease from expiring too; infinity would never expire either
-    if not math.isfinite(ttl_s) or ttl_s <= 0:
-        raise ConfigError(f"lease ttl_s must be a finite number > 0, got {ttl_s}")

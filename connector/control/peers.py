@@ -40,6 +40,7 @@ __all__ = [
     "parse_allowed_peers",
     "rank_address",
     "rank_port",
+    "refuse_plaintext_token",
 ]
 
 _MAX_ADDRESS_CHARS = 256
@@ -154,3 +155,20 @@ def parse_allowed_peers(values: Iterable[str], knob: str) -> tuple[str, ...]:
         if addr not in out:
             out.append(addr)
     return tuple(out)
+
+
+def refuse_plaintext_token(
+    host: str, *, token: bool, tls: bool, accepted: bool, flag: str, tls_flags: str
+) -> None:
+    """ConfigError unless a token on ``host`` is safe from the path: no token, TLS, a
+    loopback ``host``, or the operator said ``flag`` (accepting that anyone on the path
+    can read the token and use it). ``tls_flags`` names how to turn TLS on ("": this
+    server has no TLS, so the fix is a loopback host)."""
+    if not token or tls or accepted or is_loopback(f"{host}:0"):
+        return
+    fix = f"serve TLS ({tls_flags})" if tls_flags else "listen on loopback only"
+    raise ConfigError(
+        f"refusing to serve a token in plaintext on {host or '(every interface)'}: anyone on "
+        f"the network path can read it and then act as any peer. Fix: {fix}, or pass "
+        f"{flag} to accept that risk"
+    )

@@ -119,8 +119,14 @@ def seal_digest(
     return h.digest()
 
 
+_LEASE_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def expected_seal(lease_id: str, digest: bytes) -> bytes:
-    """The 64 bytes a live lease's slot holds; ValueError for a lease id that is not hex."""
+    """The 64 bytes a live lease's slot holds; ValueError for a lease id that is not 32
+    lowercase hex digits (the only ids a lease has, and the only ones a release names)."""
+    if not _LEASE_ID.fullmatch(lease_id):
+        raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
     nonce = bytes.fromhex(lease_id)
     if len(nonce) != 16 or len(digest) != 32:
         raise ValueError("a seal needs a 16-byte lease id and a 32-byte digest")

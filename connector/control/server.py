@@ -12,19 +12,17 @@ without the token learns nothing.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from kvbridge.connector.control.auth import TokenInterceptor, peer_host
+from kvbridge.connector.control.auth import TokenInterceptor, caller_identity
 from kvbridge.connector.control.errors import call_handler, lease_not_found
 from kvbridge.connector.control.grpc_server import ReapingServer
-from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable, PeerCaps
+from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable, PeerCaps
+from kvbridge.connector.control.server_config import ControlServerConfig
 from kvbridge.connector.control.types import (
-    ControlLimits,
     PeerInfo,
     check_hashes,
     check_lease_id,
@@ -39,7 +37,6 @@ from kvbridge.proto import control_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import (
     BlockPoolError,
-    ConfigError,
     ControlPlaneError,
     IncompatibleLayoutError,
     WireError,
@@ -52,55 +49,12 @@ __all__ = ["ControlServerConfig", "HandshakeHook", "ControlHandlers", "ControlSe
 
 log = logging.getLogger(__name__)
 
+_MAX_MS = (1 << 63) - 1
+"""Millisecond figures in replies stay below this (the fields are uint64)."""
+
 HandshakeHook = Callable[[PeerInfo, Negotiation], None]
 """Called after a compatible handshake with the caller's info, e.g. to add it as a NIXL peer.
 It runs on a server thread; raising a kvbridge error fails the handshake with that error."""
-
-
-@dataclass(frozen=True, slots=True)
-class ControlServerConfig:
-    """How the control server listens and what it allows (built once at the edge)."""
-
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
-    max_workers: int = 8
-    max_concurrent_rpcs: int = 256
-    default_ttl_s: float = 30.0
-    max_ttl_s: float = 600.0
-    reap_interval_s: float = 0.5
-    max_leases_per_peer: int = 1024
-    """Most leases one peer (caller host) may hold through Pin."""
-    max_blocks_per_peer: int | None = None
-    """Most blocks one peer may pin through Pin; None: half of the owner's blocks."""
-    limits: ControlLimits = field(default_factory=ControlLimits)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
-        if self.token is not None and (
-            not self.token or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
-        for knob in ("max_workers", "max_concurrent_rpcs"):
-            if getattr(self, knob) < 1:
-                raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")
-        if not 0 < self.default_ttl_s <= self.max_ttl_s or not math.isfinite(self.max_ttl_s):
-            # an infinite cap lets any caller pin for as long as its ttl_ms field can say
-            raise ConfigError(
-                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s}), "
-                "max_ttl_s finite"
-            )
-        if self.max_leases_per_peer < 1:
-            raise ConfigError(f"max_leases_per_peer must be >= 1, got {self.max_leases_per_peer}")
-        if self.max_blocks_per_peer is not None and self.max_blocks_per_peer < 1:
-            raise ConfigError(f"max_blocks_per_peer must be >= 1, got {self.max_blocks_per_peer}")
-        if not (math.isfinite(self.reap_interval_s) and self.reap_interval_s > 0):
-            raise ConfigError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")
 
 
 class ControlHandlers:
@@ -150,24 +104,29 @@ class ControlHandlers:
         )
 
     def pin(self, request: pb.PinRequest, peer: str = "") -> pb.PinResponse:
-        """``peer`` names the caller (its host) for the per-peer caps on new leases."""
+        """``peer`` is the caller's identity: new leases count against its caps, and an
+        owner-made hand-over it pins by request id becomes its own."""
         ttl_s = self._ttl(request.ttl_ms)
         target = request.WhichOneof("target")
         if target == "request_id":
-            return pb.PinResponse(lease=self._pin_request(request.request_id, ttl_s))
+            return pb.PinResponse(lease=self._pin_request(request.request_id, ttl_s, peer))
         if target == "hashes":
             return pb.PinResponse(lease=self._pin_hashes(request.hashes, ttl_s, peer))
         raise WireError("pin names neither a request id nor block hashes")
 
-    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+    def heartbeat(self, request: pb.HeartbeatRequest, peer: str = "") -> pb.HeartbeatResponse:
+        """Extends only the caller's own leases (``peer``); others' are not answered alive."""
         limit = self.config.limits.max_lease_ids_per_heartbeat
         if len(request.lease_ids) > limit:
             raise WireError(f"heartbeat of {len(request.lease_ids)} leases exceeds {limit}")
         ids = [check_lease_id(x) for x in request.lease_ids]
         ttl_s = self._ttl(request.ttl_ms)
-        alive = self.leases.heartbeat(ids, ttl_s)
+        alive = self.leases.heartbeat(ids, ttl_s, self._claimant(peer))
+        now = self.leases.now()
+        # the soonest expiry among them: a lifetime cap may stop one short of the TTL asked
+        soonest = min((lease.expires_at - now for lease in alive), default=ttl_s)
         return pb.HeartbeatResponse(
-            alive=[lease.lease_id for lease in alive], expires_in_ms=round(ttl_s * 1000)
+            alive=[lease.lease_id for lease in alive], expires_in_ms=_ms(soonest)
         )
 
     def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
@@ -186,18 +145,25 @@ class ControlHandlers:
     # ------------------------------------------------------------------ helpers
 
     def _ttl(self, ttl_ms: int) -> float:
+        """The TTL a request asks for, clamped to ``max_ttl_s`` (any uint64 is fine)."""
         if ttl_ms == 0:
             return self.config.default_ttl_s
-        return min(ttl_ms / 1000, self.config.max_ttl_s)
+        return min(ttl_ms, self.config.max_ttl_s * 1000) / 1000
 
-    def _pin_request(self, request_id: str, ttl_s: float) -> pb.Lease:
+    def _claimant(self, peer: str) -> Claimant:
+        lifetime = self.config.max_lease_lifetime_s or self.config.max_ttl_s
+        return Claimant(peer, self._peer_caps(), lifetime)
+
+    def _pin_request(self, request_id: str, ttl_s: float, peer: str) -> pb.Lease:
         rid = check_request_id(request_id, self.config.limits)
         lease = self.leases.get_by_request(rid)
-        alive = [] if lease is None else self.leases.heartbeat([lease.lease_id], ttl_s)
+        alive = []
+        if lease is not None:
+            alive = self.leases.heartbeat([lease.lease_id], ttl_s, self._claimant(peer), claim=True)
         if not alive:
             raise lease_not_found(
-                f"no lease for request {rid!r}: it was never pinned here, was released, "
-                "or expired; recompute its KV"
+                f"no lease for request {rid!r} that this peer may pin: it was never pinned "
+                "here, was released, expired, or another peer holds it; recompute its KV"
             )
         return self._lease_pb(alive[0])
 
@@ -232,7 +198,11 @@ class ControlHandlers:
         except BaseException:
             self.owner.unpin(pinned)
             raise
-        return self._lease_pb(lease)
+        try:
+            return self._lease_pb(lease)
+        except BaseException:  # the peer never learns the id: nobody could release it
+            self.leases.release(lease.lease_id)
+            raise
 
     def _peer_caps(self) -> PeerCaps:
         max_blocks = self.config.max_blocks_per_peer
@@ -269,7 +239,7 @@ class ControlHandlers:
         remaining = max(0.0, lease.expires_at - self.leases.now())
         return pb.Lease(
             lease_id=lease.lease_id,
-            expires_in_ms=round(remaining * 1000),
+            expires_in_ms=_ms(remaining),
             request_id=lease.request_id or "",
             blocks=[pb.GroupBlocks(group=g, block_ids=ids) for g, ids in lease.blocks.items()],
             hashes=[pb.GroupHashes(group=g, hashes=h) for g, h in lease.hashes.items()],
@@ -281,21 +251,30 @@ class ControlHandlers:
         )
 
 
+def _ms(seconds: float) -> int:
+    """Seconds as whole milliseconds for a reply's uint64 field, whatever the figure."""
+    return min(_MAX_MS, max(0, round(seconds * 1000)))
+
+
 class _Servicer(pb_grpc.PeerControlServicer):
     """Thin gRPC shim: call the handler, map a raised error to a status in one place."""
 
     def __init__(self, handlers: ControlHandlers) -> None:
         self._h = handlers
+        token = handlers.config.token
+        self._tokens = () if token is None else (token,)
+
+    def _caller(self, context: Any) -> str:
+        return caller_identity(context, self._tokens)
 
     def Handshake(self, request: pb.HandshakeRequest, context: Any) -> pb.HandshakeResponse:
         return call_handler(self._h.handshake, request, context)
 
     def Pin(self, request: pb.PinRequest, context: Any) -> pb.PinResponse:
-        peer = peer_host(context.peer())
-        return call_handler(lambda r: self._h.pin(r, peer), request, context)
+        return call_handler(lambda r: self._h.pin(r, self._caller(context)), request, context)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
-        return call_handler(self._h.heartbeat, request, context)
+        return call_handler(lambda r: self._h.heartbeat(r, self._caller(context)), request, context)
 
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         return call_handler(self._h.release, request, context)

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
+from kvbridge.connector.control.peers import refuse_plaintext_token
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
@@ -72,6 +73,7 @@ _KNOWN = frozenset(
         "hash_seed",
         "hash_algorithm",
         "token",
+        "insecure_plaintext_token",
         "lease_ttl_s",
         "max_lease_ttl_s",
         "allowed_peers",
@@ -149,6 +151,14 @@ class VllmConnectorConfig:
             raise ConfigError(f"kv_role {kv_role!r} is not one of {', '.join(VLLM_ROLES)}")
         port = _int(extra, "control_port", 0)
         host = _str(extra, "control_host", "127.0.0.1")
+        refuse_plaintext_token(  # the connector's control port has no TLS option
+            host,
+            token=bool(extra.get("token")),
+            tls=False,
+            accepted=extra.get("insecure_plaintext_token") is True,
+            flag="kv_connector_extra_config.insecure_plaintext_token=true",
+            tls_flags="",
+        )
         advertise = _str(extra, "advertise_host", host)
         algorithm = str(extra.get("hash_algorithm", "sha256"))
         if algorithm not in HASH_ALGORITHMS:

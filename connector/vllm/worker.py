@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.vllm.scheduler import HoldOrder
@@ -363,10 +363,17 @@ class NamedLeases(LeaseTable):
     def get(self, lease_id: LeaseId) -> Lease | None:
         return super().get(self._real(lease_id))
 
-    def heartbeat(self, lease_ids: Iterable[LeaseId], ttl_s: float) -> list[Lease]:
+    def heartbeat(
+        self,
+        lease_ids: Iterable[LeaseId],
+        ttl_s: float,
+        by: Claimant | None = None,
+        *,
+        claim: bool = False,
+    ) -> list[Lease]:
         """Extends the leases; each comes back under the id it was asked by."""
         asked = {self._real(x): x for x in lease_ids}
-        alive = super().heartbeat(list(asked), ttl_s)
+        alive = super().heartbeat(list(asked), ttl_s, by, claim=claim)
         return [replace(lease, lease_id=asked[lease.lease_id]) for lease in alive]
 
     def release(self, lease_id: LeaseId) -> bool:

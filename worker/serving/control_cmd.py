@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> None:  # type: ignore[type-arg]
     from kvbridge.proto.layout import ORDERS
     from kvbridge.proto.presets import PRESETS
+    from kvbridge.worker.server_auth import add_plaintext_argument
 
     p = sub.add_parser(
         name,
@@ -50,12 +51,14 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    add_plaintext_argument(p)
     p.add_argument("--default-ttl", type=float, default=30.0, help="lease TTL in s (default 30)")
     p.add_argument("--max-ttl", type=float, default=600.0, help="longest lease TTL in s")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.connector.control.peers import refuse_plaintext_token
     from kvbridge.connector.control.server import ControlServerConfig, serve
     from kvbridge.connector.control.types import PeerInfo, Role
     from kvbridge.proto.errors import ConfigError
@@ -77,6 +80,14 @@ def run(args: argparse.Namespace) -> int:
         token = args.token_file.read_text().strip()
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
+    refuse_plaintext_token(
+        args.host,
+        token=bool(token),
+        tls=args.tls_cert is not None,
+        accepted=args.insecure_plaintext_token,
+        flag="--insecure-plaintext-token",
+        tls_flags="--tls-cert/--tls-key",
+    )
     config = ControlServerConfig(
         host=args.host,
         port=args.port,

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvbridge.connector.control.auth import TokenInterceptor
+from kvbridge.connector.control.errors import MalformedRequest
+from kvbridge.connector.control.grpc_server import LenientRequests
 from kvbridge.connector.params import MAX_ID_CHARS
 from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
@@ -44,7 +46,9 @@ def inference_server(config: NodeConfig, servicer: InferenceServicer) -> grpc.Se
     idle_ms = round(config.max_connection_idle_s * 1000)
     server = grpc.server(
         futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"),
-        interceptors=[] if token is None else [TokenInterceptor(token)],
+        # LenientRequests: bytes that do not parse reach Generate as a MalformedRequest and
+        # are answered INVALID_ARGUMENT (gRPC alone would answer INTERNAL)
+        interceptors=[*([] if token is None else [TokenInterceptor(token)]), LenientRequests()],
         options=[
             ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
             ("grpc.max_connection_idle_ms", idle_ms),  # idle clients are disconnected
@@ -96,6 +100,8 @@ class InferenceServicer(epb_grpc.InferenceServicer):
 
     def Generate(self, request: epb.GenerateRequest, context: Any) -> epb.GenerateResponse:
         try:
+            if isinstance(request, MalformedRequest):
+                raise WireError(f"malformed Generate request: {request.reason}")
             prompt = list(request.prompt_token_ids)
             if not 0 < len(prompt) <= MAX_PROMPT_TOKENS:
                 raise WireError(
@@ -130,7 +136,7 @@ class InferenceServicer(epb_grpc.InferenceServicer):
             blocks_local_hit=out.blocks_local_hit,
             blocks_moved=result.blocks_moved,
             blocks_offloaded=result.blocks_offloaded,
-            blocks_recomputed=out.blocks_recomputed,
+            blocks_recomputed=out.blocks_recomputed + result.blocks_refused,
             transfer_ms=result.transfer_ms,
             ttft_ms=(out.ttft_s or 0.0) * 1e3,
             load_error=result.load_error,
@@ -152,4 +158,6 @@ class InferenceServicer(epb_grpc.InferenceServicer):
         )
 
     def EngineStats(self, request: epb.EngineStatsRequest, context: Any) -> epb.EngineStatsResponse:
+        if isinstance(request, MalformedRequest):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.reason}")
         return self.node.stats()

@@ -100,6 +100,8 @@ class GenerateResult:
     bytes_moved: int = 0
     blocks_offloaded: int = 0
     offload_bad_digest: int = 0
+    blocks_refused: int = 0
+    """Blocks recomputed because the planner refused prefill's KV (``load_error`` says why)."""
 
 
 @dataclass(slots=True)
@@ -271,10 +273,13 @@ class Node(Closing):
     def _finish(self, out: RequestOutput) -> None:
         sub = self._waiting.pop(out.request_id, None)
         load = self.worker_connector.pop_result(out.request_id)
+        refused = self.scheduler_connector.refused.pop(out.request_id, None)
         self.metrics.observe(out, load)
         if sub is None:
             return
         result = GenerateResult(out)
+        if refused is not None:
+            result.load_error, result.blocks_refused = refused
         if load is not None:
             result.transfer_ms = load.transfer_ms
             result.blocks_moved = load.blocks_moved

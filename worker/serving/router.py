@@ -50,6 +50,17 @@ _NODE_FAULTS = frozenset(
 )
 
 
+_CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
+    # gRPC's defaults back off reconnects from 1 s up to 2 min: a node that was down a
+    # moment would stay unreachable on this channel long after it is back
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    # its own connections: with gRPC's global subchannel pool a fresh channel to the same
+    # address would share the old one's connection and its backoff
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+
 class NodeDownError(PeerError):
     """A node did not answer (unreachable, gone mid-request, or past the deadline).
 
@@ -74,13 +85,35 @@ class EngineClient:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata: tuple[tuple[str, str], ...] = () if token is None else ((TOKEN_KEY, token),)
-        options = [] if server_name is None else [("grpc.ssl_target_name_override", server_name)]
-        if root_cert is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_cert)
-            self._channel = grpc.secure_channel(address, creds, options=options)
+        self._options: list[tuple[str, int | str]] = [*_CHANNEL_OPTIONS]
+        if server_name is not None:
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._creds = (
+            None if root_cert is None else grpc.ssl_channel_credentials(root_certificates=root_cert)
+        )
+        self._lock = threading.Lock()
+        self._retired: grpc.Channel | None = None
+        self._channel, self._stub = self._connect()
+
+    def _connect(self) -> tuple[grpc.Channel, epb_grpc.InferenceStub]:
+        if self._creds is not None:
+            channel = grpc.secure_channel(self.address, self._creds, options=self._options)
         else:
-            self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = epb_grpc.InferenceStub(self._channel)
+            channel = grpc.insecure_channel(self.address, options=self._options)
+        return channel, epb_grpc.InferenceStub(channel)
+
+    def _reconnect(self, stub: epb_grpc.InferenceStub) -> None:
+        """A fresh channel after ``UNAVAILABLE`` on ``stub``'s: the old one would keep gRPC's
+        reconnect backoff (seconds) for a node that restarted on the same port. The one
+        before it is closed now; the one just replaced may still carry other threads'
+        calls, so it is closed at the next swap or at :meth:`close`."""
+        with self._lock:
+            if stub is not self._stub:
+                return  # another thread already swapped it
+            old, self._retired = self._retired, self._channel
+            self._channel, self._stub = self._connect()
+        if old is not None:
+            old.close()
 
     def generate(
         self,
@@ -100,11 +133,14 @@ class EngineClient:
             kv_transfer_params=codec.pack("KVTransferParams", params) if params else b"",
             encoder_input=encoder_input,
         )
+        stub = self._stub
         try:
-            resp: epb.GenerateResponse = self._stub.Generate(
+            resp: epb.GenerateResponse = stub.Generate(
                 req, timeout=timeout_s or self.timeout_s, metadata=self._metadata
             )
         except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                self._reconnect(stub)
             kind = NodeDownError if exc.code() in _NODE_FAULTS else KVBridgeError
             raise kind(
                 f"{self.address}: Generate {request_id} failed: {exc.code().name}: {exc.details()}"
@@ -129,7 +165,11 @@ class EngineClient:
             ) from None
 
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            channels = [self._channel, self._retired]
+        for channel in channels:
+            if channel is not None:
+                channel.close()
 
 
 @dataclass(frozen=True, slots=True)
