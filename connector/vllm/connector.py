@@ -51,6 +51,7 @@ from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm import stats
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
+from kvbridge.connector.vllm.kinds import check_vllm_model
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
@@ -290,6 +291,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         (default ``BLHNC``, block-outermost: one descriptor per block; ``auto`` asks for
         nothing). vLLM drops a layout its attention backends do not declare, with a
         warning, and uses its own first choice (``LBHNC`` on the CPU backend)."""
+        check_vllm_model(vllm_config.model_config)  # before vLLM builds its KV cache
         ktc = vllm_config.kv_transfer_config
         extra = None if ktc is None else ktc.kv_connector_extra_config
         return required_layout(extra)

@@ -3,12 +3,13 @@
 vLLM's CPU build lives in its own virtual environment (:mod:`.venv`); the main
 environment drives it through :class:`Engine` (:mod:`.engine`), which starts
 :mod:`.instance` there and speaks JSON lines to it. :mod:`.tiny_llama` writes a
-seeded random Llama small enough to run on a CPU in seconds. kvbridge's connector
+seeded random Llama small enough to run on a CPU in seconds, :mod:`.tiny_models`
+other kinds (a sliding-window hybrid, an encoder-decoder). kvbridge's connector
 that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
 """
 
 from kvbridge.worker.vllm.engine import Engine, kv_config, running, tokens
-from kvbridge.worker.vllm.venv import PYTHON, VenvError, ensure_venv, write_model
+from kvbridge.worker.vllm.venv import PYTHON, VenvError, ensure_venv, write_model, write_tiny_model
 
 __all__ = [
     "PYTHON",
@@ -19,4 +20,5 @@ __all__ = [
     "running",
     "tokens",
     "write_model",
+    "write_tiny_model",
 ]

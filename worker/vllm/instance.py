@@ -178,6 +178,11 @@ class Instance:
             "total_blocks": total,
             "requests": len(self.scheduler.requests),
             "tp": self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size,
+            # vLLM's KV cache groups, by spec kind (several: its hybrid KV cache manager is on)
+            "kv_cache_groups": [
+                type(g.kv_cache_spec).__name__
+                for g in self.scheduler.kv_cache_config.kv_cache_groups
+            ],
         }
         conn = self._worker_connector()
         worker = getattr(conn, "_worker", None)

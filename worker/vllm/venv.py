@@ -15,7 +15,16 @@ from pathlib import Path
 
 from kvbridge.proto.errors import KVBridgeError
 
-__all__ = ["PYTHON", "RECIPE", "ROOT", "VENV", "VenvError", "ensure_venv", "write_model"]
+__all__ = [
+    "PYTHON",
+    "RECIPE",
+    "ROOT",
+    "VENV",
+    "VenvError",
+    "ensure_venv",
+    "write_model",
+    "write_tiny_model",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The kvbridge checkout (``kvbridge/`` is a real directory of links to the top-level ones)."""
@@ -77,6 +86,25 @@ def write_model(path: Path, seed: int = 0, **shape: int) -> Path:
             "--seed",
             str(seed),
             *flags,
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+def write_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """A tiny model of another kind (:mod:`.tiny_models`: ``gemma3``, ``whisper``) under
+    ``path``, written with the vLLM venv."""
+    subprocess.run(
+        [
+            str(PYTHON),
+            "-m",
+            "kvbridge.worker.vllm.tiny_models",
+            kind,
+            str(path),
+            "--seed",
+            str(seed),
         ],
         check=True,
         capture_output=True,

@@ -1,0 +1,44 @@
+"""Model kinds inside real vLLM (CPU): an encoder-decoder model is refused by name.
+
+vLLM 0.32's scheduler runs no KV connector with an encoder-decoder model. Before the
+connector checked the model kind, a Whisper-style model with KVBridgeConnector failed
+earlier, in vLLM's KV cache grouping, with "Failed to promote local KV cache specs to one
+unified type": vLLM turns its hybrid KV cache manager off for a connector without
+``SupportsHMA`` and then cannot merge the decoder's cross-attention layers into one group.
+The connector now refuses when vLLM first asks it for its KV cache layout, before that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbridge.connector.vllm.kinds import ENCODER_DECODER_REFUSAL, check_model_kind
+from kvbridge.proto import ConfigError
+from kvbridge.worker import LaunchError
+from kvbridge.worker import vllm as harness
+from tests.harness.vllm import model_or_skip
+
+
+def test_an_encoder_decoder_model_is_refused_by_kind() -> None:
+    with pytest.raises(ConfigError, match="WhisperForConditionalGeneration: it is an encoder-"):
+        check_model_kind("WhisperForConditionalGeneration", is_encoder_decoder=True)
+    check_model_kind("LlamaForCausalLM", is_encoder_decoder=False)  # no error
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None:
+    model_or_skip(tmp_path)  # the venv
+    model = harness.write_tiny_model("whisper", tmp_path / "whisper")
+    kv = harness.kv_config("kvbridge", "kv_consumer")
+    with pytest.raises(LaunchError) as info:
+        harness.Engine(
+            model, core=1, kv=kv, log=tmp_path / "whisper.log", max_model_len=448
+        ).close()
+    log = (tmp_path / "whisper.log").read_text()
+    assert "cannot serve WhisperForConditionalGeneration: it is an encoder-decoder" in log
+    assert ENCODER_DECODER_REFUSAL in log
+    assert "Failed to promote" not in log, str(info.value)[-2000:]

@@ -1,0 +1,139 @@
+"""Tiny models of other kinds than Llama, with seeded random weights, for vLLM on a CPU.
+
+- ``gemma3``: a Gemma-3-style decoder with sliding-window and full-attention layers
+  (``layer_types``), so that vLLM's hybrid KV cache manager makes one KV cache group per
+  attention kind. Weights are drawn like :mod:`.tiny_llama`'s (large enough that greedy
+  output depends on the whole context); the embeddings are tied to the output.
+- ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
+  by ``transformers`` from its config with its own random initialisation; it is only
+  started, never asked for tokens (vLLM refuses KV connectors for encoder-decoder models).
+
+Run it in ``.venv-vllm``: ``python -m kvbridge.worker.vllm.tiny_models gemma3 DIR``
+(:func:`kvbridge.worker.vllm.write_model` takes ``kind=``). No tokenizer: start vLLM with
+``skip_tokenizer_init=True`` and send token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": 32,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+"""One sliding-window layer (window 32 tokens: one 32-token block) and one full-attention
+layer: vLLM's hybrid KV cache manager makes two KV cache groups of one layer each, sharing
+one KV cache tensor."""
+
+WHISPER: dict[str, Any] = {
+    "d_model": 64,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 128,
+    "decoder_ffn_dim": 128,
+    "num_mel_bins": 80,
+    "max_source_positions": 1500,
+    "max_target_positions": 448,
+    "vocab_size": 1024,
+    "decoder_start_token_id": 3,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def _write_gemma3(path: Path, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    c = GEMMA3
+    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q_out, kv_out = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    # Gemma's RMSNorm scales by (1 + weight): zeros are the identity
+    w = {
+        "model.embed_tokens.weight": rand(c["vocab_size"], hidden, std=0.1),
+        "model.norm.weight": torch.zeros(hidden),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for norm in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
+            w[p + norm + ".weight"] = torch.zeros(hidden)
+        w[p + "self_attn.q_norm.weight"] = torch.zeros(head)
+        w[p + "self_attn.k_norm.weight"] = torch.zeros(head)
+        w[p + "self_attn.q_proj.weight"] = rand(q_out, hidden, std=0.15)
+        w[p + "self_attn.k_proj.weight"] = rand(kv_out, hidden, std=0.15)
+        w[p + "self_attn.v_proj.weight"] = rand(kv_out, hidden, std=0.1)
+        w[p + "self_attn.o_proj.weight"] = rand(hidden, q_out, std=0.1)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, hidden, std=0.1)
+        w[p + "mlp.up_proj.weight"] = rand(inter, hidden, std=0.1)
+        w[p + "mlp.down_proj.weight"] = rand(hidden, inter, std=0.1)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(c, indent=2))
+
+
+def _write_whisper(path: Path, seed: int) -> None:
+    import torch
+    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    torch.manual_seed(seed)
+    WhisperForConditionalGeneration(WhisperConfig(**WHISPER)).save_pretrained(str(path))
+    WhisperFeatureExtractor(feature_size=WHISPER["num_mel_bins"]).save_pretrained(str(path))
+
+
+WRITERS = {"gemma3": _write_gemma3, "whisper": _write_whisper}
+
+
+def write_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """Write the ``kind`` model (``gemma3``, ``whisper``) under ``path`` (skipped if there)."""
+    if kind not in WRITERS:
+        raise ValueError(f"unknown tiny model kind {kind!r}: one of {sorted(WRITERS)}")
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "config.json").exists():
+        WRITERS[kind](path, seed)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=sorted(WRITERS))
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(write_model(args.kind, args.path, args.seed))
+
+
+if __name__ == "__main__":
+    main()
