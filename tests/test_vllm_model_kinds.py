@@ -36,7 +36,7 @@ def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None
     kv = harness.kv_config("kvbridge", "kv_consumer")
     with pytest.raises(LaunchError) as info:
         harness.Engine(
-            model, core=1, kv=kv, log=tmp_path / "whisper.log", max_model_len=448
+            model, core=1, kv=kv, log=tmp_path / "whisper.log", max_model_len=448, tokenizer=True
         ).close()
     log = (tmp_path / "whisper.log").read_text()
     assert "cannot serve WhisperForConditionalGeneration: it is an encoder-decoder" in log

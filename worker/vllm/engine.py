@@ -62,10 +62,12 @@ class Engine:
         cpu_kv_layouts: Sequence[str] = (),
         tp: int = 1,
         kv_events: dict[str, Any] | None = None,
+        tokenizer: bool = False,
     ) -> None:
         """``cpu_kv_layouts`` (test-only shim): vLLM layout names the CPU attention
         backend is made to declare before the engine is built (``--cpu-kv-layouts``).
-        ``kv_events``: vLLM's ``--kv-events-config``."""
+        ``kv_events``: vLLM's ``--kv-events-config``. ``tokenizer``: load the model's
+        tokenizer (prompts are token ids either way; Whisper's processor needs one)."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -77,6 +79,8 @@ class Engine:
             cmd += ["--kv-events-config", json.dumps(kv_events)]
         if log_stats:
             cmd.append("--log-stats")
+        if tokenizer:
+            cmd.append("--tokenizer")
         if tp > 1:  # one worker process per rank, all pinned to ``core`` with the engine
             cmd += ["--tensor-parallel-size", str(tp)]
         self.log = log

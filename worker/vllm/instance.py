@@ -83,7 +83,7 @@ class Instance:
         t0 = time.perf_counter()
         self.llm = LLM(
             model=args.model,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not args.tokenizer,
             dtype="float32",
             block_size=args.block_size,
             max_model_len=args.max_model_len,
@@ -247,6 +247,9 @@ def main() -> None:
     parser.add_argument("--log-stats", action="store_true")
     parser.add_argument("--cpu-kv-layouts", default="", help="test-only shim, e.g. BLHNC,LBHNC")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--tokenizer", action="store_true", help="load the model's tokenizer (Whisper needs it)"
+    )
     args = parser.parse_args()
     inst = Instance(args)
     _reply({"ready": True, "startup_s": inst.startup_s})

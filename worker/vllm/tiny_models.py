@@ -5,8 +5,10 @@
   attention kind. Weights are drawn like :mod:`.tiny_llama`'s (large enough that greedy
   output depends on the whole context); the embeddings are tied to the output.
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
-  by ``transformers`` from its config with its own random initialisation; it is only
-  started, never asked for tokens (vLLM refuses KV connectors for encoder-decoder models).
+  by ``transformers`` from its config with its own random initialisation, with a tokenizer
+  of single characters (vLLM's Whisper processor needs one: start it with the tokenizer);
+  it is only started, never asked for tokens (vLLM refuses KV connectors for
+  encoder-decoder models).
 
 Run it in ``.venv-vllm``: ``python -m kvbridge.worker.vllm.tiny_models gemma3 DIR``
 (:func:`kvbridge.worker.vllm.write_model` takes ``kind=``). No tokenizer: start vLLM with
@@ -106,11 +108,23 @@ def _write_gemma3(path: Path, seed: int) -> None:
 
 def _write_whisper(path: Path, seed: int) -> None:
     import torch
-    from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import (
+        WhisperConfig,
+        WhisperFeatureExtractor,
+        WhisperForConditionalGeneration,
+        WhisperTokenizer,
+    )
 
     torch.manual_seed(seed)
     WhisperForConditionalGeneration(WhisperConfig(**WHISPER)).save_pretrained(str(path))
     WhisperFeatureExtractor(feature_size=WHISPER["num_mel_bins"]).save_pretrained(str(path))
+    # vLLM's Whisper processor needs a tokenizer: a byte-level BPE of single characters
+    vocab = {"<|endoftext|>": 0, "<|startoftranscript|>": 1, "<|notimestamps|>": 2}
+    for ch in "abcdefghijklmnopqrstuvwxyz ":
+        vocab[ch] = len(vocab)
+    (path / "vocab.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(str(path))
 
 
 WRITERS = {"gemma3": _write_gemma3, "whisper": _write_whisper}
