@@ -2,8 +2,10 @@
 
 - ``gemma3``: a Gemma-3-style decoder with sliding-window and full-attention layers
   (``layer_types``), so that vLLM's hybrid KV cache manager makes one KV cache group per
-  attention kind. Weights are drawn like :mod:`.tiny_llama`'s (large enough that greedy
-  output depends on the whole context); the embeddings are tied to the output.
+  attention kind. Weights are drawn like :mod:`.tiny_llama`'s; the embeddings are tied to
+  the output, so the post-norms scale the layers' outputs up and the attention is sharp
+  (``query_pre_attn_scalar`` 16): greedy output then depends on the first token of a
+  92-token prompt (without, it repeats the last prompt token).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
   by ``transformers`` from its config with its own random initialisation, with a tokenizer
   of single characters (vLLM's Whisper processor needs one: start it with the tokenizer);
@@ -36,7 +38,7 @@ GEMMA3: dict[str, Any] = {
     "vocab_size": 1024,
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
-    "query_pre_attn_scalar": 64,
+    "query_pre_attn_scalar": 16,
     "hidden_activation": "gelu_pytorch_tanh",
     "tie_word_embeddings": True,
     "torch_dtype": "float32",
@@ -86,13 +88,12 @@ def _write_gemma3(path: Path, seed: int) -> None:
     }
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        for norm in (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ):
+        for norm in ("input_layernorm", "pre_feedforward_layernorm"):
             w[p + norm + ".weight"] = torch.zeros(hidden)
+        # the post-norms scale attention and MLP outputs by 8 so that they, not the
+        # token's own (tied) embedding, decide the next token
+        for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            w[p + norm + ".weight"] = torch.full((hidden,), 7.0)
         w[p + "self_attn.q_norm.weight"] = torch.zeros(head)
         w[p + "self_attn.k_norm.weight"] = torch.zeros(head)
         w[p + "self_attn.q_proj.weight"] = rand(q_out, hidden, std=0.15)
