@@ -14,6 +14,7 @@ what these tests prove, and one test pins the single group until the connector d
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,53 @@ def test_kvbridge_engines_have_one_kv_cache_group_until_it_supports_hma(
     Declaring ``SupportsHMA`` must turn this into "kept the plain engine's groups"."""
     for name in ("prefill", "decode"):
         assert engines[name].call(cmd="stats")["kv_cache_groups"] == ["FullAttentionSpec"], name
+
+
+@pytest.mark.extended
+def test_nixl_connector_keeps_the_groups_and_moves_in_window_blocks_only(
+    tmp_path: Path,
+) -> None:
+    """The reference point: NixlConnector (``SupportsHMA``) on the same model and prompts
+    keeps vLLM's hybrid groups on both engines, equals the plain engine, and moves the
+    full-attention group's 3 blocks but only the sliding group's in-window blocks."""
+    model_or_skip(tmp_path)
+    model = harness.write_tiny_model("gemma3", tmp_path / "gemma3")
+    port = 21000 + (hash(str(tmp_path)) % 1000)
+    common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
+    started = {
+        "prefill": harness.Engine(
+            model,
+            core=0,
+            kv=harness.kv_config("nixl", "kv_producer"),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+            log=tmp_path / "prefill.log",
+            **common,
+        ),
+        "decode": harness.Engine(
+            model,
+            core=1,
+            kv=harness.kv_config("nixl", "kv_consumer"),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)},
+            log=tmp_path / "decode.log",
+            **common,
+        ),
+        "plain": harness.Engine(model, core=1, log=tmp_path / "plain.log", **common),
+    }
+    with harness.running(started) as engines:
+        expected = harness.tokens(engines["plain"].generate(PROMPTS, MAX_TOKENS))
+        got = []
+        for prompt in PROMPTS:  # one at a time: one transfer per request in the stats
+            pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
+            params = [o["kv_transfer_params"] for o in pre["outputs"]]
+            got += harness.tokens(engines["decode"].generate([prompt], MAX_TOKENS, params))
+        stats = engines["decode"].call(cmd="stats")
+        for name in ("prefill", "decode"):
+            assert sorted(engines[name].call(cmd="stats")["kv_cache_groups"]) == HYBRID
+    assert got == expected
+    assert not stats["nixl_failed"], stats
+    page = 32 * 2 * 64 * 2 * 4  # one layer's page of one block, fp32
+    # full group: 3 blocks; sliding group: cdiv(32, 32) + 1 = 2 in-window blocks
+    # (measured: 160 KiB for the first prompt; kvbridge moves 3 x 64 KiB = 192 KiB; the
+    # second prompt shares decode's cached prefix: 64 KiB)
+    assert stats["nixl_bytes"][0] == 5 * page, stats
+    assert all(b <= 5 * page for b in stats["nixl_bytes"]), stats

@@ -101,13 +101,14 @@ class Instance:
         self.nixl_transfer_s: list[float] = []
         self.nixl_failed = 0
         self.nixl_descriptors: list[int] = []
+        self.nixl_bytes: list[int] = []
         conn = self._worker_connector()
         if conn is not None and not hasattr(conn, "_worker"):
             self._tap_stats(conn)
 
     def _tap_stats(self, conn: Any) -> None:
-        """Keep a copy of NixlConnector's transfer durations and failed transfers and
-        handshakes (the engine drains its stats)."""
+        """Keep a copy of NixlConnector's transfer durations, descriptors, bytes and failed
+        transfers and handshakes (the engine drains its stats)."""
         original = conn.get_kv_connector_stats
 
         def tapped() -> Any:
@@ -115,6 +116,7 @@ class Instance:
             if stats is not None:
                 self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
                 self.nixl_descriptors.extend(stats.data.get("num_descriptors", []))
+                self.nixl_bytes.extend(stats.data.get("bytes_transferred", []))
                 for key in ("num_failed_transfers", "num_failed_handshakes"):
                     self.nixl_failed += len(stats.data.get(key, []))
             return stats
@@ -219,6 +221,7 @@ class Instance:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
             out["nixl_failed"], self.nixl_failed = self.nixl_failed, 0
             out["nixl_descriptors"], self.nixl_descriptors = self.nixl_descriptors, []
+            out["nixl_bytes"], self.nixl_bytes = self.nixl_bytes, []
         return out
 
     def metrics(self) -> dict[str, Any]:
