@@ -1,4 +1,4 @@
-"""Model kinds inside real vLLM (CPU): an encoder-decoder model is refused by name.
+"""Model kinds inside real vLLM (CPU): encoder-decoder and Mamba models are refused by name.
 
 vLLM 0.32's scheduler runs no KV connector with an encoder-decoder model. Before the
 connector checked the model kind, a Whisper-style model with KVBridgeConnector failed
@@ -27,6 +27,11 @@ def test_an_encoder_decoder_model_is_refused_by_kind() -> None:
     check_model_kind("LlamaForCausalLM", is_encoder_decoder=False)  # no error
 
 
+def test_a_model_with_mamba_layers_is_refused_by_kind() -> None:
+    with pytest.raises(ConfigError, match="cannot serve JambaForCausalLM: its Mamba"):
+        check_model_kind("JambaForCausalLM", is_encoder_decoder=False, has_state_space_layers=True)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
@@ -42,3 +47,16 @@ def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None
     assert "cannot serve WhisperForConditionalGeneration: it is an encoder-decoder" in log
     assert ENCODER_DECODER_REFUSAL in log
     assert "Failed to promote" not in log, str(info.value)[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_real_vllm_refuses_mamba_with_kvbridge_by_name(tmp_path: Path) -> None:
+    model_or_skip(tmp_path)  # the venv
+    model = harness.write_tiny_model("mamba", tmp_path / "mamba")
+    kv = harness.kv_config("kvbridge", "kv_consumer")
+    with pytest.raises(LaunchError):
+        harness.Engine(model, core=1, kv=kv, log=tmp_path / "mamba.log", max_model_len=256).close()
+    log = (tmp_path / "mamba.log").read_text()
+    assert "cannot serve MambaForCausalLM: its Mamba (state-space) layers" in log, log[-3000:]

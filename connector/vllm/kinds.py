@@ -12,7 +12,12 @@ from typing import Any
 
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["ENCODER_DECODER_REFUSAL", "check_model_kind", "check_vllm_model"]
+__all__ = [
+    "ENCODER_DECODER_REFUSAL",
+    "STATE_SPACE_REFUSAL",
+    "check_model_kind",
+    "check_vllm_model",
+]
 
 ENCODER_DECODER_REFUSAL = (
     "vLLM 0.32 runs no KV connector with encoder-decoder models: its scheduler asserts "
@@ -21,17 +26,38 @@ ENCODER_DECODER_REFUSAL = (
 )
 
 
-def check_model_kind(architecture: str, *, is_encoder_decoder: bool) -> None:
+STATE_SPACE_REFUSAL = (
+    "its Mamba (state-space) layers keep one running state per request, not KV blocks "
+    "per token, and kvbridge moves only attention KV blocks"
+)
+
+
+def check_model_kind(
+    architecture: str,
+    *,
+    is_encoder_decoder: bool,
+    has_state_space_layers: bool = False,
+) -> None:
     """Refuse a model kvbridge's vLLM connector cannot serve (``architecture``: the model's
-    class name, for the message)."""
+    class name, for the message): encoder-decoder models, and models with Mamba layers
+    (vLLM's ``is_hybrid`` or ``is_attention_free``)."""
     if is_encoder_decoder:
         raise ConfigError(
             f"kvbridge's vLLM connector cannot serve {architecture}: it is an encoder-decoder "
             f"model, and {ENCODER_DECODER_REFUSAL}; start it without --kv-transfer-config"
+        )
+    if has_state_space_layers:
+        raise ConfigError(
+            f"kvbridge's vLLM connector cannot serve {architecture}: {STATE_SPACE_REFUSAL} "
+            "(a MambaSpec KV cache group); start it without --kv-transfer-config"
         )
 
 
 def check_vllm_model(model_config: Any) -> None:
     """:func:`check_model_kind` for vLLM's ``ModelConfig`` (its first architecture names it)."""
     archs = getattr(model_config, "architectures", None) or [str(model_config.model)]
-    check_model_kind(str(archs[0]), is_encoder_decoder=bool(model_config.is_encoder_decoder))
+    check_model_kind(
+        str(archs[0]),
+        is_encoder_decoder=bool(model_config.is_encoder_decoder),
+        has_state_space_layers=bool(model_config.is_hybrid or model_config.is_attention_free),
+    )

@@ -6,6 +6,8 @@
   the output, so the post-norms scale the layers' outputs up and the attention is sharp
   (``query_pre_attn_scalar`` 16): greedy output then depends on the first token of a
   92-token prompt (without, it repeats the last prompt token).
+- ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
+  is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
   by ``transformers`` from its config with its own random initialisation, with a tokenizer
   of single characters (vLLM's Whisper processor needs one: start it with the tokenizer);
@@ -128,11 +130,32 @@ def _write_whisper(path: Path, seed: int) -> None:
     WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(str(path))
 
 
-WRITERS = {"gemma3": _write_gemma3, "whisper": _write_whisper}
+MAMBA: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "state_size": 8,
+    "expand": 2,
+    "conv_kernel": 4,
+    "vocab_size": 1024,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+def _write_mamba(path: Path, seed: int) -> None:
+    import torch
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(seed)
+    MambaForCausalLM(MambaConfig(**MAMBA)).save_pretrained(str(path))
+
+
+WRITERS = {"gemma3": _write_gemma3, "mamba": _write_mamba, "whisper": _write_whisper}
 
 
 def write_model(kind: str, path: Path, seed: int = 0) -> Path:
-    """Write the ``kind`` model (``gemma3``, ``whisper``) under ``path`` (skipped if there)."""
+    """Write the ``kind`` model (:data:`WRITERS`) under ``path`` (skipped if there)."""
     if kind not in WRITERS:
         raise ValueError(f"unknown tiny model kind {kind!r}: one of {sorted(WRITERS)}")
     path.mkdir(parents=True, exist_ok=True)
