@@ -6,6 +6,9 @@
   the output, so the post-norms scale the layers' outputs up and the attention is sharp
   (``query_pre_attn_scalar`` 16): greedy output then depends on the first token of a
   92-token prompt (without, it repeats the last prompt token).
+- ``gemma4``: a Gemma-4-style decoder whose last layers share the KV of earlier ones
+  (``num_kv_shared_layers``), made by ``transformers`` with its own random initialisation
+  (greedy output still depends on the first token of a 92-token prompt).
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
   is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
@@ -130,6 +133,37 @@ def _write_whisper(path: Path, seed: int) -> None:
     WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(str(path))
 
 
+GEMMA4: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "global_head_dim": 64,
+    "sliding_window": 32,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "num_kv_shared_layers": 2,
+    "vocab_size_per_layer_input": 1024,
+    "hidden_size_per_layer_input": 16,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+}
+"""Four layers (sliding, full, sliding, full); the last two share the KV of the first two
+(``num_kv_shared_layers``). One head size everywhere (``global_head_dim`` 64): with
+Gemma-4's larger global head size vLLM 0.32 fails at startup whenever its hybrid KV cache
+manager is off (docs/VLLM.md, "KV-sharing layers")."""
+
+
+def _write_gemma4(path: Path, seed: int) -> None:
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    Gemma4ForCausalLM(Gemma4TextConfig(**GEMMA4)).save_pretrained(str(path))
+
+
 MAMBA: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 1,
@@ -151,7 +185,12 @@ def _write_mamba(path: Path, seed: int) -> None:
     MambaForCausalLM(MambaConfig(**MAMBA)).save_pretrained(str(path))
 
 
-WRITERS = {"gemma3": _write_gemma3, "mamba": _write_mamba, "whisper": _write_whisper}
+WRITERS = {
+    "gemma3": _write_gemma3,
+    "gemma4": _write_gemma4,
+    "mamba": _write_mamba,
+    "whisper": _write_whisper,
+}
 
 
 def write_model(kind: str, path: Path, seed: int = 0) -> Path:
