@@ -10,6 +10,7 @@ equals one plain engine token for token with every prompt block moved.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,38 @@ def test_plain_vllm_keeps_its_hybrid_groups_kvbridge_gets_one(
     ]
     for name in ("prefill", "decode"):
         assert engines[name].call(cmd="stats")["kv_cache_groups"] == ["FullAttentionSpec"]
+
+
+@pytest.mark.extended
+def test_prefill_with_kv_sharing_fast_prefill_hands_over_the_same_kv(
+    engines: dict[str, harness.Engine], tmp_path: Path
+) -> None:
+    """vLLM's prefill skip (``kv_sharing_fast_prefill``) on a prefill: the sharing layers
+    write no KV, so decode's tokens are the plain engine's (and the prefill's wall time,
+    for docs/VLLM.md, is printed)."""
+    model = harness.write_tiny_model("gemma4", tmp_path / "gemma4")
+    prompts = [[3, *range(200, 290), 4 + i] for i in range(2)]  # not in any cache yet
+    expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
+    port = 20500 + (hash(str(tmp_path)) % 400)
+    kv = harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20)
+    with harness.Engine(
+        model,
+        core=0,
+        kv=kv,
+        log=tmp_path / "fast-prefill.log",
+        max_model_len=512,
+        startup_timeout_s=600.0,
+        llm_args={"kv_sharing_fast_prefill": True},
+    ) as fast:
+        pre = fast.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+        params = [o["kv_transfer_params"] for o in pre["outputs"]]
+        got = harness.tokens(engines["decode"].generate(prompts, MAX_TOKENS, params))
+        slow = engines["prefill"].generate(
+            [[3, *range(300, 390), 4]], 1, [{"do_remote_decode": True}]
+        )
+        again = fast.generate([[3, *range(400, 490), 4]], 1, [{"do_remote_decode": True}])
+    print(f"prefill wall ms: fast-prefill {again['wall_ms']:.1f}, plain {slow['wall_ms']:.1f}")
+    assert got == expected
+    loads = list(engines["decode"].call(cmd="stats")["loads"].values())
+    assert all(not x["error"] for x in loads), loads
+    assert loads and all(x["moved"] == 3 for x in loads), loads  # moved, not recomputed

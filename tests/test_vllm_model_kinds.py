@@ -51,6 +51,7 @@ def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended  # the rule is the unit test above; this start costs ~75 s
 @pytest.mark.timeout(600)
 def test_real_vllm_refuses_mamba_with_kvbridge_by_name(tmp_path: Path) -> None:
     model_or_skip(tmp_path)  # the venv

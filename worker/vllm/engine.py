@@ -63,11 +63,13 @@ class Engine:
         tp: int = 1,
         kv_events: dict[str, Any] | None = None,
         tokenizer: bool = False,
+        llm_args: dict[str, Any] | None = None,
     ) -> None:
         """``cpu_kv_layouts`` (test-only shim): vLLM layout names the CPU attention
         backend is made to declare before the engine is built (``--cpu-kv-layouts``).
         ``kv_events``: vLLM's ``--kv-events-config``. ``tokenizer``: load the model's
-        tokenizer (prompts are token ids either way; Whisper's processor needs one)."""
+        tokenizer (prompts are token ids either way; Whisper's processor needs one).
+        ``llm_args``: more ``vllm.LLM`` keyword arguments (``--llm-args``)."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -81,6 +83,8 @@ class Engine:
             cmd.append("--log-stats")
         if tokenizer:
             cmd.append("--tokenizer")
+        if llm_args:
+            cmd += ["--llm-args", json.dumps(llm_args)]
         if tp > 1:  # one worker process per rank, all pinned to ``core`` with the engine
             cmd += ["--tensor-parallel-size", str(tp)]
         self.log = log

@@ -94,6 +94,7 @@ class Instance:
             disable_log_stats=not args.log_stats,
             tensor_parallel_size=args.tensor_parallel_size,
             **kw,
+            **json.loads(args.llm_args or "{}"),
         )
         self.startup_s = time.perf_counter() - t0
         self.core = self.llm.llm_engine.engine_core.engine_core
@@ -250,6 +251,7 @@ def main() -> None:
     parser.add_argument("--log-stats", action="store_true")
     parser.add_argument("--cpu-kv-layouts", default="", help="test-only shim, e.g. BLHNC,LBHNC")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--llm-args", default="", help="more vllm.LLM keyword arguments, JSON")
     parser.add_argument(
         "--tokenizer", action="store_true", help="load the model's tokenizer (Whisper needs it)"
     )
