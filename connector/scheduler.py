@@ -56,6 +56,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.params import KVTransferParams
+from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -84,6 +85,11 @@ class LeaseIssuer(ABC):
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         """Take a reference on ``blocks`` and put it under a new lease: ``(lease_id, ttl_s)``."""
+
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+        """Each leased block's :func:`~kvbridge.kernels.block_digests` under ``key``, for the
+        kv_transfer_params; None: not digested here (the hand-over goes unverified)."""
+        return None
 
 
 def tail_name(
@@ -241,10 +247,14 @@ class KVBridgeScheduler(SchedulerConnector):
         remote = {"self": params.block_ids["self"][first:end]}
         names = self._names(request, params.num_tokens)
         hashes = {"self": names[first:]}
+        verify = self.config.verify_loads and params.digest_key is not None
+        digests = {"self": params.digests.get("self", ())[first:end]} if verify else {}
         if self._load_cross(request, block_ids, params):
             local["cross"] = tuple(block_ids["cross"])
             remote["cross"] = params.block_ids["cross"]
             hashes["cross"] = params.block_hashes["cross"]
+            if verify:
+                digests["cross"] = params.digests.get("cross", ())
         self._loads.append(
             BlockLoad(
                 request_id=request.request_id,
@@ -259,6 +269,8 @@ class KVBridgeScheduler(SchedulerConnector):
                 first_block=first,
                 seal=self._seal(request, params, names),
                 remote_tp_size=params.tp_size,
+                digest_key=params.digest_key if verify else None,
+                digests=digests,
             )
         )
 
@@ -327,12 +339,7 @@ class KVBridgeScheduler(SchedulerConnector):
         num_tokens = len(request.prompt_token_ids)
         needed = -(-num_tokens // self.block_size)
         if len(ids.get("self", ())) < needed:
-            log.warning(
-                "request %s has %d blocks for %d tokens; no hand-over",
-                request.request_id,
-                len(ids.get("self", ())),
-                num_tokens,
-            )
+            log.warning("request %s: too few blocks; no hand-over", request.request_id)
             return delay_free, None
         ids["self"] = ids["self"][:needed]
         hashes = {
@@ -347,12 +354,9 @@ class KVBridgeScheduler(SchedulerConnector):
         try:
             lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, leased)
         except KVBridgeError as exc:
-            log.warning(
-                "request %s: could not pin its blocks (%s); decode will recompute",
-                request.request_id,
-                exc,
-            )
+            log.warning("request %s: no lease (%s); decode recomputes", request.request_id, exc)
             return delay_free, None
+        key, digests = self._digests(request.request_id, ids)
         params = KVTransferParams(
             remote_engine_id=self.config.engine_id,  # type: ignore[arg-type]
             remote_address=self.config.control_address,
@@ -363,8 +367,22 @@ class KVBridgeScheduler(SchedulerConnector):
             lease_id=lease_id,
             lease_ttl_s=ttl_s,
             tp_size=self.tp_size,
+            digest_key=key,
+            digests={g: tuple(d) for g, d in digests.items()},
         )
         return delay_free, params.to_dict()
+
+    def _digests(
+        self, request_id: RequestId, ids: Mapping[str, Sequence[BlockId]]
+    ) -> tuple[int | None, dict[str, list[bytes]]]:
+        """A fresh key and the leased blocks' digests under it; ``(None, {})``: unverified."""
+        key = new_key()
+        try:
+            digests = self.issuer.digests(ids, key) if self.config.verify_loads else None  # type: ignore[union-attr]
+        except KVBridgeError as exc:  # e.g. memory the CPU digest cannot read
+            log.warning("request %s: no block digests (%s)", request_id, exc)
+            digests = None
+        return (None, {}) if digests is None else (key, digests)
 
     def _store(self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]) -> bool:
         """Queue the request's verified full blocks for the offload daemon; True if queued

@@ -270,8 +270,12 @@ def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
     local["self"] = tuple(load.local_ids["self"])[n:]
     remote["self"] = tuple(load.remote_ids.get("self", ()))[n:]
     hashes["self"] = tuple(load.remote_hashes.get("self", ()))[n:]
+    digests = dict(load.digests)
+    if "self" in digests:
+        digests["self"] = tuple(digests["self"])[n:]
     return replace(
         load,
+        digests=digests,
         local_ids=local,
         remote_ids=remote,
         remote_hashes=hashes,

@@ -30,6 +30,7 @@ from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, read_blocks
 from kvbridge.connector.load.result import load_result
+from kvbridge.connector.load.verify import Checked, Expected
 from kvbridge.proto.errors import (
     ControlPlaneError,
     KVBridgeError,
@@ -69,9 +70,12 @@ class _Attempt:
     lease: LeaseId | None = None
     """The lease the owner named for this load: the only lease this load may release (the
     lease id in the params is a claim, maybe another request's)."""
+    expected: Expected | None = field(init=False)
+    """The digests the blocks must match (None: the load is not verified)."""
 
     def __post_init__(self) -> None:
         load = self.load
+        self.expected = Expected.of(load)
         groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
         self.local = {g: list(load.local_ids[g]) for g in groups}
         self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
@@ -143,7 +147,7 @@ class RemoteLoader:
                 ranks,
                 self._links,
                 self._seal_reader,
-                self._read,
+                self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
             )
@@ -169,15 +173,14 @@ class RemoteLoader:
             return None
         if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
             return None
-        reads = [self._read(peer, g, job.local[g], job.remote[g]) for g in job.local]
+        done = {g: self._read(job, g, job.local[g], job.remote[g]) for g in job.local}
         if not reader.holds(link, load.lease_id, load.seal, self.config.load_timeout_s):
             log.info(
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
             )
             return None
         reader.release(link, load.lease_id, *self._reader(load))
-        moved = {g: len(ids) for g, ids in job.local.items()}
-        return load_result(load, job.t0, moved=moved, path="sealed", reads=reads)
+        return self._verdict(job, done, "sealed")
 
     def _load_from_owner(self, job: _Attempt) -> LoadResult:
         """The owner names the blocks (for decode's own names), they are READ, and the
@@ -187,27 +190,64 @@ class RemoteLoader:
         claimed = LeaseId(load.lease_id) if load.lease_id else None
         job.lease, remote = self._owner_blocks(peer, load, claimed, job.local)
         local_self = job.local.get("self", [])
-        reads: list[ReadFigures] = []
+        done: dict[str, tuple[ReadFigures, Checked]] = {}
         n = len(remote.get("self", ()))
         if n:
-            reads.append(self._read(peer, "self", local_self[:n], remote["self"][:n]))
-        moved = {"self": n}
-        bad = local_self[n:]
-        error = "" if not bad else "lease gone (expired or released): partial prefix"
-        if "cross" in job.local:
-            if len(remote["cross"]) == len(job.local["cross"]):
-                reads.append(self._read(peer, "cross", job.local["cross"], remote["cross"]))
-                moved["cross"] = len(job.local["cross"])
-            else:  # all or nothing: the engine recomputes the whole request
-                bad, error = local_self, "cross blocks no longer held by the peer"
+            done["self"] = self._read(job, "self", local_self[:n], remote["self"][:n])
+        cross_gone = "cross" in job.local and len(remote["cross"]) != len(job.local["cross"])
+        if "cross" in job.local and not cross_gone:
+            done["cross"] = self._read(job, "cross", job.local["cross"], remote["cross"])
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
-            moved = {}
-            bad, error = local_self + job.local.get("cross", []), "lease lapsed during the read"
+            error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
+            reads = [r for r, _ in done.values()]
+            return load_result(load, job.t0, bad=local_self, error=error, path="owner", reads=reads)
+        if cross_gone:  # all or nothing: the engine recomputes the whole request
+            return self._verdict(job, done, "owner", "cross blocks no longer held by the peer")
+        if n < len(local_self):
+            return self._verdict(
+                job, done, "owner", "lease gone (expired or released): partial prefix"
+            )
+        return self._verdict(job, done, "owner")
+
+    def _verdict(
+        self,
+        job: _Attempt,
+        done: Mapping[str, tuple[ReadFigures, Checked]],
+        path: str,
+        error: str = "",
+    ) -> LoadResult:
+        """The result of a load whose READs ``done`` landed (and were checked): ``self``
+        blocks are good up to the first one not read or not matching its digest; a cross
+        group not read whole and good makes every block bad (``error`` says why, if the
+        caller knows)."""
+        load, local_self = job.load, job.local.get("self", [])
+        good = {g: checked.good for g, (_, checked) in done.items()}
+        mismatches = sum(checked.mismatches for _, checked in done.values())
+        if mismatches:
+            peer = job.peer
+            error = (
+                f"digest mismatch: {mismatches} block(s) read from {load.remote_engine} at "
+                f"{peer.address if peer else load.remote_address} differ from the digests "
+                "recorded at hand-over"
+            )
+            log.warning("request %s: %s; recomputing them", load.request_id, error)
+        moved = {g: n for g, n in good.items() if g == "self" or n == len(job.local[g])}
+        bad = local_self[good.get("self", 0) :]
+        if "cross" in job.local and moved.get("cross") != len(job.local["cross"]):
+            bad, error = local_self, error or "cross blocks not read whole"
         return load_result(
-            load, job.t0, moved=moved, bad=bad, error=error, path="owner", reads=reads
+            load,
+            job.t0,
+            moved=moved,
+            bad=bad,
+            error=error,
+            path=path,
+            reads=[r for r, _ in done.values()],
+            mismatches=mismatches,
+            verified=job.expected is not None,
         )
 
     def _failed(self, job: _Attempt, exc: Exception, retry_stale: bool) -> LoadResult:
@@ -234,19 +274,29 @@ class RemoteLoader:
         return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
 
     def _read(
-        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> ReadFigures:
-        """READ ``remote`` into ``local`` (through the staging cache if the orders differ)."""
+        self, job: _Attempt, group: str, local: list[BlockId], remote: list[BlockId]
+    ) -> tuple[ReadFigures, Checked]:
+        """READ ``remote`` into ``local`` (through the staging cache if the orders differ),
+        checked against the load's digests before the engine may use the blocks."""
+        assert job.peer is not None
         return read_blocks(
             self.transport,
-            peer,
+            job.peer,
             group,
             local,
             remote,
             self.config.load_timeout_s,
             self.memory,
             self.kv_caches,
+            job.expected,
         )
+
+    def _read_unchecked(
+        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
+    ) -> ReadFigures:
+        """A READ across TP ranks (head slices): not checked yet (no per-slice digests)."""
+        job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
+        return self._read(job, group, local, remote)[0]
 
     def _owner_blocks(
         self,

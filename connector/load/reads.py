@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvbridge.connector.load.verify import Checked
 from kvbridge.kernels import BlockMapping, convert_blocks
 from kvbridge.proto.types import BlockId
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.load.links import Peer
+    from kvbridge.connector.load.verify import Expected
     from kvbridge.connector.transport.base import LocalMemory, TransferHandle, Transport
 
 __all__ = ["ReadFigures", "read_blocks"]
@@ -57,26 +59,36 @@ def read_blocks(
     timeout_s: float,
     memory: LocalMemory,
     kv_caches: Mapping[str, torch.Tensor],
-) -> ReadFigures:
+    expected: Expected | None = None,
+) -> tuple[ReadFigures, Checked]:
     """READ ``remote`` into ``local`` (through the peer's staging cache if the inner orders
-    differ)."""
+    differ) and check the blocks as they landed against ``expected``: only the leading
+    blocks that match are converted out of the staging cache. Without ``expected`` every
+    block counts as good."""
     staging = peer.staging
     if staging is None:
-        return _read_into(transport, peer, group, local, remote, timeout_s)
+        read = _read_into(transport, peer, group, local, remote, timeout_s)
+        return read, _check(expected, memory.layout, group, local)
     slots = staging.take(group, len(remote))  # OutOfBlocksError: the request recomputes
     try:
         read = _read_into(transport, peer, group, slots, remote, timeout_s)
-        convert_blocks(
-            staging.caches,
-            staging.memory.layout,
-            kv_caches,
-            memory.layout,
-            BlockMapping(slots, local),
-            group=group,
-        )
+        checked = _check(expected, staging.memory.layout, group, slots)
+        if checked.good:
+            convert_blocks(
+                staging.caches,
+                staging.memory.layout,
+                kv_caches,
+                memory.layout,
+                BlockMapping(slots[: checked.good], local[: checked.good]),
+                group=group,
+            )
     finally:
         staging.give_back(group, slots)
-    return read
+    return read, checked
+
+
+def _check(expected: Expected | None, layout: Any, group: str, ids: list[BlockId]) -> Checked:
+    return Checked(len(ids), 0) if expected is None else expected.check(layout, group, ids)
 
 
 def _read_into(

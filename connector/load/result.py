@@ -24,6 +24,8 @@ def load_result(
     requested: int | None = None,
     offloaded: int = 0,
     elapsed_ms: float | None = None,
+    mismatches: int = 0,
+    verified: bool = False,
 ) -> LoadResult:
     """What ``load`` did, started at ``t0`` (``time.perf_counter()``): ``moved`` blocks per
     group, ``bad`` local ids the engine recomputes. ``requested`` defaults to every local
@@ -43,5 +45,7 @@ def load_result(
         moved_by_group=moved,
         path=path,
         blocks_offloaded=offloaded,
+        digest_mismatches=mismatches,
+        verified=verified,
         **ReadFigures.total(reads),
     )

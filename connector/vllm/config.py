@@ -31,6 +31,9 @@ adapter passes plain values.
 ``offload_address``      host:port of the node's CPU offload daemon (``kvbridge offload serve``):
                          requests load the blocks it holds after their local prefix-cache hit,
                          and finished requests store their full prompt blocks in it
+``verify_loads``         check loaded blocks against their hand-over digests (default true;
+                         ConnectorConfig rejects a non-boolean). vLLM prefills record no
+                         digests yet, so their loads go unverified either way
 ``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
                          block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
@@ -72,6 +75,7 @@ _KNOWN = frozenset(
         "offload_address",
         "max_concurrent_loads",
         "kv_cache_layout",
+        "verify_loads",
     }
 )
 KV_CACHE_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
@@ -153,6 +157,7 @@ class VllmConnectorConfig:
             load_timeout_s=_float(extra, "load_timeout_s", min(10.0, lease_ttl_s / 2)),
             max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
+            verify_loads=extra.get("verify_loads", True),
         )
         return cls(
             connector=connector,

@@ -156,6 +156,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
+        "--no-verify-loads",
+        dest="verify_loads",
+        action="store_false",
+        help="do not digest handed-over blocks (prefill) nor check loaded blocks against their "
+        "digests (decode); default: verify (a peer that WRITEs this node's NIXL memory could "
+        "otherwise change decoded tokens)",
+    )
+    p.add_argument(
         "--offload",
         default="",
         metavar="HOST:PORT",
@@ -212,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
             stall_before_read_s=args.stall_before_read,
             on_load_error=args.on_load_error,
             offload_address=args.offload,
+            verify_loads=args.verify_loads,
         ),
         host=args.host,
         port=args.port,
