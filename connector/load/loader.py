@@ -173,8 +173,29 @@ class RemoteLoader:
             return None
         if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
             return None
-        done = {g: self._read(job, g, job.local[g], job.remote[g]) for g in job.local}
-        if not reader.holds(link, load.lease_id, load.seal, self.config.load_timeout_s):
+        # blocks READ straight into the cache are checked while the seal READ is in flight
+        # (staged blocks are checked before conversion, inside the read)
+        direct = peer.staging is None
+        done = {g: self._read(job, g, job.local[g], job.remote[g], not direct) for g in job.local}
+        failed: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                for g, (read, _) in done.items():
+                    done[g] = (read, self._check(job, g, job.local[g]))
+            except BaseException as exc:  # re-raised below, after the seal READ finished
+                failed.append(exc)
+
+        holds = reader.holds(
+            link,
+            load.lease_id,
+            load.seal,
+            self.config.load_timeout_s,
+            check if direct and job.expected is not None else None,
+        )
+        if failed:
+            raise failed[0]
+        if not holds:
             log.info(
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
             )
@@ -274,10 +295,16 @@ class RemoteLoader:
         return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
 
     def _read(
-        self, job: _Attempt, group: str, local: list[BlockId], remote: list[BlockId]
+        self,
+        job: _Attempt,
+        group: str,
+        local: list[BlockId],
+        remote: list[BlockId],
+        check: bool = True,
     ) -> tuple[ReadFigures, Checked]:
         """READ ``remote`` into ``local`` (through the staging cache if the orders differ),
-        checked against the load's digests before the engine may use the blocks."""
+        checked against the load's digests before the engine may use the blocks (unless
+        ``check`` is False: the caller then checks them with :meth:`_check`)."""
         assert job.peer is not None
         return read_blocks(
             self.transport,
@@ -288,8 +315,14 @@ class RemoteLoader:
             self.config.load_timeout_s,
             self.memory,
             self.kv_caches,
-            job.expected,
+            job.expected if check else None,
         )
+
+    def _check(self, job: _Attempt, group: str, local: list[BlockId]) -> Checked:
+        """Check blocks READ straight into the KV cache against the load's digests."""
+        if job.expected is None:
+            return Checked(len(local), 0)
+        return job.expected.check(self.memory.layout, group, local)
 
     def _read_unchecked(
         self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]

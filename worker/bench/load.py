@@ -11,8 +11,8 @@ decode does, request after request, alternating the two load protocols:
   no RPC;
 - ``verified`` (what a decode load does by default): ``sealed`` plus the check of
   every block read against the digest its owner recorded at hand-over (keyed
-  XXH3-128 of the bytes as they landed; ``--no-verify`` leaves it out, and the JSON
-  settings say which).
+  XXH3-128 of the bytes as they landed, computed while the seal READ is in flight;
+  ``--no-verify`` leaves it out, and the JSON settings say which).
 
 Each is timed against a bare READ of the same blocks (``read``), for 1 to 6
 blocks of the chosen preset, so the figure is what a protocol adds to the READ.
@@ -74,7 +74,7 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
     with NixlTransport(NixlConfig("bench-owner")) as transport:
         caches = layout.allocate("cpu")
         for tensor in caches.values():
-            tensor.view(-1).copy_(torch.randn(tensor.numel()).to(tensor.dtype))
+            tensor.copy_(torch.randn(tensor.shape).to(tensor.dtype))
         memory = transport.register(layout, caches)
         key = new_key()  # the hand-over's digests, as a prefill records them
         digests = block_digests(memory.layout, "self", list(range(blocks)), key)
@@ -159,10 +159,15 @@ def run(args: argparse.Namespace) -> int:
                 _, (lease, ids) = next(leases)
                 read(ids[:n])
                 digest = seal_digest({"self": ids}, {"self": names})
-                if not reader.holds(seal_link, lease, digest, 10):
-                    raise RuntimeError(f"the seal of lease {lease} did not hold")
                 expected = Expected(key, {"self": [digests[b] for b in ids[:n]]})
-                if expected.check(memory.layout, "self", ids[:n]).mismatches:
+                checked = []  # as a decode load does: digests while the seal READ is in flight
+
+                def check() -> None:
+                    checked.append(expected.check(memory.layout, "self", ids[:n]))
+
+                if not reader.holds(seal_link, lease, digest, 10, check):
+                    raise RuntimeError(f"the seal of lease {lease} did not hold")
+                if checked[0].mismatches:
                     raise RuntimeError(f"the blocks of lease {lease} do not match their digests")
                 reader.release(seal_link, lease)
 
