@@ -218,3 +218,31 @@ def test_with_verification_off_the_junk_is_decoded(tmp_path: Path, attacker: Pee
         assert rest.stats.blocks_moved == 4 and not rest.stats.load_error
     finally:
         pair.close()
+
+
+def test_the_owner_path_checks_the_blocks_it_reads_too(tmp_path: Path, attacker: PeerProc) -> None:
+    a, b = _prompt(80, 4 * BS + 3), _prompt(81, 4 * BS + 3)
+    expected_a, _ = reference([a, b], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
+    try:
+        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
+        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
+        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+        # swapped ids: the seal does not hold, so the owner names a's blocks ...
+        params["block_ids"] = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")[
+            "block_ids"
+        ]
+        # ... one of which holds junk
+        _forge(attacker, pair.info["prefill"]["control"], params_a_block(first_a, 1))
+        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
+        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+        assert rest.stats.blocks_moved == 1 and "digest" in rest.stats.load_error
+        url = pair.info["decode"]["metrics"]
+        assert _metric(url, "kvbridge_digest_mismatches_total") == 1
+        assert _metric(url, "kvbridge_loads_total") == 1  # the owner path (no sealed load)
+    finally:
+        pair.close()
+
+
+def params_a_block(first: Any, i: int) -> int:
+    return int(codec.unpack(first.kv_transfer_params, "KVTransferParams")["block_ids"]["self"][i])

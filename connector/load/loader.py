@@ -223,8 +223,9 @@ class RemoteLoader:
             # blocks may have been reused under it. Recompute; never cache them.
             error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
+            bad = local_self + job.local.get("cross", [])
             reads = [r for r, _ in done.values()]
-            return load_result(load, job.t0, bad=local_self, error=error, path="owner", reads=reads)
+            return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
         if cross_gone:  # all or nothing: the engine recomputes the whole request
             return self._verdict(job, done, "owner", "cross blocks no longer held by the peer")
         if n < len(local_self):
