@@ -29,7 +29,7 @@ from kvbridge.connector.control.seal import SealReader
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, read_blocks
-from kvbridge.connector.load.result import load_result
+from kvbridge.connector.load.result import load_result, verdict
 from kvbridge.connector.load.verify import Checked, Expected
 from kvbridge.proto.errors import (
     ControlPlaneError,
@@ -241,34 +241,16 @@ class RemoteLoader:
         path: str,
         error: str = "",
     ) -> LoadResult:
-        """The result of a load whose READs ``done`` landed (and were checked): ``self``
-        blocks are good up to the first one not read or not matching its digest; a cross
-        group not read whole and good makes every block bad (``error`` says why, if the
-        caller knows)."""
-        load, local_self = job.load, job.local.get("self", [])
-        good = {g: checked.good for g, (_, checked) in done.items()}
-        mismatches = sum(checked.mismatches for _, checked in done.values())
-        if mismatches:
-            peer = job.peer
-            error = (
-                f"digest mismatch: {mismatches} block(s) read from {load.remote_engine} at "
-                f"{peer.address if peer else load.remote_address} differ from the digests "
-                "recorded at hand-over"
-            )
-            log.warning("request %s: %s; recomputing them", load.request_id, error)
-        moved = {g: n for g, n in good.items() if g == "self" or n == len(job.local[g])}
-        bad = local_self[good.get("self", 0) :]
-        if "cross" in job.local and moved.get("cross") != len(job.local["cross"]):
-            bad, error = local_self, error or "cross blocks not read whole"
-        return load_result(
-            load,
+        """The result of a load whose READs ``done`` landed and were checked."""
+        peer = job.peer
+        return verdict(
+            job.load,
             job.t0,
-            moved=moved,
-            bad=bad,
-            error=error,
-            path=path,
-            reads=[r for r, _ in done.values()],
-            mismatches=mismatches,
+            job.local,
+            done,
+            path,
+            error,
+            address=peer.address if peer else job.load.remote_address,
             verified=job.expected is not None,
         )
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
+from kvbridge.connector.load.verify import Checked
 from kvbridge.proto.types import BlockId
 
-__all__ = ["load_result"]
+__all__ = ["load_result", "verdict"]
+
+log = logging.getLogger(__name__)
 
 
 def load_result(
@@ -48,4 +52,45 @@ def load_result(
         digest_mismatches=mismatches,
         verified=verified,
         **ReadFigures.total(reads),
+    )
+
+
+def verdict(
+    load: BlockLoad,
+    t0: float,
+    local: Mapping[str, Sequence[BlockId]],
+    done: Mapping[str, tuple[ReadFigures, Checked]],
+    path: str,
+    error: str = "",
+    *,
+    address: str,
+    verified: bool,
+) -> LoadResult:
+    """The result of a load whose READs ``done`` landed (and were checked): ``self`` blocks
+    are good up to the first one not read or not matching its digest; a cross group not
+    read whole and good makes every block bad (``error`` says why, if the caller knows).
+    A digest mismatch is logged with the peer (engine and ``address``)."""
+    local_self = list(local.get("self", ()))
+    good = {g: checked.good for g, (_, checked) in done.items()}
+    mismatches = sum(checked.mismatches for _, checked in done.values())
+    if mismatches:
+        error = (
+            f"digest mismatch: {mismatches} block(s) read from {load.remote_engine} at "
+            f"{address} differ from the digests recorded at hand-over"
+        )
+        log.warning("request %s: %s; recomputing them", load.request_id, error)
+    moved = {g: n for g, n in good.items() if g == "self" or n == len(local[g])}
+    bad = local_self[good.get("self", 0) :]
+    if "cross" in local and moved.get("cross") != len(local["cross"]):
+        bad, error = local_self, error or "cross blocks not read whole"
+    return load_result(
+        load,
+        t0,
+        moved=moved,
+        bad=bad,
+        error=error,
+        path=path,
+        reads=[r for r, _ in done.values()],
+        mismatches=mismatches,
+        verified=verified,
     )
