@@ -34,6 +34,9 @@ adapter passes plain values.
 ``offload_verify``       check every block loaded from the offload daemon against its
                          writer's digest before vLLM uses it (default ``true``); ``false``
                          trusts the daemon's memory
+``verify_loads``         check loaded blocks against their hand-over digests (default true;
+                         ConnectorConfig rejects a non-boolean). vLLM prefills record no
+                         digests yet, so their loads go unverified either way
 ``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
                          block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
@@ -84,6 +87,7 @@ _KNOWN = frozenset(
         "kv_cache_layout",
         "offload_kv_events",
         "offload_kv_events_replay",
+        "verify_loads",
     }
 )
 KV_CACHE_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
@@ -176,6 +180,7 @@ class VllmConnectorConfig:
             max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
             offload_verify=_offload_verify(extra),
+            verify_loads=extra.get("verify_loads", True),
         )
         return cls(
             connector=connector,

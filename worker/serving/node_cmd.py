@@ -166,6 +166,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
+        "--no-verify-loads",
+        dest="verify_loads",
+        action="store_false",
+        help="do not digest handed-over blocks (prefill) nor check loaded blocks against their "
+        "digests (decode); default: verify (a peer that WRITEs this node's NIXL memory could "
+        "otherwise change decoded tokens)",
+    )
+    p.add_argument(
         "--offload",
         default="",
         metavar="HOST:PORT",
@@ -230,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             on_load_error=args.on_load_error,
             offload_address=args.offload,
             offload_verify=not args.no_offload_verify,
+            verify_loads=args.verify_loads,
         ),
         host=args.host,
         device=args.device,
