@@ -28,6 +28,7 @@ from typing import Any
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.bench.report import machine_info
+from kvbridge.worker.cli_checks import positive_int
 from kvbridge.worker.serving.launch import (
     OffloadDaemonProcess,
     start_node,
@@ -62,9 +63,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=sorted(ORDERS),
         help="decode's layout order (default: same as --order)",
     )
-    p.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
-    p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (default 4)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument(
+        "--requests", type=positive_int, default=24, help="number of requests (default 24)"
+    )
+    p.add_argument(
+        "--prefixes", type=positive_int, default=4, help="distinct shared prefixes (default 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
+    )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
         "--clips",

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 __all__ = [
@@ -41,9 +42,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(ORDERS),
         help="physical KV layout order (default block-nhd: block-outermost)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (default 512)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed; must match on every node")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
+    )
+    p.add_argument(
+        "--num-blocks", type=positive_int, default=512, help="KV blocks per worker (default 512)"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="weight seed; must match on every node"
+    )
     p.add_argument(
         "--share-last",
         type=int,
@@ -130,8 +137,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="Inference port (default: any free)")
-    p.add_argument("--control-port", type=int, default=0, help="PeerControl port (default: any)")
+    p.add_argument("--port", type=port, default=0, help="Inference port (default: any free)")
+    p.add_argument("--control-port", type=port, default=0, help="PeerControl port (default: any)")
     p.add_argument(
         "--advertise",
         default="",
@@ -161,10 +168,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         metavar="HOST:PORT",
         help="this node's CPU offload daemon (kvbridge offload serve); default: none",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=None,
         help="serve Prometheus transfer metrics on this port at /metrics (0: any free port; "
         "default: off)",

@@ -8,6 +8,7 @@ this module loads neither nixl nor torch.
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,22 +19,22 @@ __all__ = ["NixlConfig", "load_nixl"]
 
 
 def load_nixl() -> Any:
-    """Import NIXL's Python API lazily (``nixl_cu12._api``, else ``nixl._api``).
+    """Import NIXL's Python API lazily (``nixl_cu12._api``, ``nixl_cu13._api``, else
+    ``nixl._api``).
 
     Sets ``UCX_MODULES=^ib`` first unless the environment says otherwise:
     without it every process segfaults at exit on these machines.
     """
     os.environ.setdefault("UCX_MODULES", "^ib")
-    try:
-        import nixl_cu12._api as api
-    except ImportError:
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
         try:
-            import nixl._api as api  # type: ignore[no-redef]
-        except ImportError as exc:
-            raise ConfigError(
-                "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (after torch)"
-            ) from exc
-    return api
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ConfigError(
+        "NIXL is not installed: pip install 'kvbridge[cu12]' (CUDA 12 or CPU only) or "
+        "'kvbridge[cu13]' (CUDA 13)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
