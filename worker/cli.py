@@ -88,8 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("version", help="print the kvbridge, protocol and schema versions")
     p.set_defaults(func=_cmd_version)
 
-    p = sub.add_parser("layout", help="print a model preset's KV block byte math")
-    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    p = sub.add_parser("layout", help="print a model's KV block byte math")
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
+    )
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
     )
@@ -154,7 +156,7 @@ def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
         name = getattr(args, dest, None)
         subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
         if not name or not subs or name not in subs[0].choices:
-            break
+            continue
         parser = subs[0].choices[name]
     return parser
 

@@ -129,13 +129,37 @@ def preflight(args: argparse.Namespace) -> str | None:
                 f"{flag} {str(path)!r} is not a PEM {kind} (no '{_PEM[dest].decode()}' line); "
                 f"pass the PEM file of the {kind}"
             )
+    problem = _tls_problem(args)
+    if problem:
+        return problem
     host = getattr(args, "host", None) or "127.0.0.1"
-    for dest in _PORT_FLAGS:
-        value = getattr(args, dest, None)
-        if isinstance(value, int) and value > 0:
-            problem = _port_problem(host, value)
-            if problem:
-                return f"{_flag(dest)} {value}: {problem}"
+    ports = [(d, getattr(args, d)) for d in _PORT_FLAGS if isinstance(getattr(args, d, None), int)]
+    for dest, value in ports:
+        problem = _port_problem(host, value)
+        if problem:
+            return problem if value == 0 else f"{_flag(dest)} {value}: {problem}"
+    return None
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """Whether the PEM files load as OpenSSL will load them: the certificate with its key,
+    the roots as roots (gRPC would only say "Failed to bind")."""
+    import ssl
+
+    cert, key, ca = (getattr(args, d, None) for d in ("tls_cert", "tls_key", "tls_ca"))
+    if isinstance(cert, Path) and isinstance(key, Path):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            return (
+                f"--tls-cert {str(cert)!r} with --tls-key {str(key)!r} does not load "
+                f"({exc.reason or exc}); pass a PEM certificate and the private key it was made for"
+            )
+    if isinstance(ca, Path):
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=str(ca))
+        except ssl.SSLError as exc:
+            return f"--tls-ca {str(ca)!r} holds no usable PEM certificate ({exc.reason or exc})"
     return None
 
 
@@ -164,5 +188,5 @@ def _port_problem(host: str, value: int) -> str | None:
                 return f"--host {host!r} is not an address of this machine"
             if exc.errno == errno.EACCES:
                 return f"no permission to listen on {host}:{value}; choose a port above 1023"
-            return f"cannot listen on {host}:{value}: {exc.strerror}"
+            return f"cannot listen on {host}:{value}: {exc.strerror}; check --host and the port"
     return None

@@ -29,7 +29,13 @@ TARGET_PIN_RELEASE_P50_MS = 1.0
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("control", help="latency and RPC/s of the gRPC control plane")
-    p.add_argument("--preset", default="llama3-8b", help="layout preset (default llama3-8b)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="preset",
+        default="llama3-8b",
+        help="layout preset (default llama3-8b)",
+    )
     p.add_argument("--blocks", type=int, default=64, help="blocks per Pin (default 64)")
     p.add_argument("--iterations", type=int, default=2000, help="timed calls per operation")
     p.add_argument("--warmup", type=int, default=200, help="untimed calls per operation first")

@@ -32,7 +32,9 @@ PROTOCOLS = ("read", "sealed", "owner")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("load", help="one decode load: sealed (no RPC) vs owner-named (2 RPCs)")
-    p.add_argument("--preset", default="tiny", help="layout preset (default tiny)")
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="tiny", help="layout preset (default tiny)"
+    )
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     p.add_argument("--requests", type=int, default=200, help="loads per protocol and size")
     add_output_arguments(p, "load")

@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         description="Start the peer control server (gRPC) for a preset KV layout, with an "
         "empty block pool: checks addresses, tokens, TLS and layout compatibility.",
     )
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="tiny", choices=sorted(PRESETS), help="model"
+    )
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
     )

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from contextlib import ExitStack
@@ -32,9 +33,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and KV layout flags, shared by ``serve`` and ``demo``."""
     p.add_argument(
         "--model",
+        "--preset",
+        dest="model",
         default="tiny",
-        help="reference engine preset: tiny, small, share-tiny (8 layers, last 4 share KV) "
-        "or encdec-tiny",
+        help="reference engine model: tiny, small, share-tiny (8 layers, last 4 share KV) "
+        "or encdec-tiny (default tiny)",
     )
     p.add_argument(
         "--order",
@@ -78,6 +81,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, order: str | None = None) -> object:
+    from kvbridge.proto.errors import ConfigError
     from kvbridge.worker.engine import EngineConfig
 
     overrides: dict[str, object] = {}
@@ -89,14 +93,29 @@ def engine_config_from_args(args: argparse.Namespace, order: str | None = None) 
         overrides["prefill_skip"] = True
     if getattr(args, "encoder_decoder", False):
         overrides["encoder_decoder"] = True
-    return EngineConfig.preset(
-        args.model,
-        order=order or args.order,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        seed=args.seed,
-        **overrides,
-    )
+    try:
+        return EngineConfig.preset(
+            args.model,
+            order=order or args.order,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            seed=args.seed,
+            **overrides,
+        )
+    except ConfigError as exc:  # name the flags the user typed, not EngineConfig's fields
+        raise ConfigError(_flag_names(str(exc))) from None
+
+
+_FLAGS = ("block_size", "num_blocks", "seed", "share_last", "share_every", "order")
+
+
+def _flag_names(message: str) -> str:
+    """``EngineConfig.share_last=3 ...`` as ``--share-last 3 ...`` for the fields with flags."""
+    for name in _FLAGS:
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"\b(?:EngineConfig\.)?{name}=", f"{flag} ", message)
+        message = re.sub(rf"\bEngineConfig\.{name}\b", flag, message)
+    return message.replace("EngineConfig: ", "").replace("EngineConfig.", "")
 
 
 def engine_model_flags(args: argparse.Namespace) -> list[str]:
