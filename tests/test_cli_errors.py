@@ -137,7 +137,7 @@ def test_version_flag() -> None:
 
 def test_every_model_name_works_in_layout_and_the_old_flag_is_an_alias() -> None:
     from kvbridge.proto import PRESETS
-    from kvbridge.worker.engine.config import ENGINE_PRESETS
+    from kvbridge.worker.engine import ENGINE_PRESETS
 
     assert set(ENGINE_PRESETS) <= set(PRESETS)  # one set of names
     for name in ("share-tiny", "encdec-tiny", "kv-share-every2"):
