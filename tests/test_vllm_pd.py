@@ -5,12 +5,13 @@ if missing; the tests skip if it cannot be made). Three engines start once for
 the module, each pinned to a core: a prefill (``kv_producer``), a decode
 (``kv_consumer``) and a plain engine without a connector. The model is a tiny
 Llama with seeded random weights (greedy output depends on the context; a
-check below makes sure of that). The last test kills the prefill.
+check below makes sure of that). One test kills the prefill; a test that needs it
+afterwards (the tests run in any order) gets a fresh one on the same port.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -26,19 +27,42 @@ OTHER_FIRST = [[9, *PREFIX[1:], 100, 100, 100]]  # same as PROMPTS[0] but its fi
 MAX_TOKENS = 8
 
 
+class _Engines(dict[str, harness.Engine]):
+    """The module's engines; a prefill the kill test removed is started again when asked for."""
+
+    def __init__(self, started: dict[str, harness.Engine], prefill: Callable[[], harness.Engine]):
+        super().__init__(started)
+        self._prefill = prefill
+        self.restarted: list[harness.Engine] = []
+
+    def __missing__(self, key: str) -> harness.Engine:
+        if key != "prefill":
+            raise KeyError(key)
+        engine = self._prefill()
+        engine.wait_ready()
+        self.restarted.append(engine)
+        self[key] = engine
+        return engine
+
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm")
     model = model_or_skip(tmp)
     port = 17000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
-    started = {
-        "prefill": harness.Engine(
+    starts = iter(range(100))
+
+    def prefill() -> harness.Engine:
+        return harness.Engine(
             model,
             core=0,
             kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
-            log=tmp / "prefill.log",
+            log=tmp / f"prefill-{next(starts)}.log",
             wait=False,
-        ),
+        )
+
+    started = {
+        "prefill": prefill(),
         "decode": harness.Engine(
             model,
             core=1,
@@ -48,8 +72,13 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harn
         ),
         "plain": harness.Engine(model, core=0, log=tmp / "plain.log", wait=False),
     }
-    with harness.running(started) as engines:
-        yield engines
+    with harness.running(started) as ready:
+        engines = _Engines(ready, prefill)
+        try:
+            yield engines
+        finally:
+            for engine in engines.restarted:
+                engine.close()
 
 
 def _pd(engines: dict[str, harness.Engine], prompts: list[list[int]]) -> list[list[int]]:
@@ -66,15 +95,16 @@ def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engi
     )
 
 
-def test_pd_greedy_outputs_equal_one_plain_engine(engines: dict[str, harness.Engine]) -> None:
+def test_pd_greedy_outputs_equal_one_plain_engine_moving_only_the_blocks_decode_lacked(
+    engines: dict[str, harness.Engine],
+) -> None:
     expected = harness.tokens(engines["plain"].generate(PROMPTS + OTHER_FIRST, MAX_TOKENS))
+    before = set(engines["decode"].call(cmd="stats")["loads"])
     # the first prompt alone, so that the others find its prefix in decode's cache
     got = _pd(engines, PROMPTS[:1]) + _pd(engines, PROMPTS[1:] + OTHER_FIRST)
     assert got == expected
-
-
-def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engine]) -> None:
-    loads = list(engines["decode"].call(cmd="stats")["loads"].values())
+    stats = engines["decode"].call(cmd="stats")["loads"]
+    loads = [v for k, v in stats.items() if k not in before]
     assert len(loads) == len(PROMPTS) + 1
     assert all(not x["error"] for x in loads), loads
     moved = sorted(x["moved"] for x in loads)
@@ -86,7 +116,8 @@ def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engin
 def test_kvbridge_engines_hand_the_gil_over_sooner(engines: dict[str, harness.Engine]) -> None:
     # kvbridge's worker half shortens the interpreter's switch interval (docs/VLLM.md, "The
     # GIL"); a plain vLLM engine keeps Python's default
-    got = {name: engines[name].call(cmd="stats")["switch_interval_s"] for name in engines}
+    names = ("plain", "prefill", "decode")  # a killed prefill is started again
+    got = {name: engines[name].call(cmd="stats")["switch_interval_s"] for name in names}
     assert got == pytest.approx({"plain": 0.005, "prefill": 0.0005, "decode": 0.0005})
 
 
@@ -102,6 +133,7 @@ def test_killed_prefill_means_decode_recomputes(engines: dict[str, harness.Engin
     expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
     pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     engines["prefill"].kill()
+    del engines["prefill"]  # a later test that asks for it gets a fresh one
     decode = engines["decode"]
     before = set(decode.call(cmd="stats")["loads"])
     got = harness.tokens(

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
             if metrics_config is not None:
                 metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
             print(
-                f"kvbridge offload: daemon {instance} listening on {server.address}, "
+                f"kvbridge offload serve: daemon {instance} listening on {server.address}, "
                 f"capacity {config.capacity_bytes} bytes"
                 + (f", metrics on :{metrics.port}/metrics" if metrics else ""),
                 flush=True,

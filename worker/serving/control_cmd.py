@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with serve(local, owner, config) as server:
             print(
-                f"kvbridge serve: {engine_id} ({args.role}, {args.preset}, "
+                f"kvbridge serve-control: {engine_id} ({args.role}, {args.preset}, "
                 f"{' '.join(layout.order)}) listening on {server.address}"
                 + (" with TLS" if config.tls_cert else "")
                 + (" with token auth" if token else ""),
