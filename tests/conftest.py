@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.vllm import SharedPair, shared_pair
+
 os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
@@ -46,3 +48,9 @@ def tls_files(tmp_path: Path) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPair]:
+    """The session's kvbridge P/D pair and plain engine in real vLLM (tests/harness/vllm.py)."""
+    yield from shared_pair(tmp_path_factory.mktemp("vllm-pair"))

