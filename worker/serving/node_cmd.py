@@ -204,7 +204,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+_FIELD_FLAGS = {
+    "OffloadLookupConfig.address": "--offload",
+    "OffloadClientConfig.address": "--offload",
+    "allowed_peers": "--allow-peer",
+    "max_lease_ttl_s": "--max-lease-ttl",
+    "lease_ttl_s": "--lease-ttl",
+    "load_timeout_s": "--load-timeout",
+    "stall_before_read_s": "--stall-before-read",
+}
+"""Config fields named in errors -> the flag that sets them (longest names first)."""
+
+
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as exc:  # name the flag the user typed, not the config field
+        message = str(exc)
+        for name, flag in _FIELD_FLAGS.items():
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}\b", flag, message)
+        if message == str(exc):
+            raise
+        raise ConfigError(message) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
@@ -220,6 +246,13 @@ def run(args: argparse.Namespace) -> int:
             f"--host {args.host or '(empty)'} listens on every interface, but peers cannot dial "
             "that address: pass --advertise HOST:PORT (this node's reachable address and its "
             "--control-port) so decode nodes can reach its control server"
+        )
+    if args.advertise and not re.fullmatch(r".+:\d{1,5}", args.advertise):
+        from kvbridge.proto.errors import ConfigError
+
+        raise ConfigError(
+            f"--advertise {args.advertise!r} must be HOST:PORT (this node's reachable address "
+            "and its --control-port)"
         )
     security = read_auth(args)
     warn_if_open(log, args.host, security, "generate, pin blocks and read KV")
