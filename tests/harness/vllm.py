@@ -20,10 +20,9 @@ _session: dict[str, Path | str] = {}
 tiny Llama written by the first module that asked (it lives in pytest's session temp dir)."""
 
 
-def model_or_skip(tmp: Path) -> Path:
-    """Build ``.venv-vllm`` if missing (skip the test without it), then write the tiny
-    Llama under ``tmp`` (once per session; later calls get the first one); returns the
-    model directory."""
+def venv_or_skip(tmp: Path) -> Path:
+    """Build ``.venv-vllm`` if missing, checked once per session; skip the test without it.
+    Returns its python."""
     if "venv" not in _session and "error" not in _session:
         try:
             _session["venv"] = ensure_venv(log=tmp / "venv.log")
@@ -31,6 +30,15 @@ def model_or_skip(tmp: Path) -> Path:
             _session["error"] = str(exc)
     if "error" in _session:
         pytest.skip(f"no vLLM environment: {_session['error']}")
+    python = _session["venv"]
+    assert isinstance(python, Path)
+    return python
+
+
+def model_or_skip(tmp: Path) -> Path:
+    """:func:`venv_or_skip`, then write the tiny Llama under ``tmp`` (once per session;
+    later calls get the first one); returns the model directory."""
+    venv_or_skip(tmp)
     if "model" not in _session:
         _session["model"] = write_model(tmp / "model")
     model = _session["model"]
