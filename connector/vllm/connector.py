@@ -258,6 +258,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     control_port=self._cfg.control_port,
                     tp_rank=_tp_rank(tp_size),
                     tp_size=tp_size,
+                    tls_cert=self._cfg.tls_cert,
+                    tls_key=self._cfg.tls_key,
                 ),
             )
 

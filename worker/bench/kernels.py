@@ -29,7 +29,9 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("kernels", help="GB/s of block copy/convert/gather/scatter vs torch")
-    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
     p.add_argument("--moved", type=int, default=32, help="blocks moved per call")

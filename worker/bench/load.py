@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
 
@@ -36,7 +37,14 @@ PROTOCOLS = ("read", "sealed", "verified", "owner")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("load", help="one decode load: sealed (no RPC) vs owner-named (2 RPCs)")
-    p.add_argument("--preset", default="tiny", help="layout preset (default tiny)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="layout preset (default tiny)",
+    )
     p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     p.add_argument("--requests", type=int, default=200, help="loads per protocol and size")
     p.add_argument(

@@ -39,7 +39,9 @@ MiB = 2**20
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("offload", help="store/load through the CPU offload daemon vs memcpy")
-    p.add_argument("--presets", nargs="+", default=["llama3-8b", "small"])
+    p.add_argument(
+        "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
+    )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--mib", type=int, default=256, help="MiB per store/load")
     p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")

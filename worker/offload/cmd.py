@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
@@ -20,13 +21,14 @@ import threading
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["add_parser", "daemon_layout", "parse_bytes", "run", "main"]
+__all__ = ["add_parser", "check_memory", "daemon_layout", "parse_bytes", "run", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ def parse_bytes(text: str) -> int:
     """``"8GiB"`` → 8589934592; accepts B, kB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
     from kvbridge.proto.errors import ConfigError
 
+    if text.strip().startswith("-"):
+        raise ConfigError(f"--capacity {text!r} is negative: give the pool size, e.g. 8GiB")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
@@ -60,6 +64,33 @@ def parse_bytes(text: str) -> int:
     if value < 1:
         raise ConfigError(f"--capacity {text!r} must be at least one byte")
     return value
+
+
+def check_memory(capacity: int, text: str) -> None:
+    """ConfigError unless this machine's memory (``/proc/meminfo`` MemTotal, else the
+    physical pages) can hold a pool of ``capacity`` bytes."""
+    from kvbridge.proto.errors import ConfigError
+
+    total = _memory_bytes()
+    if total is not None and capacity > total:
+        raise ConfigError(
+            f"--capacity {text} ({capacity / 2**30:.1f} GiB) is more than this machine's memory "
+            f"({total / 2**30:.1f} GiB); give a smaller size, e.g. --capacity 8GiB"
+        )
+
+
+def _memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -79,9 +110,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--capacity", default="8GiB", help="host pool size, e.g. 8GiB, 512MiB (default 8GiB)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: pick a free one)")
+    p.add_argument("--port", type=port, default=0, help="gRPC port (default 0: pick a free one)")
     p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
+        "--metrics-port", type=port, help="serve Prometheus metrics on this port (/metrics)"
     )
     p.add_argument(
         "--model",
@@ -93,10 +124,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "encdec-small, kv-share-third, kv-share-every2); default: at the first "
         "authenticated handshake, in that worker's layout",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size with --model")
     p.add_argument(
-        "--seed", type=int, default=0, help="the engine's --seed with a `kvbridge serve` model"
+        "--block-size", type=positive_int, default=16, help="tokens per block with --model"
+    )
+    p.add_argument(
+        "--tp-size", type=positive_int, default=1, help="tensor-parallel size with --model"
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="the engine's --seed with a `kvbridge serve` model",
     )
     add_auth_arguments(p, callers="the daemon", dials=False)
     p.add_argument(
@@ -150,11 +188,13 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     auth = read_auth(args)
+    capacity = parse_bytes(args.capacity)
+    check_memory(capacity, args.capacity)
     layout = None
     if args.preset is not None:
         layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
     config = OffloadConfig(
-        capacity_bytes=parse_bytes(args.capacity),
+        capacity_bytes=capacity,
         host=args.host,
         port=args.port,
         layout=layout,
@@ -198,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             if metrics_config is not None:
                 metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
             print(
-                f"kvbridge offload: daemon {instance} listening on {server.address}, "
+                f"kvbridge offload serve: daemon {instance} listening on {server.address}, "
                 f"capacity {config.capacity_bytes} bytes"
                 + (f", metrics on :{metrics.port}/metrics" if metrics else "")
                 + (f", KV events on {publisher.endpoint}" if publisher else ""),
