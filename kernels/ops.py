@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from kvbridge.kernels.mapping import IdsLike, MappingLike, as_ids, as_mapping, check_ids
-from kvbridge.kernels.torch_path import copy_rows, gather_rows, scatter_rows
+from kvbridge.kernels.torch_path import copy_pairs, copy_rows, gather_rows, scatter_rows
 from kvbridge.kernels.views import coalesce, group_views, paired_views, staging_view, widen
 from kvbridge.proto.errors import IncompatibleLayoutError
 from kvbridge.proto.layout import KVLayout
@@ -142,6 +142,10 @@ def _move(
             )
             if cuda_path.launch_spans(spans, a0.device):
                 return
+    on_cpu = all(a.device.type == "cpu" and b.device.type == "cpu" for a, b, _ in prepared)
+    if kind == "copy" and on_cpu and not overlap:
+        copy_pairs([(a, b) for a, b, _ in prepared], src_ids, dst_ids)
+        return
     for a, b, dim in prepared:
         if kind == "gather":
             gather_rows(a, b, dim, src_ids)

@@ -9,11 +9,16 @@ the span kernel (e.g. NHD <-> HND conversion).
 
 - gather: ``torch.index_select(src, dim, ids, out=dst)``, one pass;
 - scatter: ``dst.index_copy_(dim, ids, src)``, one pass;
-- copy/convert: ``index_select`` into a cache-sized temporary, then
+- copy/convert on CPU (:func:`copy_pairs`): one pass. When the destination
+  (or source) ids are one run of consecutive blocks, one gather (scatter)
+  per view pair; otherwise one ``torch._foreach_copy_`` of every (block,
+  view pair) slice, each a strided ``copy_`` straight from the source block
+  into the destination block (an order conversion permutes inside that copy);
+- copy/convert elsewhere, or when source and destination may overlap
+  (:func:`copy_rows`): ``index_select`` into a cache-sized temporary, then
   ``index_copy_``, in steps of about :data:`CHUNK_BYTES` (a 2 MiB Llama-8B
   block moves two to a step, a 32 KiB one 128 to a step). Only blocks bigger
-  than the chunk take one step each. When the destination (or source) ids
-  are one run of consecutive blocks the copy is a single gather (scatter).
+  than the chunk take one step each.
 
 Host memory taking part in a call (a CPU cache or staging buffer) is
 finished with when the call returns (copies between devices are blocking);
@@ -26,7 +31,14 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "CUDA_CHUNK_BYTES", "gather_rows", "scatter_rows", "copy_rows"]
+__all__ = [
+    "CHUNK_BYTES",
+    "CUDA_CHUNK_BYTES",
+    "gather_rows",
+    "scatter_rows",
+    "copy_rows",
+    "copy_pairs",
+]
 
 #: bytes of the temporary of one copy step (at least one block): small enough to stay in
 #: the last-level cache, so the second pass reads it from there, and so that no call
@@ -68,6 +80,39 @@ def _steps(rows: int, n: int) -> Iterator[tuple[int, int]]:
     """``[start, end)`` id ranges of at most ``rows`` ids."""
     for start in range(0, n, rows):
         yield start, min(n, start + rows)
+
+
+def copy_pairs(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    """``b[dst_ids[i]] = a[src_ids[i]]`` along dim 0 of every pair ``(a, b)``, in one pass.
+
+    For views on one CPU device that do not overlap. The path is chosen once
+    for all pairs: a run of consecutive ids on either side makes it one index
+    op per pair, anything else one foreach copy of all block slices (one
+    strided copy per block and pair; no temporary, so every byte is read and
+    written once, against twice for ``index_select`` + ``index_copy_``).
+    """
+    n = src_ids.numel()
+    if n == 0:
+        return
+    if _is_run(dst_ids):
+        start = int(dst_ids[0])
+        for a, b in pairs:
+            gather_rows(a, b.narrow(0, start, n), 0, src_ids)
+        return
+    if _is_run(src_ids):
+        start = int(src_ids[0])
+        for a, b in pairs:
+            scatter_rows(a.narrow(0, start, n), b, 0, dst_ids)
+        return
+    s_list, d_list = src_ids.tolist(), dst_ids.tolist()
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    for a, b in pairs:
+        srcs += [a.select(0, i) for i in s_list]
+        dsts += [b.select(0, i) for i in d_list]
+    torch._foreach_copy_(dsts, srcs)
 
 
 def copy_rows(

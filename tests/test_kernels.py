@@ -388,6 +388,29 @@ def test_copy_with_consecutive_ids_on_one_side_is_exact(runs: str) -> None:
     assert_cache_equals(dst, want, layout)
 
 
+@pytest.mark.parametrize(
+    ("src_order", "dst_order"),
+    [("block-nhd", "block-hnd"), ("layer-nhd", "layer-hnd"), ("layer-kv-nhd", "layer-kv-nhd")],
+)
+def test_cpu_copy_between_two_caches_is_one_pass_without_a_temporary(
+    src_order: str, dst_order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvbridge.kernels import ops
+
+    def two_pass(*args: object, **kwargs: object) -> None:
+        raise AssertionError("took the index_select + index_copy_ path")
+
+    monkeypatch.setattr(ops, "copy_rows", two_pass)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", two_pass)
+    shape = small("bfloat16")
+    sl, dl = layout_of(shape, src_order, 8), layout_of(shape, dst_order, 8)
+    src, dst = random_cache(sl, 40), random_cache(dl, 41)
+    pairs = [(5, 0), (1, 6), (5, 3), (7, 1)]  # no run on either side, a source read twice
+    want = reference_copy(src, sl, dst, pairs, "self")
+    convert_blocks(src, sl, dst, dl, pairs)
+    assert_cache_equals(dst, want, dl)
+
+
 # ----- the CUDA span table, executed on the host -------------------------------------------
 @pytest.mark.parametrize("kind", ["copy", "gather"])
 @pytest.mark.parametrize(
