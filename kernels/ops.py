@@ -143,7 +143,7 @@ def _move(
             if cuda_path.launch_spans(spans, a0.device):
                 return
     on_cpu = all(a.device.type == "cpu" and b.device.type == "cpu" for a, b, _ in prepared)
-    if kind == "copy" and on_cpu and not overlap:
+    if on_cpu and not overlap:  # gather and scatter pass the staging side's ids as 0..n-1
         copy_pairs([(a, b) for a, b, _ in prepared], src_ids, dst_ids)
         return
     for a, b, dim in prepared:

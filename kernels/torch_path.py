@@ -34,6 +34,7 @@ import torch
 __all__ = [
     "CHUNK_BYTES",
     "CUDA_CHUNK_BYTES",
+    "SLICE_BYTES",
     "gather_rows",
     "scatter_rows",
     "copy_rows",
@@ -44,6 +45,10 @@ __all__ = [
 #: the last-level cache, so the second pass reads it from there, and so that no call
 #: faults in a big fresh buffer
 CHUNK_BYTES = 4 << 20
+#: block slices (one block of one view pair) of at least this many bytes are moved by one
+#: strided copy each (:func:`copy_pairs`); smaller ones by index ops, whose per-block cost
+#: is lower
+SLICE_BYTES = 16 << 10
 #: the same on a GPU, where each step costs two kernel launches: bigger steps
 CUDA_CHUNK_BYTES = 256 << 20
 
@@ -87,24 +92,38 @@ def copy_pairs(
 ) -> None:
     """``b[dst_ids[i]] = a[src_ids[i]]`` along dim 0 of every pair ``(a, b)``, in one pass.
 
-    For views on one CPU device that do not overlap. The path is chosen once
-    for all pairs: a run of consecutive ids on either side makes it one index
-    op per pair, anything else one foreach copy of all block slices (one
-    strided copy per block and pair; no temporary, so every byte is read and
-    written once, against twice for ``index_select`` + ``index_copy_``).
+    For views on one CPU device that do not overlap (gather, scatter, and
+    copy/convert between two caches). The path is chosen once for all pairs:
+
+    - block slices under :data:`SLICE_BYTES` (per-call overhead would
+      dominate a per-block copy): a run of consecutive ids on either side is
+      one index op per pair, anything else :func:`copy_rows`;
+    - one pair (one view over every owning layer, e.g. a block-outermost
+      cache): a run is one index op, anything else a foreach copy;
+    - several pairs (per-layer tensors): one ``torch._foreach_copy_`` of
+      every (block, pair) slice, runs or not: one strided copy per slice
+      straight from source to destination (an order conversion permutes
+      inside it), no temporary, against one small index op per layer.
     """
     n = src_ids.numel()
     if n == 0:
         return
-    if _is_run(dst_ids):
-        start = int(dst_ids[0])
+    a0 = pairs[0][0]
+    small = a0[0].numel() * a0.element_size() < SLICE_BYTES
+    if small or len(pairs) == 1:
+        if _is_run(dst_ids):
+            start = int(dst_ids[0])
+            for a, b in pairs:
+                gather_rows(a, b.narrow(0, start, n), 0, src_ids)
+            return
+        if _is_run(src_ids):
+            start = int(src_ids[0])
+            for a, b in pairs:
+                scatter_rows(a.narrow(0, start, n), b, 0, dst_ids)
+            return
+    if small:
         for a, b in pairs:
-            gather_rows(a, b.narrow(0, start, n), 0, src_ids)
-        return
-    if _is_run(src_ids):
-        start = int(src_ids[0])
-        for a, b in pairs:
-            scatter_rows(a.narrow(0, start, n), b, 0, dst_ids)
+            copy_rows(a, b, 0, src_ids, dst_ids)
         return
     s_list, d_list = src_ids.tolist(), dst_ids.tolist()
     srcs: list[torch.Tensor] = []

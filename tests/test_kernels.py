@@ -388,27 +388,50 @@ def test_copy_with_consecutive_ids_on_one_side_is_exact(runs: str) -> None:
     assert_cache_equals(dst, want, layout)
 
 
-@pytest.mark.parametrize(
-    ("src_order", "dst_order"),
-    [("block-nhd", "block-hnd"), ("layer-nhd", "layer-hnd"), ("layer-kv-nhd", "layer-kv-nhd")],
-)
-def test_cpu_copy_between_two_caches_is_one_pass_without_a_temporary(
+def _forbid_two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block slice is moved by one strided copy: no index op, no temporary."""
+    from kvbridge.kernels import torch_path
+
+    def index_op(*args: object, **kwargs: object) -> None:
+        raise AssertionError("took an index op (index_select / index_copy_)")
+
+    monkeypatch.setattr(torch_path, "SLICE_BYTES", 1)  # these test blocks are tiny
+    for name in ("copy_rows", "gather_rows", "scatter_rows"):
+        monkeypatch.setattr(torch_path, name, index_op)
+
+
+@pytest.mark.parametrize(("src_order", "dst_order"), list(itertools.product(ORDERS, ORDERS)))
+def test_cpu_convert_is_one_strided_copy_per_block_and_bit_exact(
     src_order: str, dst_order: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvbridge.kernels import ops
-
-    def two_pass(*args: object, **kwargs: object) -> None:
-        raise AssertionError("took the index_select + index_copy_ path")
-
-    monkeypatch.setattr(ops, "copy_rows", two_pass)
-    monkeypatch.setattr(torch.Tensor, "index_copy_", two_pass)
+    _forbid_two_passes(monkeypatch)
     shape = small("bfloat16")
     sl, dl = layout_of(shape, src_order, 8), layout_of(shape, dst_order, 8)
+    mappings = [[(5, 0), (1, 6), (5, 3), (7, 1)]]  # no run of ids, a source read twice
+    if sl.order[0] != "B" or dl.order[0] != "B":  # several view pairs: a run too
+        mappings.append([(6, 2), (0, 3), (6, 4)])
     src, dst = random_cache(sl, 40), random_cache(dl, 41)
-    pairs = [(5, 0), (1, 6), (5, 3), (7, 1)]  # no run on either side, a source read twice
-    want = reference_copy(src, sl, dst, pairs, "self")
-    convert_blocks(src, sl, dst, dl, pairs)
-    assert_cache_equals(dst, want, dl)
+    for pairs in mappings:
+        want = reference_copy(src, sl, dst, pairs, "self")
+        convert_blocks(src, sl, dst, dl, pairs)
+        assert_cache_equals(dst, want, dl)
+
+
+@pytest.mark.parametrize("order", [o for o in ORDERS if ORDERS[o][0] != "B"])
+def test_cpu_gather_and_scatter_of_per_layer_tensors_are_strided_copies_and_bit_exact(
+    order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = layout_of(small("float16"), order, 8)
+    cache = random_cache(layout, 42)
+    ids, back_ids = [6, 1, 6, 3], [0, 7, 2, 5]
+    _forbid_two_passes(monkeypatch)
+    staging = torch.empty(staging_nbytes(layout, 4), dtype=torch.uint8)
+    gather_blocks(cache, layout, ids, staging)
+    assert torch.equal(staging, reference_staging(cache, layout, ids, "self"))
+    back = random_cache(layout, 43)
+    want = reference_copy(cache, layout, back, list(zip(ids, back_ids, strict=True)), "self")
+    scatter_blocks(staging, back, layout, back_ids)
+    assert_cache_equals(back, want, layout)
 
 
 # ----- the CUDA span table, executed on the host -------------------------------------------
