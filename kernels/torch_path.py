@@ -27,6 +27,7 @@ work on one CUDA device is queued on torch's current stream.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -49,6 +50,8 @@ CHUNK_BYTES = 4 << 20
 #: strided copy each (:func:`copy_pairs`); smaller ones by index ops, whose per-block cost
 #: is lower
 SLICE_BYTES = 16 << 10
+#: torch's intra-op grain: a CPU copy of fewer elements runs on one thread
+GRAIN_ELEMS = 32768
 #: the same on a GPU, where each step costs two kernel launches: bigger steps
 CUDA_CHUNK_BYTES = 256 << 20
 
@@ -131,7 +134,35 @@ def copy_pairs(
     for a, b in pairs:
         srcs += [a.select(0, i) for i in s_list]
         dsts += [b.select(0, i) for i in d_list]
-    torch._foreach_copy_(dsts, srcs)
+    # torch runs a copy of fewer than GRAIN_ELEMS elements on one thread: split such slices
+    # between torch's threads as its own intra-op parallelism would
+    threads = 1 if a0[0].numel() >= GRAIN_ELEMS else torch.get_num_threads()
+    _foreach_copy(dsts, srcs, min(threads, len(dsts) * a0[0].numel() // GRAIN_ELEMS))
+
+
+def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], threads: int) -> None:
+    """``torch._foreach_copy_(dsts, srcs)`` in ``threads`` contiguous parts at once (torch
+    releases the GIL inside; the calling thread does the first part)."""
+    if threads <= 1:
+        torch._foreach_copy_(dsts, srcs)
+        return
+    step = -(-len(dsts) // threads)
+    errors: list[BaseException] = []
+
+    def part(start: int) -> None:
+        try:
+            torch._foreach_copy_(dsts[start : start + step], srcs[start : start + step])
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    helpers = [threading.Thread(target=part, args=(i,)) for i in range(step, len(dsts), step)]
+    for t in helpers:
+        t.start()
+    part(0)
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def copy_rows(
