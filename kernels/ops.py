@@ -12,7 +12,11 @@ leaves the destination untouched. Then:
 - both sides on one CUDA device: one launch of the span kernel
   (:mod:`kvbridge.kernels.cuda_path`) when the runs are contiguous and long
   enough, else torch's CUDA index ops;
-- otherwise (CPU, or two devices): torch index ops (:mod:`kvbridge.kernels.torch_path`).
+- on CPU, source and destination apart (:func:`~kvbridge.kernels.torch_path.copy_pairs`):
+  one index op per view pair when one side's ids are a run (gather, scatter), else one
+  strided copy per block slice split between torch's threads (one pass, no temporary);
+- otherwise (two devices, a copy within one cache that may overlap): torch index ops
+  (:mod:`kvbridge.kernels.torch_path`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ the span kernel (e.g. NHD <-> HND conversion).
   (or source) ids are one run of consecutive blocks, one gather (scatter)
   per view pair; otherwise one ``torch._foreach_copy_`` of every (block,
   view pair) slice, each a strided ``copy_`` straight from the source block
-  into the destination block (an order conversion permutes inside that copy);
+  into the destination block (an order conversion permutes inside that copy),
+  for slices of at least :data:`SLICE_BYTES`;
 - copy/convert elsewhere, or when source and destination may overlap
   (:func:`copy_rows`): ``index_select`` into a cache-sized temporary, then
   ``index_copy_``, in steps of about :data:`CHUNK_BYTES` (a 2 MiB Llama-8B
@@ -47,8 +48,8 @@ __all__ = [
 #: faults in a big fresh buffer
 CHUNK_BYTES = 4 << 20
 #: block slices (one block of one view pair) of at least this many bytes are moved by one
-#: strided copy each (:func:`copy_pairs`); smaller ones by index ops, whose per-block cost
-#: is lower
+#: strided copy each when neither side's ids are a run (:func:`copy_pairs`); smaller ones
+#: by index ops through a temporary, whose per-block cost is lower
 SLICE_BYTES = 16 << 10
 #: torch's intra-op grain: a CPU copy of fewer elements runs on one thread
 GRAIN_ELEMS = 32768
@@ -98,33 +99,32 @@ def copy_pairs(
     For views on one CPU device that do not overlap (gather, scatter, and
     copy/convert between two caches). The path is chosen once for all pairs:
 
-    - block slices under :data:`SLICE_BYTES` (per-call overhead would
-      dominate a per-block copy): a run of consecutive ids on either side is
-      one index op per pair, anything else :func:`copy_rows`;
-    - one pair (one view over every owning layer, e.g. a block-outermost
-      cache): a run is one index op, anything else a foreach copy;
-    - several pairs (per-layer tensors): one ``torch._foreach_copy_`` of
-      every (block, pair) slice, runs or not: one strided copy per slice
-      straight from source to destination (an order conversion permutes
-      inside it), no temporary, against one small index op per layer.
+    - a run of consecutive ids on either side (gather and scatter always
+      have one: the staging side): one index op per pair, which costs less
+      per block than a strided copy;
+    - block slices under :data:`SLICE_BYTES`: :func:`copy_rows` (two index
+      ops through a temporary; per-call overhead would dominate a per-block
+      copy);
+    - otherwise one ``torch._foreach_copy_`` of every (block, pair) slice:
+      one strided copy per slice straight from source to destination (an
+      order conversion permutes inside it), no temporary, split between
+      torch's threads when each copy is too small for torch to split.
     """
     n = src_ids.numel()
     if n == 0:
         return
     a0 = pairs[0][0]
-    small = a0[0].numel() * a0.element_size() < SLICE_BYTES
-    if small or len(pairs) == 1:
-        if _is_run(dst_ids):
-            start = int(dst_ids[0])
-            for a, b in pairs:
-                gather_rows(a, b.narrow(0, start, n), 0, src_ids)
-            return
-        if _is_run(src_ids):
-            start = int(src_ids[0])
-            for a, b in pairs:
-                scatter_rows(a.narrow(0, start, n), b, 0, dst_ids)
-            return
-    if small:
+    if _is_run(dst_ids):
+        start = int(dst_ids[0])
+        for a, b in pairs:
+            gather_rows(a, b.narrow(0, start, n), 0, src_ids)
+        return
+    if _is_run(src_ids):
+        start = int(src_ids[0])
+        for a, b in pairs:
+            scatter_rows(a.narrow(0, start, n), b, 0, dst_ids)
+        return
+    if a0[0].numel() * a0.element_size() < SLICE_BYTES:
         for a, b in pairs:
             copy_rows(a, b, 0, src_ids, dst_ids)
         return

@@ -408,14 +408,11 @@ def test_cpu_convert_is_one_strided_copy_per_block_and_bit_exact(
     _forbid_two_passes(monkeypatch)
     shape = small("bfloat16")
     sl, dl = layout_of(shape, src_order, 8), layout_of(shape, dst_order, 8)
-    mappings = [[(5, 0), (1, 6), (5, 3), (7, 1)]]  # no run of ids, a source read twice
-    if sl.order[0] != "B" or dl.order[0] != "B":  # several view pairs: a run too
-        mappings.append([(6, 2), (0, 3), (6, 4)])
     src, dst = random_cache(sl, 40), random_cache(dl, 41)
-    for pairs in mappings:
-        want = reference_copy(src, sl, dst, pairs, "self")
-        convert_blocks(src, sl, dst, dl, pairs)
-        assert_cache_equals(dst, want, dl)
+    pairs = [(5, 0), (1, 6), (5, 3), (7, 1)]  # no run of ids on either side, a source read twice
+    want = reference_copy(src, sl, dst, pairs, "self")
+    convert_blocks(src, sl, dst, dl, pairs)
+    assert_cache_equals(dst, want, dl)
 
 
 def test_small_cpu_block_copies_are_split_between_torchs_threads_bit_exact(
@@ -443,23 +440,6 @@ def test_small_cpu_block_copies_are_split_between_torchs_threads_bit_exact(
     convert_blocks(src, sl, dst, dl, pairs)
     assert_cache_equals(dst, want, dl)
     assert len(callers) == 3 and threading.get_ident() in callers
-
-
-@pytest.mark.parametrize("order", [o for o in ORDERS if ORDERS[o][0] != "B"])
-def test_cpu_gather_and_scatter_of_per_layer_tensors_are_strided_copies_and_bit_exact(
-    order: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    layout = layout_of(small("float16"), order, 8)
-    cache = random_cache(layout, 42)
-    ids, back_ids = [6, 1, 6, 3], [0, 7, 2, 5]
-    _forbid_two_passes(monkeypatch)
-    staging = torch.empty(staging_nbytes(layout, 4), dtype=torch.uint8)
-    gather_blocks(cache, layout, ids, staging)
-    assert torch.equal(staging, reference_staging(cache, layout, ids, "self"))
-    back = random_cache(layout, 43)
-    want = reference_copy(cache, layout, back, list(zip(ids, back_ids, strict=True)), "self")
-    scatter_blocks(staging, back, layout, back_ids)
-    assert_cache_equals(back, want, layout)
 
 
 # ----- the CUDA span table, executed on the host -------------------------------------------
