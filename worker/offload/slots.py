@@ -75,6 +75,11 @@ class Pending:
     started: float
     expires_at: float
     writer: str = ""
+    """The NIXL agent name of the session that made it (its WRITE notifications come from
+    that agent)."""
+    peer: str = ""
+    """The authenticated identity charged for it (``caller_identity``): the caps count this,
+    and only a session of this peer *and* this agent may end it."""
     written: bool = False
     """A store: its writer's WRITE-completion notification arrived."""
 
