@@ -505,3 +505,29 @@ def test_sessions_of_one_token_share_one_cap_and_never_push_out_another_peers() 
         finally:
             for c in (honest, *flood):
                 c.close()
+
+
+@pytest.mark.slow
+def test_a_daemon_with_a_token_file_gives_each_token_its_own_caps(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("# one per worker node\nnode-a\nnode-b\n")
+    daemon = DaemonProc(
+        "--capacity", f"{32 * TINY_BLOCK}B", "--token-file", str(tmp_path / "tokens"),
+        "--max-stores-per-writer", "1",
+    )  # fmt: skip
+    a, a2, b = (Caller(daemon.address, t) for t in ("node-a", "node-a", "node-b"))
+    stranger = Caller(daemon.address, "node-c")
+    try:
+        a.handshake(tiny(), "a-rank0")
+        a2.handshake(tiny(), "a-rank1")
+        b.handshake(tiny(), "b-rank0")
+        assert a.prepare_store(hashes("a", 1)).store_id
+        exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code_of(a2.prepare_store, hashes("a2", 1)) == exhausted  # same token, same cap
+        assert b.prepare_store(hashes("b", 1)).store_id  # another token, its own cap
+        unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(stranger.handshake, tiny(), "c") == unauthenticated
+        assert code_of(stranger.lookup, hashes("a", 1)) == unauthenticated
+    finally:
+        for c in (a, a2, b, stranger):
+            c.close()
+        daemon.stop()

@@ -48,7 +48,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument("--port", type=int, default=0, help="port (default 0: pick a free one)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--token", help="shared token peers must send (visible in `ps`)")
-    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    auth.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token(s) from this file, one per line (each a peer)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     add_plaintext_argument(p)
@@ -66,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.proto.types import EngineId
     from kvbridge.worker.block_pool import BlockPool
     from kvbridge.worker.pool_owner import PoolBlockOwner
+    from kvbridge.worker.server_auth import read_token_file
 
     layout = preset_layout(
         args.preset,
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     )
     token = args.token
     if args.token_file is not None:
-        token = args.token_file.read_text().strip()
+        token = read_token_file(args.token_file)  # one token a line, each its own peer
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     refuse_plaintext_token(
