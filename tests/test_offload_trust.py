@@ -531,3 +531,37 @@ def test_a_daemon_with_a_token_file_gives_each_token_its_own_caps(tmp_path: Path
         for c in (a, a2, b, stranger):
             c.close()
         daemon.stop()
+
+
+def test_a_reply_that_cannot_be_built_leaks_no_store_and_no_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvbridge.worker.offload.handlers as handlers_module
+
+    transport = FakeTransport()
+    config = OffloadConfig(capacity_bytes=32 * TINY_BLOCK)
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        w = Caller(srv.address)
+        try:
+            w.handshake(tiny(), "w")
+            hs = hashes("kept", 2)
+            prep = w.prepare_store(hs)
+            transport.notify("w", store_notification(prep.store_id))
+            assert w.commit(prep.store_id, len(prep.slots)).committed == 2
+
+            def broken(seconds: float) -> int:
+                raise ValueError("reply does not fit")
+
+            monkeypatch.setattr(handlers_module, "_ms", broken)
+            internal = grpc.StatusCode.INTERNAL
+            assert code_of(w.prepare_store, hashes("new", 2)) == internal
+            load = pb.PrepareLoadRequest(instance=w.instance, hashes=hs, session=w.session)
+            assert code_of(w, "PrepareLoad", load) == internal
+            pool = srv.handlers.pool
+            assert pool is not None
+            stats = pool.stats()
+            assert (stats.writing_blocks, stats.pinned_blocks) == (0, 0)
+            assert pool.pending_of("addr:127.0.0.1") == (0, 0)
+            pool.check()
+        finally:
+            w.close()

@@ -49,9 +49,11 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
         self._tokens = accepted_tokens(h.config.token)
 
     def _as_caller(self, method: Callable[[Req, str], Resp], request: Req, context: Any) -> Resp:
-        return call_handler(
-            lambda r: method(r, caller_identity(context, self._tokens)), request, context
-        )
+        def as_caller(r: Req) -> Resp:
+            return method(r, caller_identity(context, self._tokens))
+
+        as_caller.__qualname__ = getattr(method, "__qualname__", "handler")  # for the error log
+        return call_handler(as_caller, request, context)
 
     def Handshake(self, request: Any, context: Any) -> pb.OffloadHandshakeResponse:
         return self._as_caller(self._h.handshake, request, context)
