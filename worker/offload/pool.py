@@ -4,34 +4,19 @@ Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`), 
 its gRPC and reaper threads, so every method takes the pool's lock. Pure bookkeeping over a
 :class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL.
 
-Slot states:
-
-- **free**: ref count 0, maybe with a hash (evictable, LRU order);
-- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash in the block
-  pool*: invisible to lookups and loads, never evicted. :meth:`HostPool.commit_store` caches
-  it under its hash and drops the reference (it becomes evictable); an abort
-  (:meth:`HostPool.abort_store`) or the store's expiry (a dead writer) frees it without a hash;
-- **quarantined**: a slot of a store aborted or expired *before its WRITE completed* (that
-  WRITE may still land: nothing revokes it) stays out of the free list for ``grace_s``
-  seconds, up to a quarter of the pool; a written store's slots (and any past that quarter)
-  are freed at once;
-- **pinned**: a committed block with references from loads (:meth:`HostPool.prepare_load` /
-  :meth:`HostPool.complete_load`), never evicted while pinned.
-
 Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head slices of a
 block of the same name.
 
-Every store and load belongs to a **writer** (the NIXL agent name of the worker session
-that made it, see :mod:`kvbridge.worker.offload.writers`) and is charged to a **peer** (the
-caller's authenticated identity, a hash of the token it presented): only a session of that
-writer and that peer commits, aborts or completes it, a store commits only after
-:meth:`HostPool.mark_written` (its WRITE completed), and each *peer*, however many agent
-names it handshakes under, holds at most ``max_stores_per_writer`` prepared stores and
+Every store and load belongs to a **writer** (the NIXL agent name of the worker session that
+made it, :mod:`kvbridge.worker.offload.writers`) and is charged to a **peer** (the caller's
+authenticated identity): only a session of that writer and peer ends it, a store commits
+only after :meth:`HostPool.mark_written` (its WRITE completed), and each *peer*, under any
+number of agent names, holds at most ``max_stores_per_writer`` prepared stores and
 ``max_pinned_per_writer`` pinned blocks.
 
-Every committed block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`),
-handed to readers with the slots; :meth:`HostPool.drop_bad` drops a block a
-reader reports only if the daemon's own recomputation agrees.
+Slot states (free, writing, quarantined, pinned) and the **digest** every committed block
+keeps for its readers: :mod:`kvbridge.worker.offload.slots`. :meth:`HostPool.drop_bad` drops
+a block a reader reports only if the daemon's own recomputation agrees.
 """
 
 from __future__ import annotations
@@ -160,8 +145,7 @@ class HostPool:
             assert stores == self._quotas.stores and pins == self._quotas.pins
 
     def pending_of(self, peer: str) -> tuple[int, int]:
-        """``(prepared stores, pinned blocks)`` charged to ``peer`` now (a writer's name when
-        the calls named no peer)."""
+        """``(prepared stores, pinned blocks)`` charged to ``peer`` (or writer) now."""
         with self._lock:
             return self._quotas.of(peer)
 
@@ -236,7 +220,7 @@ class HostPool:
         self._expire()
         with self._lock:
             pending = self._stores.get(store_id)
-            if pending is None or not _owns(pending, writer, peer):
+            if pending is None or not pending.owned_by(writer, peer):
                 raise lease_gone("store", store_id)
             if not pending.written:
                 err = LeaseError(
@@ -271,7 +255,7 @@ class HostPool:
         self._expire()
         with self._lock:
             pending = self._stores.get(store_id)
-            if pending is None or not _owns(pending, writer, peer):
+            if pending is None or not pending.owned_by(writer, peer):
                 return False
             del self._stores[store_id]
             self._drop_store(pending, self._clock())
@@ -313,17 +297,14 @@ class HostPool:
         confirm: Confirm,
         peer: str | None = None,
     ) -> int:
-        """Drop from the index the blocks of ``writer``'s load at positions ``bad`` (whose
-        bytes failed the reader's digest check) that ``confirm`` also finds bad.
-
-        The reader's report is a claim: ``confirm`` recomputes each digest over the
-        daemon's own memory, and a block that still matches stays. Returns how many
-        were dropped (0 if the load is gone or not ``writer``'s). Positions out of range
-        or repeated raise :class:`WireError` and change nothing.
-        """
+        """Drop from the index the blocks of the load (``writer``'s and ``peer``'s) at
+        positions ``bad`` (failing the reader's digest check) that ``confirm`` also finds bad:
+        a report is a claim, ``confirm`` recomputes each digest over the daemon's memory.
+        Returns how many were dropped (0 if the load is gone or not the caller's). Positions
+        out of range or repeated raise :class:`WireError` and change nothing."""
         with self._lock:
             pending = self._loads.get(load_id)
-            if pending is None or not _owns(pending, writer, peer):
+            if pending is None or not pending.owned_by(writer, peer):
                 return 0
             if any(not 0 <= i < len(pending.slots) for i in bad) or len(set(bad)) != len(bad):
                 last = len(pending.slots) - 1
@@ -347,7 +328,7 @@ class HostPool:
         self._expire()
         with self._lock:
             pending = self._loads.get(load_id)
-            if pending is None or not _owns(pending, writer, peer):
+            if pending is None or not pending.owned_by(writer, peer):
                 return False
             del self._loads[load_id]
             self._unpin(pending)
@@ -416,9 +397,3 @@ class HostPool:
     def _count_lookup(self, hits: int, asked: int) -> None:
         self._stats.hits += hits
         self._stats.misses += asked - hits
-
-
-def _owns(pending: Pending, writer: str, peer: str | None) -> bool:
-    """Whether a session of ``writer`` (agent name) and ``peer`` (identity; None: the
-    writer's name, as when the store was made without one) may end ``pending``."""
-    return pending.writer == writer and pending.peer == (writer if peer is None else peer)
