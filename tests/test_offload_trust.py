@@ -565,3 +565,27 @@ def test_a_reply_that_cannot_be_built_leaks_no_store_and_no_load(
             pool.check()
         finally:
             w.close()
+
+
+@pytest.mark.parametrize("max_ttl", ["1e300", "inf", "90000"])
+def test_the_daemon_refuses_to_start_with_a_max_ttl_over_a_day(max_ttl: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(  # `kvbridge offload serve`
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvbridge.worker.cli import main; sys.exit(main())",
+            "offload",
+            "serve",
+            "--max-ttl",
+            max_ttl,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    [line] = out.stderr.strip().splitlines()  # one line, no traceback
+    assert "--max-ttl" in line and "one day" in line
