@@ -10,6 +10,8 @@ commit for slots nobody wrote, bytes that are not protobuf.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -569,9 +571,6 @@ def test_a_reply_that_cannot_be_built_leaks_no_store_and_no_load(
 
 @pytest.mark.parametrize("max_ttl", ["1e300", "inf", "90000"])
 def test_the_daemon_refuses_to_start_with_a_max_ttl_over_a_day(max_ttl: str) -> None:
-    import subprocess
-    import sys
-
     out = subprocess.run(  # `kvbridge offload serve`
         [
             sys.executable,
