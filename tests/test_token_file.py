@@ -110,6 +110,10 @@ def test_two_tokens_of_one_file_are_two_peers_with_their_own_caps(two_peers: Clu
     # b cannot extend a's lease: the tokens are different peers
     assert held[0] not in b.heartbeat([held[0]])
     assert held[0] in a.heartbeat([held[0]])
+    # a node dialling with its own token file sends the first token: it is peer a
+    node = client(two_peers, TokenSet(["decode-a-token", "decode-b-token"]))
+    with pytest.raises(ControlPlaneError, match="exceed its caps"):
+        node.pin_hashes({"self": hashes(1)})
     for stranger in ("old-token", "# per-peer tokens", None):
         with pytest.raises(AuthError):
             client(two_peers, stranger).health()
