@@ -57,7 +57,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--token", help="shared token peers must send (visible in `ps`)")
-    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    auth.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token(s) from this file, one per line (each a peer)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     add_plaintext_argument(p)
