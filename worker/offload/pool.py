@@ -2,34 +2,23 @@
 
 Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`), called from
 its gRPC and reaper threads, so every method takes the pool's lock. Pure bookkeeping over a
-:class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL.
+:class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL
+(:mod:`kvbridge.worker.offload.tiered` adds the disk tier).
 
-Slot states:
-
-- **free**: ref count 0, maybe with a hash (evictable, LRU order);
-- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash in the block
-  pool*: invisible to lookups and loads, never evicted. :meth:`HostPool.commit_store` caches
-  it under its hash and drops the reference (it becomes evictable); an abort
-  (:meth:`HostPool.abort_store`) or the store's expiry (a dead writer) frees it without a hash;
-- **quarantined**: a slot of a store aborted or expired *before its WRITE completed* (that
-  WRITE may still land: nothing revokes it) stays out of the free list for ``grace_s``
-  seconds, up to a quarter of the pool; a written store's slots (and any past that quarter)
-  are freed at once;
-- **pinned**: a committed block with references from loads (:meth:`HostPool.prepare_load` /
-  :meth:`HostPool.complete_load`), never evicted while pinned.
+Slot states: **free** (ref count 0, maybe with a hash: evictable, LRU order); **writing**
+(taken by :meth:`HostPool.prepare_store`, ref count 1, no hash: invisible and never evicted;
+:meth:`HostPool.commit_store` caches it, an abort or expiry frees it without a hash);
+**quarantined** (a slot of a store dropped *before its WRITE completed*, which may still
+land, held ``grace_s`` seconds, up to a quarter of the pool); **pinned** (a committed block
+referenced by loads, never evicted while pinned).
 
 Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head slices of a
-block of the same name.
-
-Every store and load belongs to a **writer** (the daemon's name for an authenticated worker
-session, see :mod:`kvbridge.worker.offload.writers`): only that writer commits, aborts or
-completes it, a store commits only after :meth:`HostPool.mark_written` (its WRITE completed),
-and each writer holds at most ``max_stores_per_writer`` prepared stores and
-``max_pinned_per_writer`` pinned blocks.
-
-Every committed block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`),
-handed to readers with the slots; :meth:`HostPool.drop_bad` drops a block a
-reader reports only if the daemon's own recomputation agrees.
+block of the same name. Every store and load belongs to a **writer** (an authenticated worker
+session, :mod:`kvbridge.worker.offload.writers`): only it commits, aborts or completes it, a
+store commits only after :meth:`HostPool.mark_written`, and each writer holds at most
+``max_stores_per_writer`` stores and ``max_pinned_per_writer`` pinned blocks. Every committed
+block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`), handed to readers;
+:meth:`HostPool.drop_bad` drops a reported block only if the daemon's own check agrees.
 """
 
 from __future__ import annotations
@@ -82,8 +71,8 @@ class HostPool:
         for knob, value in (("block_bytes", block_bytes), ("max_pending", max_pending)):
             if value < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {value}")
-        self._evicted: list[BlockHash] = []
-        on_evict = lambda h, _b: self._evicted.append(h)  # noqa: E731 (self._evicted is rebound)
+        self._evicted: list[tuple[BlockHash, BlockId]] = []
+        on_evict = lambda h, b: self._evicted.append((h, b))  # noqa: E731 (self._evicted rebound)
         self._pool = BlockPool(num_blocks, on_evict=on_evict, events=events)
         self._block_bytes = block_bytes
         self._clock = clock
@@ -126,6 +115,10 @@ class HostPool:
                 hits += 1
             self._count_lookup(hits, asked)
             return hits
+
+    def cached(self, key: BlockHash) -> bool:
+        with self._lock:  # is ``key`` committed in the pool? (counts nothing)
+            return self._pool.get_block(key) is not None
 
     def stats(self) -> OffloadStats:
         with self._lock:
@@ -197,9 +190,9 @@ class HostPool:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
             self._stats.evicted_bytes += len(evicted) * self._block_bytes
-        return PreparedStore(
-            store_id, tuple(wanted), tuple(slots), tuple(k[2:] for k in evicted), ttl_s
-        )
+            demoted = tuple((k, b, self._digest_of(b)) for k, b in evicted)
+        gone = tuple(k[2:] for k, _ in evicted)
+        return PreparedStore(store_id, tuple(wanted), tuple(slots), gone, ttl_s, demoted)
 
     def mark_written(self, store_id: str, writer: str) -> bool:
         """Record that ``writer``'s WRITE into the store completed; False (nothing changes)
@@ -212,7 +205,12 @@ class HostPool:
             return True
 
     def commit_store(
-        self, store_id: str, writer: str = "", key: int = 0, digests: Sequence[bytes] = ()
+        self,
+        store_id: str,
+        writer: str = "",
+        key: int | Sequence[int] = 0,
+        digests: Sequence[bytes] = (),
+        drop: frozenset[int] = frozenset(),
     ) -> int:
         """Publish a store's blocks (they become visible and evictable); returns how many.
 
@@ -220,7 +218,7 @@ class HostPool:
         marked done (:meth:`mark_written`); otherwise this raises and changes nothing.
         ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
         readers of these blocks will check; a count or size that does not fit raises
-        :class:`WireError` and changes nothing.
+        :class:`WireError` and changes nothing. (Promotions: a key per slot; ``drop`` unpublished.)
         """
         self._expire()
         with self._lock:
@@ -241,13 +239,16 @@ class HostPool:
                 )
             del self._stores[store_id]
             self._quotas.drop_store(pending.writer)
-            for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
+            keys = [key] * len(digests) if isinstance(key, int) else list(key)
+            for i, (slot, block_key) in enumerate(zip(pending.slots, pending.keys, strict=True)):
                 del self._writing[block_key]
-                self._digests[slot] = (key, bytes(digest))
+                if i in drop:
+                    continue
+                self._digests[slot] = (keys[i], bytes(digests[i]))
                 cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)
-            n = len(pending.slots)
+            n = len(pending.slots) - len(drop)
             self._stats.stored_blocks += n
             self._stats.stored_bytes += n * self._block_bytes
             self._stats.store_seconds_sum += self._clock() - pending.started
