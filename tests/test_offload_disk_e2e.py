@@ -4,6 +4,7 @@ worker processes, SIGKILL and restart, a block corrupted on disk, pins, bad flag
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -131,11 +132,12 @@ def test_a_sigkilled_daemon_restarts_serving_its_disk_and_never_a_corrupt_block(
         f.write(b"\xff" * 8)
     d, port = daemon(disk)
     try:
-        setup(reader, d.address, seed=2)
-        # the pool and its disk tier open at the first handshake; the host pool starts empty
-        assert reader.call("lookup", hashes=hs)["hits"] == 8
+        # the pool is made at start from the layout kept on disk (no handshake needed: a
+        # lookup-only client can hit at once); the host pool starts empty
         m = metrics(port)
         assert (m["disk_restored_blocks"], m["disk_blocks"], m["cached_blocks"]) == (8, 8, 0)
+        setup(reader, d.address, seed=2)
+        assert reader.call("lookup", hashes=hs)["hits"] == 8
         assert load(reader, list(range(20, 24)), hs[:4]) == 4
         assert reader.call("blocks", ids=list(range(20, 24)))["blocks"] == want[:4]
         # 4, then 5 fails the daemon's digest check: dropped, counted, the load stops there
@@ -228,3 +230,28 @@ def test_bad_disk_flags_are_one_line_errors_naming_the_flag(
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_the_demo_offload_pass_with_a_small_pool_over_a_disk_tier(
+    tmp_path: Path, restart: bool
+) -> None:
+    """`kvbridge demo --offload` with an 8-block host pool (the 12 requests' prompts need ~75
+    blocks) over a disk tier: the second pass's fresh decode loads more blocks from the daemon
+    than its host pool holds, every token right; with --offload-restart the daemon is
+    SIGKILLed between the passes, so all it serves comes from its disk."""
+    out = tmp_path / "demo.json"
+    flags = ["--offload-capacity", "256KiB", "--offload-disk", str(tmp_path / "disk")]
+    cmd = [*KVB, "demo", "--offload", *flags, "--requests", "12", "--json", str(out)]
+    done = subprocess.run(
+        [*cmd, *(["--offload-restart"] if restart else [])],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["summary"]["all_match"] and report["summary"]["leaks"] == []
+    offloaded = sum(r["blocks_offloaded"] for r in report["requests"] if r["pass"] == 2)
+    assert offloaded > 8, report["summary"]
+    assert ("restarted" in done.stdout) == restart

@@ -57,7 +57,7 @@ from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId
 from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
 from kvbridge.worker.offload.pool import Digest, HostPool, OffloadStats, pool_key
-from kvbridge.worker.offload.tiered import open_tiered
+from kvbridge.worker.offload.tiered import open_tiered, saved_layout
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
 
 if TYPE_CHECKING:
@@ -108,8 +108,9 @@ class OffloadHandlers:
         self._setup_lock = threading.Lock()
         self._state: _Pool | None = None
         self.sessions = Sessions(config.max_sessions)
-        if config.layout is not None:
-            self._create(config.layout)
+        saved = None if config.disk_path is None else saved_layout(config.disk_path)
+        if config.layout is not None or saved is not None:
+            self._create(config.layout or saved)  # type: ignore[arg-type]
 
     @property
     def pool(self) -> HostPool | None:

@@ -22,11 +22,15 @@ the reader READs them over NIXL as any other block.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.kernels import span_digest
+from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.offload.config import GROUP, OffloadConfig
@@ -36,11 +40,13 @@ from kvbridge.worker.offload.pool import HostPool, OffloadStats, PreparedLoad, P
 if TYPE_CHECKING:
     from kvbridge.connector.events import BlockEventSink
 
-__all__ = ["PROMOTER", "TieredPool", "block_views", "fingerprint", "open_tiered"]
+__all__ = ["PROMOTER", "TieredPool", "block_views", "fingerprint", "open_tiered", "saved_layout"]
 
 PROMOTER = "<disk tier>"
 """The writer name of the daemon's own promotion stores (not a valid agent name)."""
 _PROMOTE_TTL_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 def block_views(layout: KVLayout, slot: int) -> list[memoryview]:
@@ -82,13 +88,13 @@ class TieredPool(HostPool):
     def prepare_store(
         self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
     ) -> PreparedStore:
-        """As :meth:`HostPool.prepare_store`; blocks it evicts are demoted to disk first. A key
-        the disk holds is stored afresh in the host pool and forgotten on disk."""
+        """As :meth:`HostPool.prepare_store`, skipping keys the disk holds (as it skips cached
+        ones); the blocks it evicts are demoted to disk before the writer learns the slots."""
         with self._tier_lock:
-            self.disk.discard([k for k in keys if k in self.disk])
-            prepared = super().prepare_store(keys, ttl_s, writer)
+            fresh = [i for i, k in enumerate(keys) if k not in self.disk]
+            prepared = super().prepare_store([keys[i] for i in fresh], ttl_s, writer)
             self._demote(prepared)
-        return prepared
+        return replace(prepared, indices=tuple(fresh[i] for i in prepared.indices))
 
     def prepare_load(
         self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
@@ -191,5 +197,29 @@ def open_tiered(
         fingerprint(layout),
         None if disk_events is None else disk_events(layout.block_size),
     )
+    save_layout(config.disk_path, layout)
     num_blocks = layout.group(GROUP).num_blocks
     return TieredPool(num_blocks, block_bytes, disk=disk, layout=layout, **knobs)
+
+
+def save_layout(path: str, layout: KVLayout) -> None:
+    """Keep the pool's layout next to the disk tier, so a restarted daemon makes its pool (and
+    serves the disk) at start, before any worker's handshake (:func:`saved_layout`)."""
+    tmp = os.path.join(path, "layout.new")
+    with open(tmp, "wb") as f:
+        f.write(layout.to_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, "layout"))
+
+
+def saved_layout(path: str) -> KVLayout | None:
+    """The layout an earlier run kept under ``path``; None if none (or unreadable: logged)."""
+    try:
+        with open(os.path.join(path, "layout"), "rb") as f:
+            return KVLayout.from_bytes(f.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, KVBridgeError) as exc:
+        log.warning("disk tier %s: its saved pool layout is unreadable (%s); ignored", path, exc)
+        return None
