@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +256,61 @@ def test_the_demo_offload_pass_with_a_small_pool_over_a_disk_tier(
     offloaded = sum(r["blocks_offloaded"] for r in report["requests"] if r["pass"] == 2)
     assert offloaded > 8, report["summary"]
     assert ("restarted" in done.stdout) == restart
+
+
+def test_the_disk_tier_publishes_its_blocks_with_medium_storage(
+    tmp_path: Path, workers: list[WorkerProc]
+) -> None:
+    """Demotions are `BlockStored` STORAGE (and `BlockRemoved` CPU); promotions the reverse;
+    a restarted daemon announces what its disk still lists."""
+    pytest.importorskip("zmq", reason="KV events need pyzmq (pip install kvbridge[events])")
+    from kvbridge.connector.events import BlockRemoved, BlockStored, EventSubscriber
+
+    w, reader, _ = workers
+    pub, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/ev-replay"
+    disk = tmp_path / "disk"
+    hs = hashes("events", 8)
+
+    def start() -> DaemonProc:
+        return DaemonProc(
+            "--capacity", f"{4 * TINY_BLOCK}B", "--disk", str(disk), "--kv-events", pub,
+            "--kv-events-replay", replay,
+        )  # fmt: skip
+
+    def events(want: int) -> list[tuple[str, str, bytes]]:
+        out: list[tuple[str, str, bytes]] = []
+        deadline = time.monotonic() + 30
+        with EventSubscriber(pub, replay_endpoint=replay, from_seq=0) as sub:
+            while len(out) < want:
+                assert time.monotonic() < deadline, out
+                for r in sub.receive(timeout_s=0.1):
+                    for e in r.batch.events:
+                        if isinstance(e, BlockStored | BlockRemoved):
+                            kind = type(e).__name__
+                            out += [(kind, e.medium, bytes(x)) for x in e.block_hashes]  # type: ignore[arg-type]
+        return out
+
+    d = start()
+    try:
+        setup(w, d.address, seed=1)
+        setup(reader, d.address, seed=2)
+        store(w, [0, 1, 2, 3], hs[:4])
+        store(w, [4, 5, 6, 7], hs[4:])  # demotes 0..3
+        assert load(reader, [20, 21], hs[:2]) == 2  # promotes 0,1 (demoting two of 4..7)
+        got = events(8 + 4 + 4 + 2 + 2 + 2 + 2)
+        storage_in = {h for k, m, h in got if (k, m) == ("BlockStored", "STORAGE")}
+        storage_out = {h for k, m, h in got if (k, m) == ("BlockRemoved", "STORAGE")}
+        assert set(hs[:4]) <= storage_in and storage_out == set(hs[:2])
+        assert {h for k, m, h in got if (k, m) == ("BlockRemoved", "CPU")} >= set(hs[:4])
+        for p in (w, reader):
+            p.call("close")
+    finally:
+        d.kill()
+        d.stop()
+    d = start()
+    try:
+        got = events(4)
+        assert {m for _, m, _ in got} == {"STORAGE"} and len({h for _, _, h in got}) == 4
+        assert {h for _, _, h in got} == set(hs[2:4]) | (storage_in - set(hs[:4]))
+    finally:
+        d.stop()
