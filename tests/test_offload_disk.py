@@ -33,7 +33,7 @@ def demote(tier: DiskTier, *ids: int) -> None:
 def read(tier: DiskTier, i: int) -> tuple[bytes, tuple[int, bytes]]:
     [(_, slot, digest)] = tier.reserve([key(i)])
     out = bytearray(BLOCK)
-    tier.read(slot, [memoryview(out)])
+    tier.read([(slot, [memoryview(out)])])
     tier.settle([], [])
     return bytes(out), digest
 

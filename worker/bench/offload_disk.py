@@ -81,9 +81,9 @@ def _tier(
         dropped = _drop_cache(os.path.join(path, "slab"))
         t0 = time.perf_counter()
         entries = tier.reserve(keys)
-        for i, (_, slot, (dkey, digest)) in enumerate(entries):
-            view = out[i * block : (i + 1) * block]
-            tier.read(slot, [view])
+        views = [out[i * block : (i + 1) * block] for i in range(len(entries))]
+        tier.read([(slot, [v]) for (_, slot, _), v in zip(entries, views, strict=True)])
+        for (_, _, (dkey, digest)), view in zip(entries, views, strict=True):
             if xxhash.xxh3_128(view, seed=dkey).digest() != digest:
                 raise AssertionError("bench: a block read back from the disk tier differs")
         tier.settle(keys, [])

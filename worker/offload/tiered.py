@@ -151,9 +151,15 @@ class TieredPool(HostPool):
             if not prepared.store_id:
                 return
             digests, dkeys, drop = [], [], set()
-            for pos, (i, slot) in enumerate(zip(prepared.indices, prepared.slots, strict=True)):
-                key, disk_slot, (dkey, digest) = entries[i]
-                self.disk.read(disk_slot, block_views(self._layout, slot))
+            chosen = [entries[i] for i in prepared.indices]
+            reads = [
+                (e[1], block_views(self._layout, b))
+                for e, b in zip(chosen, prepared.slots, strict=True)
+            ]
+            self.disk.read(reads)
+            for pos, (slot, (key, _, (dkey, digest))) in enumerate(
+                zip(prepared.slots, chosen, strict=True)
+            ):
                 spans = self._layout.block_spans(GROUP, slot)
                 if span_digest(self._layout.regions, spans, dkey) == digest:
                     promoted.append(key)
