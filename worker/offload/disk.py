@@ -203,31 +203,19 @@ class DiskTier:
         """End a :meth:`reserve`: ``promoted`` and ``bad`` blocks leave the tier (DEL records,
         slots free); every other reserved block goes back, most recently used."""
         gone = [*promoted, *bad]
-        records = b""
+        records = []
         for key in gone:
             entry = self._busy.pop(key)
             self._free.append(entry.slot)
-            records += pack_record(_OP_DEL, key, entry.slot, entry.digest)
+            records.append(pack_record(_OP_DEL, key, entry.slot, entry.digest))
         for key, entry in self._busy.items():
             self._lru[key] = entry
         self._busy.clear()
         if records:
-            self._append(records, sync=False)
+            self._append(b"".join(records), sync=False)
         self.stats.promoted_blocks += len(promoted)
         self.stats.bad_digest_blocks += len(bad)
         self._announce(gone, [])
-
-    def discard(self, keys: Sequence[BlockHash]) -> None:
-        """Forget ``keys`` (a fresher copy is being stored in the host pool)."""
-        gone = [k for k in keys if k in self._lru]
-        records = b""
-        for key in gone:
-            entry = self._lru.pop(key)
-            self._free.append(entry.slot)
-            records += pack_record(_OP_DEL, key, entry.slot, entry.digest)
-        if records:
-            self._append(records, sync=False)
-            self._announce(gone, [])
 
     def snapshot(self) -> DiskStats:
         s = DiskStats(**{k: getattr(self.stats, k) for k in DiskStats.__slots__})
