@@ -109,6 +109,8 @@ class DiskTier:
     _busy: dict[BlockHash, _Entry] = field(default_factory=dict)
     _slab: int = -1
     _index: int = -1
+    _records: int = 0
+    _header: bytes = b""
 
     @classmethod
     def open(
@@ -262,6 +264,32 @@ class DiskTier:
         os.write(self._index, records)
         if sync:
             os.fsync(self._index)
+        self._records += len(records) // RECORD_BYTES
+        if self._records > 4 * self.capacity_blocks + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the index as its header and one ADD per listed block (LRU order, then the
+        reserved ones): to a new file, fsynced, renamed over the old one, directory fsynced.
+        A crash at any point leaves the old index or the new one, both complete."""
+        index_path = os.path.join(self.path, "index")
+        live = [*self._lru.items(), *self._busy.items()]
+        tmp = index_path + ".new"
+        with open(tmp, "wb") as f:
+            f.write(self._header)
+            f.write(b"".join(pack_record(_OP_ADD, k, e.slot, e.digest) for k, e in live))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, index_path)
+        dir_fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if self._index >= 0:
+            os.close(self._index)
+        self._index = os.open(index_path, os.O_WRONLY | os.O_APPEND)
+        self._records = len(live)
 
     def _rebuild(self, header: bytes) -> None:
         index_path = os.path.join(self.path, "index")
@@ -299,21 +327,8 @@ class DiskTier:
         used = set(by_slot)
         self._free = [s for s in range(self.capacity_blocks - 1, -1, -1) if s not in used]
         self.stats.restored_blocks = len(self._lru)
-        tmp = index_path + ".new"
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(
-                b"".join(pack_record(_OP_ADD, k, e.slot, e.digest) for k, e in self._lru.items())
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, index_path)
-        dir_fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        self._index = os.open(index_path, os.O_WRONLY | os.O_APPEND)
+        self._header = header
+        self._compact()
         if self._lru or self.stats.skipped_records:
             log.info(
                 "disk tier %s: %d blocks restored, %d index records skipped",
