@@ -146,3 +146,23 @@ def test_the_index_is_compacted_while_running_and_stays_correct(tmp_path: Path) 
     again = open_tier(tmp_path, blocks=2)
     assert sorted(again.keys()) == [key(5000), key(5001)]
     assert read(again, 5001)[0] == bytes(block(5001))
+
+
+def test_a_failed_write_lists_nothing_and_leaks_no_slot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = open_tier(tmp_path, blocks=2)
+    demote(tier, 1)
+
+    def full(*_: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwritev", full)
+        with pytest.raises(OSError, match="No space"):
+            demote(tier, 2)
+    assert tier.keys() == [key(1)]
+    demote(tier, 3)  # the slot the failed write took is free again: nothing is evicted
+    assert sorted(tier.keys()) == [key(1), key(3)] and tier.stats.evicted_blocks == 0
+    tier.close()
+    assert sorted(open_tier(tmp_path, blocks=2).keys()) == [key(1), key(3)]

@@ -170,11 +170,17 @@ class DiskTier:
             slot = self._free.pop()
             writes.append((slot, views))
             placed.append((key, _Entry(slot, digest)))
-        self._vectored(os.pwritev, writes)
+        try:
+            self._vectored(os.pwritev, writes)
+            if placed:
+                os.fdatasync(self._slab)
+        except BaseException:
+            self._free += [slot for slot, _ in writes]  # listed nowhere: reusable
+            self._announce(evicted, [])
+            raise
         if not placed:
             self._announce(evicted, [])
             return
-        os.fdatasync(self._slab)
         records = b"".join(pack_record(_OP_ADD, k, e.slot, e.digest) for k, e in placed)
         self._append(records, sync=True)
         for key, entry in placed:

@@ -93,7 +93,7 @@ class TieredPool(HostPool):
         with self._tier_lock:
             fresh = [i for i, k in enumerate(keys) if k not in self.disk]
             prepared = super().prepare_store([keys[i] for i in fresh], ttl_s, writer)
-            self._demote(prepared)
+            self._demote(prepared, writer)
         return replace(prepared, indices=tuple(fresh[i] for i in prepared.indices))
 
     def prepare_load(
@@ -129,9 +129,18 @@ class TieredPool(HostPool):
 
     # ------------------------------------------------------------------ helpers
 
-    def _demote(self, prepared: PreparedStore) -> None:
+    def _demote(self, prepared: PreparedStore, writer: str) -> None:
+        """Write the blocks ``prepared`` evicted to disk; if that fails, drop the store (its
+        writer never learns its slots) and raise: the evicted blocks are lost, never wrong."""
         if prepared.demoted:
-            self.disk.put([(k, d, block_views(self._layout, b)) for k, b, d in prepared.demoted])
+            try:
+                self.disk.put(
+                    [(k, d, block_views(self._layout, b)) for k, b, d in prepared.demoted]
+                )
+            except BaseException:
+                if prepared.store_id:
+                    self._abort(prepared.store_id, writer)
+                raise
 
     def _promote(self, keys: Sequence[BlockHash]) -> None:
         wanted: list[BlockHash] = []
@@ -147,16 +156,20 @@ class TieredPool(HostPool):
         bad: list[BlockHash] = []
         try:
             prepared = super().prepare_store([k for k, _, _ in entries], _PROMOTE_TTL_S, PROMOTER)
-            self._demote(prepared)
+            self._demote(prepared, PROMOTER)
             if not prepared.store_id:
                 return
+            try:
+                chosen = [entries[i] for i in prepared.indices]
+                reads = [
+                    (e[1], block_views(self._layout, b))
+                    for e, b in zip(chosen, prepared.slots, strict=True)
+                ]
+                self.disk.read(reads)
+            except BaseException:
+                self._abort(prepared.store_id, PROMOTER)  # the entries stay on disk
+                raise
             digests, dkeys, drop = [], [], set()
-            chosen = [entries[i] for i in prepared.indices]
-            reads = [
-                (e[1], block_views(self._layout, b))
-                for e, b in zip(chosen, prepared.slots, strict=True)
-            ]
-            self.disk.read(reads)
             for pos, (slot, (key, _, (dkey, digest))) in enumerate(
                 zip(prepared.slots, chosen, strict=True)
             ):
@@ -172,6 +185,12 @@ class TieredPool(HostPool):
             self.commit_store(prepared.store_id, PROMOTER, dkeys, digests, frozenset(drop))
         finally:
             self.disk.settle(promoted, bad)
+
+    def _abort(self, store_id: str, writer: str) -> None:
+        """Drop a store this pool made but could not hand out: its slots are free at once
+        (nobody was told of them, so no WRITE can be in flight)."""
+        self.mark_written(store_id, writer)
+        self.abort_store(store_id, writer)
 
 
 def fingerprint(layout: KVLayout) -> bytes:
