@@ -19,13 +19,16 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvbridge.connector.events import BlockEventSink
     from kvbridge.proto.layout import KVLayout
 
 __all__ = ["add_parser", "check_memory", "daemon_layout", "parse_bytes", "run", "main"]
@@ -50,7 +53,7 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--capacity") -> int:
     """``"8GiB"`` → 8589934592; accepts B, kB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
     from kvbridge.proto.errors import ConfigError
 
@@ -59,10 +62,10 @@ def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
-        raise ConfigError(f"--capacity {text!r} is not a size like 8GiB, 512MiB or 1000000")
+        raise ConfigError(f"{flag} {text!r} is not a size like 8GiB, 512MiB or 1000000")
     value = int(float(m.group(1)) * _UNITS[unit])
     if value < 1:
-        raise ConfigError(f"--capacity {text!r} must be at least one byte")
+        raise ConfigError(f"{flag} {text!r} must be at least one byte")
     return value
 
 
@@ -165,7 +168,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
     p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
-    add_kv_events_arguments(p, "the host pool's blocks (medium CPU)")
+    p.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="a directory for a disk tier under the host pool: evicted blocks are demoted "
+        "there and promoted back on loads; a restarted daemon serves what it lists",
+    )
+    p.add_argument(
+        "--disk-capacity", default="64GiB", help="disk tier size with --disk (default 64GiB)"
+    )
+    add_kv_events_arguments(p, "the host pool's blocks (medium CPU; the disk tier's STORAGE)")
     p.add_argument(
         "--expired-grace",
         type=float,
@@ -209,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         max_pinned_per_writer=args.max_pinned_per_writer,
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout,
+        disk_path=None if args.disk is None else check_disk_dir(args.disk),
+        disk_capacity_bytes=parse_bytes(args.disk_capacity, "--disk-capacity"),
     )
     metrics_config = (
         None
@@ -228,12 +242,17 @@ def run(args: argparse.Namespace) -> int:
         if events_config is None
         else open_sink(events_config, MEDIUM_CPU, key_prefix=len(pool_key(0, b"")))
     )
+    disk_events = None
+    if publisher is not None and config.disk_path is not None:
+        disk_events = storage_sinks(publisher, events_config)
     previous = signal.signal(signal.SIGTERM, on_term)
     metrics: MetricsServer | None = None
     try:
         with (
             NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
-            serve(transport, config, instance=instance, events=events) as server,
+            serve(
+                transport, config, instance=instance, events=events, disk_events=disk_events
+            ) as server,
         ):
             if metrics_config is not None:
                 metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
@@ -257,6 +276,39 @@ def run(args: argparse.Namespace) -> int:
             publisher.close()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def check_disk_dir(path: str) -> str:
+    """``--disk PATH`` made if missing and checked writable, or a one-line ConfigError."""
+    import os
+    import tempfile
+
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--disk {path!r} is not a writable directory: {exc.strerror}") from None
+    return path
+
+
+def storage_sinks(publisher: Any, events_config: Any) -> Callable[[int], BlockEventSink]:
+    """A maker of the disk tier's event sinks (medium ``STORAGE``) on ``publisher``."""
+    from kvbridge.connector.events import MEDIUM_STORAGE, KVEventSource
+    from kvbridge.worker.offload.pool import pool_key
+
+    def make(block_size: int) -> BlockEventSink:
+        return KVEventSource(
+            publisher,
+            medium=MEDIUM_STORAGE,
+            block_size=block_size,
+            wire=events_config.wire,
+            key_prefix=len(pool_key(0, b"")),
+        )
+
+    return make
 
 
 def daemon_layout(name: str, block_size: int, tp_size: int, seed: int) -> KVLayout:

@@ -66,6 +66,9 @@ class OffloadConfig:
     stay out of the free list: a paused writer's late WRITE then lands in a slot nobody
     else uses. Readers verify digests anyway; this only makes the late write harmless
     instead of detected (and recomputed)."""
+    disk_path: str | None = None
+    """Directory of the disk tier under the host pool (``--disk``); None: no disk tier."""
+    disk_capacity_bytes: int = 64 << 30
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
@@ -98,6 +101,8 @@ class OffloadConfig:
                 raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
         if not (math.isfinite(self.expired_grace_s) and self.expired_grace_s >= 0):
             raise ConfigError(f"expired_grace_s must be >= 0, got {self.expired_grace_s}")
+        if self.disk_capacity_bytes < 1:
+            raise ConfigError(f"--disk-capacity must be >= 1 byte, got {self.disk_capacity_bytes}")
         if self.commit_wait_s < 0:
             raise ConfigError(f"commit_wait_s must be >= 0, got {self.commit_wait_s}")
         for knob in (

@@ -57,6 +57,7 @@ from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId
 from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
 from kvbridge.worker.offload.pool import Digest, HostPool, OffloadStats, pool_key
+from kvbridge.worker.offload.tiered import open_tiered, saved_layout
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
 
 if TYPE_CHECKING:
@@ -95,17 +96,21 @@ class OffloadHandlers:
         *,
         instance: str,
         events: Callable[[int], BlockEventSink] | None = None,
+        disk_events: Callable[[int], BlockEventSink] | None = None,
     ) -> None:
-        """``events(block_size)`` makes the pool's KV event sink when the pool is made."""
+        """``events(block_size)`` makes the pool's KV event sink when the pool is made
+        (``disk_events`` the disk tier's, medium ``STORAGE``)."""
         self.transport = transport
         self._events = events
+        self._disk_events = disk_events
         self.config = config
         self.instance = instance
         self._setup_lock = threading.Lock()
         self._state: _Pool | None = None
         self.sessions = Sessions(config.max_sessions, per_peer=config.max_sessions_per_peer)
-        if config.layout is not None:
-            self._create(config.layout)
+        saved = None if config.disk_path is None else saved_layout(config.disk_path)
+        if config.layout is not None or saved is not None:
+            self._create(config.layout or saved)  # type: ignore[arg-type]
 
     @property
     def pool(self) -> HostPool | None:
@@ -294,15 +299,17 @@ class OffloadHandlers:
             agent_metadata=self.transport.metadata(),
         )
         num_blocks = layout.group(GROUP).num_blocks
-        pool = HostPool(
-            num_blocks,
-            layout.block_bytes(GROUP),
+        knobs = dict(
             max_pending=self.config.max_pending,
             max_stores_per_writer=self.config.max_stores_per_writer,
             max_pinned_per_writer=self.config.max_pinned_per_writer,
             events=None if self._events is None else self._events(layout.block_size),
             grace_s=self.config.expired_grace_s,
         )
+        if self.config.disk_path is None:
+            pool = HostPool(num_blocks, layout.block_bytes(GROUP), **knobs)  # type: ignore[arg-type]
+        else:
+            pool = open_tiered(memory.layout, self.config, knobs, self._disk_events)
         self._state = _Pool(info, memory, caches, pool)
         log.info(
             "offload pool: %d blocks of %d bytes (%s, %s)",
@@ -385,6 +392,7 @@ def _describe(layout: KVLayout) -> str:
 
 
 def stats_to_pb(stats: OffloadStats, instance: str) -> pb.StatsResponse:
+    fields = pb.StatsResponse.DESCRIPTOR.fields_by_name
     return pb.StatsResponse(
-        instance=instance, **{k: getattr(stats, k) for k in OffloadStats.__slots__}
+        instance=instance, **{k: getattr(stats, k) for k in OffloadStats.__slots__ if k in fields}
     )

@@ -1,22 +1,16 @@
 """The offload daemon's host pool bookkeeping: which slot holds which block hash.
 
-Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`), called from
-its gRPC and reaper threads, so every method takes the pool's lock. Pure bookkeeping over a
-:class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL.
+Owned by the daemon's servicer (:mod:`kvbridge.worker.offload.server`) and called from its
+threads, so every method takes the pool's lock. Pure bookkeeping over a :class:`BlockPool`: no
+memory, no NIXL (disk tier: :mod:`kvbridge.worker.offload.tiered`). Keys: ``(tp_rank, hash)``.
 
-Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head slices of a
-block of the same name.
-
-Every store and load belongs to a **writer** (the NIXL agent name of the worker session that
-made it, :mod:`kvbridge.worker.offload.writers`) and is charged to a **peer** (the caller's
-authenticated identity): only a session of that writer and peer ends it, a store commits
-only after :meth:`HostPool.mark_written` (its WRITE completed), and each *peer*, under any
-number of agent names, holds at most ``max_stores_per_writer`` prepared stores and
-``max_pinned_per_writer`` pinned blocks.
-
-Slot states (free, writing, quarantined, pinned) and the **digest** every committed block
-keeps for its readers: :mod:`kvbridge.worker.offload.slots`. :meth:`HostPool.drop_bad` drops
-a block a reader reports only if the daemon's own recomputation agrees.
+Every store and load belongs to a **writer** (the NIXL agent name of the session that made it,
+:mod:`kvbridge.worker.offload.writers`) and is charged to a **peer** (the caller's
+authenticated identity): only that writer and peer end it, a store commits only after
+:meth:`HostPool.mark_written`, and each peer, under any number of agent names, holds at most
+``max_stores_per_writer`` stores and ``max_pinned_per_writer`` pinned blocks. Slot states and
+the **digest** each committed block keeps: :mod:`kvbridge.worker.offload.slots`;
+:meth:`HostPool.drop_bad` drops a reported block only if the daemon's own check agrees.
 """
 
 from __future__ import annotations
@@ -47,7 +41,6 @@ from kvbridge.worker.offload.stats import OffloadStats
 
 __all__ = ["Digest", "HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
 
-
 log = logging.getLogger(__name__)
 
 
@@ -69,8 +62,8 @@ class HostPool:
         for knob, value in (("block_bytes", block_bytes), ("max_pending", max_pending)):
             if value < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {value}")
-        self._evicted: list[BlockHash] = []
-        on_evict = lambda h, _b: self._evicted.append(h)  # noqa: E731 (self._evicted is rebound)
+        self._evicted: list[tuple[BlockHash, BlockId]] = []
+        on_evict = lambda h, b: self._evicted.append((h, b))  # noqa: E731 (self._evicted rebound)
         self._pool = BlockPool(num_blocks, on_evict=on_evict, events=events)
         self._block_bytes = block_bytes
         self._clock = clock
@@ -113,6 +106,10 @@ class HostPool:
                 hits += 1
             self._count_lookup(hits, asked)
             return hits
+
+    def cached(self, key: BlockHash) -> bool:
+        with self._lock:  # is ``key`` committed in the pool? (counts nothing)
+            return self._pool.get_block(key) is not None
 
     def stats(self) -> OffloadStats:
         with self._lock:
@@ -186,9 +183,9 @@ class HostPool:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
             self._stats.evicted_bytes += len(evicted) * self._block_bytes
-        return PreparedStore(
-            store_id, tuple(wanted), tuple(slots), tuple(k[2:] for k in evicted), ttl_s
-        )
+            demoted = tuple((k, b, self._digest_of(b)) for k, b in evicted)
+        gone = tuple(k[2:] for k, _ in evicted)
+        return PreparedStore(store_id, tuple(wanted), tuple(slots), gone, ttl_s, demoted)
 
     def mark_written(self, store_id: str, writer: str) -> bool:
         """Record that ``writer``'s WRITE into the store completed; False (nothing changes)
@@ -204,9 +201,10 @@ class HostPool:
         self,
         store_id: str,
         writer: str = "",
-        key: int = 0,
+        key: int | Sequence[int] = 0,
         digests: Sequence[bytes] = (),
         peer: str | None = None,
+        drop: frozenset[int] = frozenset(),
     ) -> int:
         """Publish a store's blocks (they become visible and evictable); returns how many.
 
@@ -215,7 +213,7 @@ class HostPool:
         raises and changes nothing.
         ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
         readers of these blocks will check; a count or size that does not fit raises
-        :class:`WireError` and changes nothing.
+        :class:`WireError` and changes nothing. (Promotions: a key per slot; ``drop`` unpublished.)
         """
         self._expire()
         with self._lock:
@@ -236,13 +234,16 @@ class HostPool:
                 )
             del self._stores[store_id]
             self._quotas.drop_store(pending.peer)
-            for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
+            keys = [key] * len(digests) if isinstance(key, int) else list(key)
+            for i, (slot, block_key) in enumerate(zip(pending.slots, pending.keys, strict=True)):
                 del self._writing[block_key]
-                self._digests[slot] = (key, bytes(digest))
+                if i in drop:
+                    continue
+                self._digests[slot] = (keys[i], bytes(digests[i]))
                 cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)
-            n = len(pending.slots)
+            n = len(pending.slots) - len(drop)
             self._stats.stored_blocks += n
             self._stats.stored_bytes += n * self._block_bytes
             self._stats.store_seconds_sum += self._clock() - pending.started

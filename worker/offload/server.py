@@ -133,10 +133,15 @@ def serve(
     *,
     instance: str | None = None,
     events: Callable[[int], BlockEventSink] | None = None,
+    disk_events: Callable[[int], BlockEventSink] | None = None,
 ) -> OffloadServer:
     """Start an offload daemon's service on ``transport`` (which the caller closes after);
     ``events(block_size)`` makes the pool's KV event sink (see ``OffloadHandlers``)."""
     handlers = OffloadHandlers(
-        transport, config or OffloadConfig(), instance=instance or new_instance(), events=events
+        transport,
+        config or OffloadConfig(),
+        instance=instance or new_instance(),
+        events=events,
+        disk_events=disk_events,
     )
     return OffloadServer(handlers).start()

@@ -67,6 +67,9 @@ class PreparedStore:
     slots: tuple[BlockId, ...]
     evicted: tuple[bytes, ...]
     expires_in_s: float
+    demoted: tuple[tuple[BlockHash, BlockId, Digest], ...] = ()
+    """Evicted committed blocks as ``(key, slot, digest)``: their bytes stay in ``slot`` until
+    the store's writer WRITEs it (the disk tier copies them out first)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,8 +86,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="add a CPU offload daemon; a second pass meets a fresh decode node, which loads "
         "the repeated prompts from the daemon",
     )
+    p.add_argument(
+        "--offload-capacity",
+        default="256MiB",
+        help="with --offload: the daemon's host pool (default 256MiB; small, e.g. 256KiB, "
+        "to push blocks down to --offload-disk)",
+    )
+    p.add_argument(
+        "--offload-disk",
+        metavar="PATH",
+        help="with --offload: give the daemon a disk tier in this directory",
+    )
+    p.add_argument(
+        "--offload-disk-capacity", default="1GiB", help="with --offload-disk (default 1GiB)"
+    )
+    p.add_argument(
+        "--offload-restart",
+        action="store_true",
+        help="with --offload-disk: SIGKILL the daemon after the first pass and start it again "
+        "on the same port and disk, so the second pass loads what its disk held",
+    )
     p.add_argument("--startup-timeout", type=float, default=90.0)
     p.set_defaults(func=run)
+
+
+def _daemon(args: argparse.Namespace, work: Path, port: int = 0) -> Any:
+    from kvbridge.proto.errors import ConfigError
+
+    if args.offload_restart and args.offload_disk is None:
+        raise ConfigError("--offload-restart needs --offload-disk (the state that survives)")
+    extra = []
+    if args.offload_disk is not None:
+        extra = ["--disk", args.offload_disk, "--disk-capacity", args.offload_disk_capacity]
+    return start_offload_daemon(
+        work, args.startup_timeout, capacity=args.offload_capacity, port=port, extra=extra
+    )
 
 
 def make_workload(
@@ -161,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         extra: list[str] = []
         if args.offload:
-            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
+            offload = stack.enter_context(_daemon(args, work))
+            daemon = offload.address
             extra = ["--offload", daemon]
             print(f"offload daemon at {daemon}")
         token = secrets.token_hex(16)  # both nodes require it; the router sends it
@@ -172,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
         stack.callback(prefill.close)
         passes = 2 if args.offload else 1
         for n in range(passes):
+            if n == 1 and args.offload_restart:
+                offload.kill()  # SIGKILL: its host pool is gone, its disk tier is not
+                port = int(daemon.rsplit(":", 1)[1])
+                stack.enter_context(_daemon(args, work, port))
+                print(f"offload daemon SIGKILLed and restarted at {daemon}")
             # with --offload the second pass meets a fresh decode node: its prompts come back
             # from the offload daemon instead of prefill's memory
             with start_node(
