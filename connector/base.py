@@ -99,6 +99,12 @@ class BlockLoad:
     remote_tp_size: int = 1
     """The remote engine's tensor-parallel size (from ``kv_transfer_params``; the handshake
     must show it): each worker rank reads its heads from the rank(s) it maps to."""
+    digest_key: int | None = None
+    """The hand-over's digest key; None: the load is not verified (no digests recorded, or
+    verification is off on this engine)."""
+    digests: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
+    """Per group, the digest of each block of ``remote_ids`` as its owner recorded it at
+    hand-over: the bytes read must match before the engine may use them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +147,11 @@ class LoadResult:
     path: str = ""
     """How the peer's blocks were proven: ``sealed`` (no control RPC), ``owner`` (the owner
     named them over the control plane), or ``""`` (nothing read from a peer)."""
+    digest_mismatches: int = 0
+    """Blocks whose bytes, as read, did not match the digest their owner recorded at
+    hand-over (each is recomputed, with every later ``self`` block)."""
+    verified: bool = False
+    """Whether the blocks read were checked against digests."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,11 @@ class ConnectorConfig:
     offload_verify: bool = True
     """Check every block loaded from the offload daemon against its writer's digest before
     the engine uses it (default); False trusts the daemon's memory."""
+    verify_loads: bool = True
+    """Prefill records a keyed digest of every block it hands over; decode checks each block
+    it READ against it before the engine uses it, and recomputes a block that differs
+    (docs/DESIGN-NOTES.md, "Trust"). False: neither side digests (saves the digest time on
+    both sides; a peer that WRITEs registered memory can then change decoded tokens)."""
 
     def __post_init__(self) -> None:
         if not self.engine_id or len(self.engine_id) > 128:
@@ -79,6 +84,8 @@ class ConnectorConfig:
             or not (self.token.isascii() and self.token.isprintable())
         ):
             raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
+        if not isinstance(self.verify_loads, bool):
+            raise ConfigError(f"verify_loads must be true or false, got {self.verify_loads!r}")
         if self.max_concurrent_loads < 1:
             raise ConfigError("max_concurrent_loads must be >= 1")
         if isinstance(self.allowed_peers, str):

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.kernels.digest import DIGEST_BYTES
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -46,6 +47,12 @@ class KVTransferParams:
     tp_size: int = 1
     """The prefill's tensor-parallel size: its rank ``r`` holds the ``r``-th slice of the KV
     heads and serves control at ``remote_address``'s port ``+ r``. Absent: 1."""
+    digest_key: int | None = None
+    """The hand-over's secret digest key (:func:`kvbridge.kernels.new_key`); None: the
+    prefill recorded no digests and the load is not verified."""
+    digests: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)
+    """Per group, one digest per entry of ``block_ids`` (:func:`kvbridge.kernels.block_digests`
+    of the bytes at hand-over, keyed with ``digest_key``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -58,6 +65,14 @@ class KVTransferParams:
             "lease_id": self.lease_id,
             "lease_ttl_s": self.lease_ttl_s,
             "tp_size": self.tp_size,
+            **(
+                {}
+                if self.digest_key is None
+                else {
+                    "digest_key": self.digest_key,
+                    "digests": {g: list(d) for g, d in self.digests.items()},
+                }
+            ),
         }
 
     @staticmethod
@@ -79,6 +94,8 @@ class KVTransferParams:
                 lease_id=LeaseId(_str(params, "lease_id")),
                 lease_ttl_s=float(_num(params, "lease_ttl_s")),
                 tp_size=_int(params, "tp_size") if "tp_size" in params else 1,
+                digest_key=_key(params) if "digest_key" in params else None,
+                digests=_group_map(params, "digests", _digest) if "digest_key" in params else {},
             )
         except (TypeError, ValueError) as exc:
             raise WireError(f"kv_transfer_params: {exc}") from None
@@ -99,7 +116,25 @@ class KVTransferParams:
                 f"{len(out.block_ids.get('cross', ()))} ids and "
                 f"{len(out.block_hashes.get('cross', ()))} hashes"
             )
+        for group, digests in out.digests.items():
+            if len(digests) != len(out.block_ids.get(group, ())):
+                raise WireError(
+                    f"kv_transfer_params: 'digests' needs one digest per {group!r} block id"
+                )
         return out
+
+
+def _key(params: Mapping[str, Any]) -> int:
+    value = params.get("digest_key")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise WireError("kv_transfer_params: 'digest_key' must be an integer in [0, 2**64)")
+    return value
+
+
+def _digest(value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
+        raise WireError(f"kv_transfer_params: a block digest must be {DIGEST_BYTES} bytes")
+    return value
 
 
 def _str(params: Mapping[str, Any], key: str) -> str:

@@ -38,9 +38,7 @@ exactly the expected names go to the offload daemon; the engine then keeps them
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,11 +52,12 @@ from kvbridge.connector.base import (
     StepMetadata,
 )
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.control.seal import seal_digest
+from kvbridge.connector.handover import LeaseIssuer, tail_name
 from kvbridge.connector.params import KVTransferParams
+from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
 __all__ = ["KVBridgeScheduler", "LeaseIssuer", "tail_name"]
 
@@ -66,43 +65,6 @@ log = logging.getLogger(__name__)
 
 MAX_REFUSALS = 4096
 """Refused loads remembered for the stats (engines that never ask for them forget)."""
-
-
-class LeaseIssuer(ABC):
-    """Puts a finished prefill request's blocks under a lease that a decode peer releases.
-
-    Implemented by whoever owns the engine's blocks: kvbridge's serving node
-    (:class:`kvbridge.worker.serving.engine_owner.EngineBlockOwner`, pins at once) and
-    vLLM's adapter (:class:`kvbridge.connector.vllm.scheduler.HoldIssuer`, orders the
-    worker to hold them). Called from the scheduler thread.
-    """
-
-    @abstractmethod
-    def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
-    ) -> int:
-        """How many leading ``block_ids`` hold exactly the KV named by ``hashes``."""
-
-    @abstractmethod
-    def lease_request(
-        self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
-    ) -> tuple[LeaseId, float]:
-        """Take a reference on ``blocks`` and put it under a new lease: ``(lease_id, ttl_s)``."""
-
-
-def tail_name(
-    full_names: Sequence[BlockHash], tail: Sequence[int], encoder_hash: bytes | None = None
-) -> BlockHash:
-    """The name of a prompt's partial last block (full blocks are named by the hasher).
-
-    Chained from the last full block's name (or, for a prompt shorter than one
-    block, from the encoder input), so prefill and decode compute it alike from
-    their own prompts: an owner's lease that names a tail other than this
-    prompt's is refused, never read.
-    """
-    parent = full_names[-1] if full_names else b"\0" + (encoder_hash or b"")
-    body = b"".join(int(t).to_bytes(4, "little") for t in tail)
-    return BlockHash(hashlib.sha256(b"kvbridge-tail-v1\0" + parent + body).digest())
 
 
 @dataclass(slots=True)
@@ -252,10 +214,14 @@ class KVBridgeScheduler(SchedulerConnector):
         remote = {"self": params.block_ids["self"][first:end]}
         names = self._names(request, params.num_tokens)
         hashes = {"self": names[first:]}
+        verify = self.config.verify_loads and params.digest_key is not None
+        digests = {"self": params.digests.get("self", ())[first:end]} if verify else {}
         if self._load_cross(request, block_ids, params):
             local["cross"] = tuple(block_ids["cross"])
             remote["cross"] = params.block_ids["cross"]
             hashes["cross"] = params.block_hashes["cross"]
+            if verify:
+                digests["cross"] = params.digests.get("cross", ())
         self._loads.append(
             BlockLoad(
                 request_id=request.request_id,
@@ -270,6 +236,8 @@ class KVBridgeScheduler(SchedulerConnector):
                 first_block=first,
                 seal=self._seal(request, params, names),
                 remote_tp_size=params.tp_size,
+                digest_key=params.digest_key if verify else None,
+                digests=digests,
             )
         )
 
@@ -338,12 +306,7 @@ class KVBridgeScheduler(SchedulerConnector):
         num_tokens = len(request.prompt_token_ids)
         needed = -(-num_tokens // self.block_size)
         if len(ids.get("self", ())) < needed:
-            log.warning(
-                "request %s has %d blocks for %d tokens; no hand-over",
-                request.request_id,
-                len(ids.get("self", ())),
-                num_tokens,
-            )
+            log.warning("request %s: too few blocks; no hand-over", request.request_id)
             return delay_free, None
         ids["self"] = ids["self"][:needed]
         hashes = {
@@ -358,12 +321,9 @@ class KVBridgeScheduler(SchedulerConnector):
         try:
             lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, leased)
         except KVBridgeError as exc:
-            log.warning(
-                "request %s: could not pin its blocks (%s); decode will recompute",
-                request.request_id,
-                exc,
-            )
+            log.warning("request %s: no lease (%s); decode recomputes", request.request_id, exc)
             return delay_free, None
+        key, digests = self._digests(request.request_id, ids)
         params = KVTransferParams(
             remote_engine_id=self.config.engine_id,  # type: ignore[arg-type]
             remote_address=self.config.control_address,
@@ -374,8 +334,22 @@ class KVBridgeScheduler(SchedulerConnector):
             lease_id=lease_id,
             lease_ttl_s=ttl_s,
             tp_size=self.tp_size,
+            digest_key=key,
+            digests={g: tuple(d) for g, d in digests.items()},
         )
         return delay_free, params.to_dict()
+
+    def _digests(
+        self, request_id: RequestId, ids: Mapping[str, Sequence[BlockId]]
+    ) -> tuple[int | None, dict[str, list[bytes]]]:
+        """A fresh key and the leased blocks' digests under it; ``(None, {})``: unverified."""
+        key = new_key()
+        try:
+            digests = self.issuer.digests(ids, key) if self.config.verify_loads else None  # type: ignore[union-attr]
+        except KVBridgeError as exc:  # e.g. memory the CPU digest cannot read
+            log.warning("request %s: no block digests (%s)", request_id, exc)
+            digests = None
+        return (None, {}) if digests is None else (key, digests)
 
     def _store(self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]) -> bool:
         """Queue the request's verified full blocks for the offload daemon; True if queued

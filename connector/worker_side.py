@@ -9,7 +9,7 @@ back by notification.
 Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
 ``start_load_kv`` never blocks the engine on the network: blocks the offload
 daemon holds come from there first, the rest from the remote engine
-(:class:`~kvbridge.connector.remote_load.RemoteLoader` says how, fail closed).
+(:class:`~kvbridge.connector.load.RemoteLoader` says how, fail closed).
 Each store becomes a job too, reported once in ``done_sending`` when over.
 Nothing here raises into the engine's step.
 """
@@ -31,8 +31,7 @@ from kvbridge.connector.base import (
 )
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import ReleaseListener, SealTable
-from kvbridge.connector.links import ClientFactory
-from kvbridge.connector.remote_load import RemoteLoader
+from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
@@ -160,9 +159,8 @@ class KVBridgeWorker(WorkerConnector):
                 result = job.result()
             except Exception as exc:  # _load catches everything; this is the last line of defence
                 log.exception("request %s: load job failed", rid)
-                every = tuple(b for ids in load.local_ids.values() for b in ids)
-                result = LoadResult(
-                    rid, len(every), 0, tuple(load.local_ids.get("self", ())), 0.0, repr(exc)
+                result = load_result(
+                    load, 0.0, bad=load.local_ids.get("self", ()), error=repr(exc), elapsed_ms=0.0
                 )
             self._state.results[rid] = result
             self._state.bad.update(result.bad_block_ids)
@@ -245,16 +243,14 @@ class KVBridgeWorker(WorkerConnector):
         got = self.offload.load(local_self[:k], list(load.offload_hashes))  # never raises
         m = got.loaded
         if not load.remote_engine:  # nothing to fall back on: recompute what is missing
-            return LoadResult(
-                load.request_id,
-                k,
-                0,
-                tuple(local_self[m:k]),
-                got.elapsed_s * 1e3,
-                got.error if m < k else "",
-                {},
-                0,
-                m,
+            return load_result(
+                load,
+                0.0,
+                requested=k,
+                bad=local_self[m:k],
+                error=got.error if m < k else "",
+                offloaded=m,
+                elapsed_ms=got.elapsed_s * 1e3,
                 offload_bad_digest=got.bad_digest,
             )
         # always go to the peer, if only to release the lease on what it pinned for us
@@ -278,8 +274,12 @@ def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
     local["self"] = tuple(load.local_ids["self"])[n:]
     remote["self"] = tuple(load.remote_ids.get("self", ()))[n:]
     hashes["self"] = tuple(load.remote_hashes.get("self", ()))[n:]
+    digests = dict(load.digests)
+    if "self" in digests:
+        digests["self"] = tuple(digests["self"])[n:]
     return replace(
         load,
+        digests=digests,
         local_ids=local,
         remote_ids=remote,
         remote_hashes=hashes,

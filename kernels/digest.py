@@ -81,9 +81,29 @@ def _cpu_view(region: Region, span: Span) -> memoryview:
 def span_digest(regions: Sequence[Region], spans: Iterable[Span], key: int) -> bytes:
     """XXH3-128 (seeded with ``key``) over ``spans`` of CPU ``regions``, in order."""
     h = xxhash.xxh3_128(seed=_check_key(key))
-    for span in spans:
+    for span in _coalesced(spans):
         h.update(_cpu_view(regions[span.region], span))
     return h.digest()
+
+
+def _coalesced(spans: Iterable[Span]) -> Iterable[Span]:
+    """``spans`` with each run of spans adjacent in one region merged into one (the same
+    bytes in the same order: the digest is unchanged, one hash call per run)."""
+    run: Span | None = None
+    for span in spans:
+        if (
+            run is not None
+            and span.length > 0
+            and span.region == run.region
+            and span.offset == run.offset + run.length
+        ):
+            run = Span(run.region, run.offset, run.length + span.length)
+            continue
+        if run is not None:
+            yield run
+        run = span
+    if run is not None:
+        yield run
 
 
 def digest_algo(layout: KVLayout, group: str) -> str:

@@ -12,7 +12,11 @@ leaves the destination untouched. Then:
 - both sides on one CUDA device: one launch of the span kernel
   (:mod:`kvbridge.kernels.cuda_path`) when the runs are contiguous and long
   enough, else torch's CUDA index ops;
-- otherwise (CPU, or two devices): torch index ops (:mod:`kvbridge.kernels.torch_path`).
+- on CPU, source and destination apart (:func:`~kvbridge.kernels.torch_path.copy_pairs`):
+  one index op per view pair when one side's ids are a run (gather, scatter), else one
+  strided copy per block slice split between torch's threads (one pass, no temporary);
+- otherwise (two devices, a copy within one cache that may overlap): torch index ops
+  (:mod:`kvbridge.kernels.torch_path`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from kvbridge.kernels.mapping import IdsLike, MappingLike, as_ids, as_mapping, check_ids
-from kvbridge.kernels.torch_path import copy_rows, gather_rows, scatter_rows
+from kvbridge.kernels.torch_path import copy_pairs, copy_rows, gather_rows, scatter_rows
 from kvbridge.kernels.views import coalesce, group_views, paired_views, staging_view, widen
 from kvbridge.proto.errors import IncompatibleLayoutError
 from kvbridge.proto.layout import KVLayout
@@ -142,6 +146,10 @@ def _move(
             )
             if cuda_path.launch_spans(spans, a0.device):
                 return
+    on_cpu = all(a.device.type == "cpu" and b.device.type == "cpu" for a, b, _ in prepared)
+    if on_cpu and not overlap:  # gather and scatter pass the staging side's ids as 0..n-1
+        copy_pairs([(a, b) for a, b, _ in prepared], src_ids, dst_ids)
+        return
     for a, b, dim in prepared:
         if kind == "gather":
             gather_rows(a, b, dim, src_ids)

@@ -1,4 +1,10 @@
-"""Layouts of realistic model shapes, for tests, benchmarks and ``kvbridge layout``.
+"""The model names of every ``kvbridge`` command, and their KV layouts.
+
+``PRESETS`` is the one list of model names: ``kvbridge layout --model``,
+``serve``/``demo``/``offload serve``/``serve-control --model`` and the
+benchmarks take these names (``--preset`` is an alias of ``--model``). The
+reference engine (``serve``, ``demo``) runs the small ones that have weights
+(``ENGINE_MODELS``); the others are layout shapes of real models.
 
 Each preset is a function of block size, block count and order so that a
 benchmark can sweep them. KV-sharing patterns follow recent models: the
@@ -14,7 +20,7 @@ from dataclasses import dataclass
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import GroupSpec, KVLayout, LayerSpec, ModelSpec, parse_order
 
-__all__ = ["PRESETS", "PresetShape", "make_layout", "preset_layout"]
+__all__ = ["ENGINE_MODELS", "PRESETS", "PresetShape", "make_layout", "preset_layout"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +47,21 @@ PRESETS: Mapping[str, PresetShape] = {
     "kv-share-third": PresetShape("kv-share-third", 24, 8, 128, "bfloat16", share_last=8),
     # every second layer reuses the previous layer's KV
     "kv-share-every2": PresetShape("kv-share-every2", 24, 8, 128, "bfloat16", share_every=2),
+    # "tiny" with cross-attention KV (the reference engine adds an encoder over bytes)
+    "encdec-tiny": PresetShape("encdec-tiny", 4, 2, 32, "float32", encoder_decoder=True),
+    # 8 layers, the last 4 reading the KV of layers 0-3: KV sharing and prefill skip
+    "share-tiny": PresetShape("share-tiny", 8, 2, 32, "float32", share_last=4),
 }
+ENGINE_MODELS = ("tiny", "small", "encdec-tiny", "share-tiny")
+"""The names the reference engine runs (``kvbridge serve``/``demo --model``)."""
 
 
 def _kv_sources(num_layers: int, share_last: int, share_every: int) -> list[int | None]:
     if share_last and share_every:
-        raise ConfigError("choose one KV-sharing pattern: share_last or share_every")
+        raise ConfigError(
+            "choose one KV-sharing pattern: share_last or share_every (--share-last or "
+            "--share-every)"
+        )
     if not 0 <= share_last < num_layers or share_last * 2 > num_layers:
         raise ConfigError(
             f"share_last={share_last} must leave at least as many owning layers "
@@ -103,6 +118,6 @@ def make_layout(
 def preset_layout(name: str, **kwargs: object) -> KVLayout:
     """``make_layout(PRESETS[name], **kwargs)`` with a helpful error for unknown names."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
     build: Callable[..., KVLayout] = make_layout
     return build(PRESETS[name], **kwargs)

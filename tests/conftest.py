@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.vllm import SharedPair, shared_pair
+
 os.environ.setdefault("UCX_MODULES", "^ib")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
@@ -46,3 +48,26 @@ def tls_files(tmp_path: Path) -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPair]:
+    """The session's kvbridge P/D pair and plain engine in real vLLM (tests/harness/vllm.py)."""
+    yield from shared_pair(tmp_path_factory.mktemp("vllm-pair"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``destructive`` (they kill a process the module's other tests share) run
+    after the other tests of their module; everything else keeps its order, shuffled or not
+    (pytest-randomly shuffles before this hook runs)."""
+    out: list[pytest.Item] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j < len(items) and items[j].module is items[i].module:  # type: ignore[attr-defined]
+            j += 1
+        group = items[i:j]
+        out += [t for t in group if t.get_closest_marker("destructive") is None]
+        out += [t for t in group if t.get_closest_marker("destructive") is not None]
+        i = j
+    items[:] = out

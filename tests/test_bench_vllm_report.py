@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from kvbridge.worker.bench.vllm_report import assemble, box_plot, spread, summarize, table_rows
+from kvbridge.worker.bench.vllm_report import (
+    assemble,
+    box_plot,
+    spread,
+    summarize,
+    table_rows,
+)
 
 
 def row(connector: str, rnd: int, index: int, ttft: float, **over: Any) -> dict[str, Any]:
@@ -124,3 +130,38 @@ def test_payload_is_json_and_the_table_and_plot_come_from_it(tmp_path: Path) -> 
     pytest.importorskip("matplotlib")
     png = box_plot(tmp_path / "b.png", payload)
     assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_table_shows_p90_and_max_beside_each_median() -> None:
+    ttfts = [10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0, 100.0]
+    rows = [row("kvbridge", 0, i, t) for i, t in enumerate(ttfts)]
+    (line,) = table_rows(assemble({}, rounds_of(1), rows))
+    assert (line["ttft_median"], line["ttft_p90"], line["ttft_max"]) == (14.5, 18.0, 100.0)
+    assert (line["read_median"], line["read_max"]) == (0.725, 5.0)
+    xfer = (line["xfer_median"], line["xfer_p90"], line["xfer_max"])
+    assert xfer == pytest.approx((1.45, 1.8, 10.0))
+    assert "ttft_p10" not in line
+
+
+def test_one_stalled_load_among_fast_ones_is_listed_as_a_tail() -> None:
+    rows = [row("kvbridge", 0, i, 80.0) for i in range(12)]  # transfer 8 ms each
+    rows[5]["transfer_ms"] = 55.0
+    rows += [row("kvbridge", 1, i, 80.0) for i in range(4)]
+    rows += [row("nixl", 0, i, 80.0, transfer_ms=0.5 + i) for i in range(4)]
+    payload = assemble({}, rounds_of(2), rows)
+    kvb = next(s for s in payload["summary"] if s["connector"] == "kvbridge")
+    assert kvb["transfer_ms"]["median"] == 8.0 and kvb["transfer_ms"]["max"] == 55.0
+    assert kvb["transfer_ms"]["max_over_median"] == pytest.approx(55 / 8)
+    assert payload["tails"] == [
+        "4L short kvbridge round 0 request 5: transfer 55.0 ms = 6.9x the row median 8.0 ms"
+    ]
+    assert payload["trustworthy"]  # a tail is shown, not a reason to distrust the run
+    (ratio,) = payload["ratios"]
+    assert ratio["transfer_ms"] == pytest.approx(8.0 / 2.0)
+    assert ratio["transfer_ms_p90"] == pytest.approx(8.0 / 3.5)  # kvbridge's p90 is 8 ms
+
+
+def test_loads_within_three_times_the_median_are_no_tail() -> None:
+    rows = [row("kvbridge", 0, i, 10.0 * (1 + i % 3)) for i in range(9)]  # 1, 2, 3 ms
+    payload = assemble({}, rounds_of(1), rows)
+    assert payload["tails"] == []

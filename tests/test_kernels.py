@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -386,6 +387,60 @@ def test_copy_with_consecutive_ids_on_one_side_is_exact(runs: str) -> None:
     want = reference_copy(src, layout, dst, pairs, "self")
     copy_blocks(src, dst, layout, pairs)
     assert_cache_equals(dst, want, layout)
+
+
+def _forbid_two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block slice is moved by one strided copy: no index op, no temporary."""
+    from kvbridge.kernels import torch_path
+
+    def index_op(*args: object, **kwargs: object) -> None:
+        raise AssertionError("took an index op (index_select / index_copy_)")
+
+    monkeypatch.setattr(torch_path, "SLICE_BYTES", 1)  # these test blocks are tiny
+    for name in ("copy_rows", "gather_rows", "scatter_rows"):
+        monkeypatch.setattr(torch_path, name, index_op)
+
+
+@pytest.mark.parametrize(("src_order", "dst_order"), list(itertools.product(ORDERS, ORDERS)))
+def test_cpu_convert_is_one_strided_copy_per_block_and_bit_exact(
+    src_order: str, dst_order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _forbid_two_passes(monkeypatch)
+    shape = small("bfloat16")
+    sl, dl = layout_of(shape, src_order, 8), layout_of(shape, dst_order, 8)
+    src, dst = random_cache(sl, 40), random_cache(dl, 41)
+    pairs = [(5, 0), (1, 6), (5, 3), (7, 1)]  # no run of ids on either side, a source read twice
+    want = reference_copy(src, sl, dst, pairs, "self")
+    convert_blocks(src, sl, dst, dl, pairs)
+    assert_cache_equals(dst, want, dl)
+
+
+def test_small_cpu_block_copies_are_split_between_torchs_threads_bit_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvbridge.kernels import torch_path
+
+    callers: list[int] = []  # one entry per part (a finished helper's id may be reused)
+    foreach = torch._foreach_copy_
+
+    def spy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        callers.append(threading.get_ident())
+        foreach(dsts, srcs)
+
+    _forbid_two_passes(monkeypatch)
+    # a slice here is 384 bytes (48 int64): each a one-thread copy, all together several grains
+    monkeypatch.setattr(torch_path, "GRAIN_ELEMS", 64)
+    monkeypatch.setattr(torch, "_foreach_copy_", spy)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    shape = small("float32")
+    sl, dl = layout_of(shape, "layer-nhd", 8), layout_of(shape, "layer-hnd", 8)
+    src, dst = random_cache(sl, 44), random_cache(dl, 45)
+    pairs = [(5, 0), (1, 6), (5, 3), (7, 1), (2, 2)]
+    want = reference_copy(src, sl, dst, pairs, "self")
+    convert_blocks(src, sl, dst, dl, pairs)
+    assert_cache_equals(dst, want, dl)
+    assert len(callers) == 3 and threading.get_ident() in callers
+    assert len(set(callers)) >= 2  # the calling thread did one part, helpers the others
 
 
 # ----- the CUDA span table, executed on the host -------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from kvbridge.connector import BlockLoad
 from kvbridge.connector.control import ControlClient, ControlServer, PeerInfo, Role, serve
-from kvbridge.connector.links import LinkCache, Peer
+from kvbridge.connector.load import LinkCache, Peer
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.proto import (
     BlockId,

@@ -10,6 +10,8 @@ commit for slots nobody wrote, bytes that are not protobuf.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -19,12 +21,13 @@ import grpc
 import pytest
 import torch
 
+from kvbridge.connector.control.auth import TokenSet, token_identity
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.connector.transport import LocalMemory
-from kvbridge.proto import BlockHash, EngineId, KVLayout, preset_layout
+from kvbridge.proto import BlockHash, ConfigError, EngineId, KVLayout, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.worker.engine import EngineConfig
@@ -266,13 +269,17 @@ def test_the_pool_layout_comes_from_the_daemons_model_flag() -> None:
 # ------------------------------------------------------------------------ bounded state
 
 
-def test_each_worker_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None:
+def test_each_peer_token_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> None:
+    # two tokens of one token file: two peers, each with its own caps
     transport = FakeTransport()
     config = OffloadConfig(
-        capacity_bytes=32 * TINY_BLOCK, max_stores_per_writer=2, max_pinned_per_writer=3
+        capacity_bytes=32 * TINY_BLOCK,
+        token=TokenSet(["greedy-token", "other-token"]),
+        max_stores_per_writer=2,
+        max_pinned_per_writer=3,
     )
     with serve(transport, config) as srv:  # type: ignore[arg-type]
-        greedy, other = Caller(srv.address), Caller(srv.address)
+        greedy, other = Caller(srv.address, "greedy-token"), Caller(srv.address, "other-token")
         try:
             greedy.handshake(tiny(), "greedy")
             other.handshake(tiny(), "other")
@@ -328,7 +335,7 @@ def test_an_expired_store_gives_its_slots_after_the_grace_and_its_writers_quota_
                     break
                 tick.wait(0.05)
             assert pool.stats().writing_blocks == 0 and pool.stats().expired == 1
-            assert pool.pending_of("dead-writer") == (0, 0)
+            assert pool.pending_of("addr:127.0.0.1") == (0, 0)
             # its WRITE never completed (it may still land): the slots sit out the grace
             assert pool.stats().quarantined_blocks == 4
             others = w.prepare_store(hashes("y", 16))
@@ -385,3 +392,199 @@ def test_bytes_that_are_not_protobuf_are_invalid_argument_on_the_daemon(
             with pytest.raises(grpc.RpcError) as info:
                 raw(GARBAGE, timeout=10)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+
+
+# ------------------------------------------------------- caps per authenticated identity
+
+
+def test_a_token_holder_under_many_agent_names_shares_one_cap_of_stores_and_pins() -> None:
+    # the agent name is what the caller declares; the token is what it proved: three
+    # handshakes under three names with one token are one peer, charged one cap
+    transport = FakeTransport()
+    config = OffloadConfig(
+        capacity_bytes=32 * TINY_BLOCK,
+        token=TOKEN,
+        max_stores_per_writer=2,
+        max_pinned_per_writer=3,
+    )
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        names = [Caller(srv.address, TOKEN) for _ in range(3)]
+        try:
+            for i, c in enumerate(names):
+                c.handshake(tiny(), f"name-{i}")
+            exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+            first = names[0].prepare_store(hashes("a", 1))
+            assert names[1].prepare_store(hashes("b", 1)).store_id
+            assert code_of(names[2].prepare_store, hashes("c", 1)) == exhausted
+            assert code_of(names[0].prepare_store, hashes("d", 1)) == exhausted
+            pool = srv.handlers.pool
+            assert pool is not None
+            peer = token_identity(TOKEN)
+            assert pool.pending_of(peer) == (2, 0)
+            # one name's store is still its own: another name of the same peer cannot end it
+            abort = pb.AbortStoreRequest(store_id=first.store_id, session=names[1].session)
+            assert not names[1]("AbortStore", abort).aborted
+            abort = pb.AbortStoreRequest(store_id=first.store_id, session=names[0].session)
+            assert names[0]("AbortStore", abort).aborted
+            hs = hashes("cached", 4)
+            prep = names[0].prepare_store(hs)
+            transport.notify("name-0", store_notification(prep.store_id))
+            assert names[0].commit(prep.store_id, len(prep.slots)).committed == 4
+
+            # pins: 2 through one name, then only 1 more through another, then none
+            def load(c: Caller, n: int) -> Any:
+                req = pb.PrepareLoadRequest(instance=c.instance, hashes=hs[:n], session=c.session)
+                return c("PrepareLoad", req)
+
+            assert len(load(names[1], 2).slots) == 2
+            assert len(load(names[2], 4).slots) == 1
+            assert code_of(load, names[0], 4) == exhausted
+            assert pool.pending_of(peer) == (1, 3)
+            pool.check()
+        finally:
+            for c in names:
+                c.close()
+
+
+def test_a_ttl_of_any_uint64_is_clamped_to_the_maximum_and_answered() -> None:
+    transport = FakeTransport()
+    config = OffloadConfig(capacity_bytes=32 * TINY_BLOCK, max_ttl_s=86_400.0)
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        w = Caller(srv.address)
+        try:
+            w.handshake(tiny(), "w")
+            pool = srv.handlers.pool
+            assert pool is not None
+            for ttl_ms, want in ((2**64 - 1, 86_400_000), (2**63, 86_400_000), (1, 1)):
+                req = pb.PrepareStoreRequest(
+                    instance=w.instance, hashes=hashes(f"t{ttl_ms}", 2), session=w.session,
+                    ttl_ms=ttl_ms,
+                )  # fmt: skip
+                prep = w("PrepareStore", req)
+                assert prep.expires_in_ms == want and len(prep.slots) == 2
+                w("AbortStore", pb.AbortStoreRequest(store_id=prep.store_id, session=w.session))
+                load = pb.PrepareLoadRequest(
+                    instance=w.instance, hashes=hashes("none", 1), session=w.session,
+                    ttl_ms=ttl_ms,
+                )  # fmt: skip
+                assert not w("PrepareLoad", load).load_id  # a miss, answered
+            assert pool.stats().writing_blocks == 0 and pool.stats().pinned_blocks == 0
+            pool.check()
+        finally:
+            w.close()
+
+
+@pytest.mark.parametrize("max_ttl", [1e300, 86_401.0, float("inf"), float("nan")])
+def test_a_max_ttl_over_a_day_or_not_finite_is_refused_naming_the_flag(max_ttl: float) -> None:
+    with pytest.raises(ConfigError, match="--max-ttl"):
+        OffloadConfig(max_ttl_s=max_ttl)
+
+
+def test_sessions_of_one_token_share_one_cap_and_never_push_out_another_peers() -> None:
+    transport = FakeTransport()
+    config = OffloadConfig(
+        capacity_bytes=32 * TINY_BLOCK,
+        token=TokenSet(["flood-token", "honest-token"]),
+        max_sessions=8,
+        max_sessions_per_peer=3,
+    )
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        honest = Caller(srv.address, "honest-token")
+        flood = [Caller(srv.address, "flood-token") for _ in range(10)]
+        try:
+            honest.handshake(tiny(), "honest")
+            for i, c in enumerate(flood):  # ten names, more than the whole table
+                c.handshake(tiny(), f"name-{i}")
+            assert srv.handlers.sessions.of_peer(token_identity("flood-token")) == 3
+            # the honest worker's session survived; the flood's oldest went
+            assert honest.prepare_store(hashes("h", 1)).store_id
+            gone = grpc.StatusCode.FAILED_PRECONDITION
+            assert code_of(flood[0].prepare_store, hashes("f", 1)) == gone
+            assert flood[-1].prepare_store(hashes("f", 1)).store_id
+            # a session id is no credential: under another token it is unknown
+            flood[-1].session = honest.session
+            assert code_of(flood[-1].prepare_store, hashes("g", 1)) == gone
+        finally:
+            for c in (honest, *flood):
+                c.close()
+
+
+@pytest.mark.slow
+def test_a_daemon_with_a_token_file_gives_each_token_its_own_caps(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("# one per worker node\nnode-a\nnode-b\n")
+    daemon = DaemonProc(
+        "--capacity", f"{32 * TINY_BLOCK}B", "--token-file", str(tmp_path / "tokens"),
+        "--max-stores-per-writer", "1",
+    )  # fmt: skip
+    a, a2, b = (Caller(daemon.address, t) for t in ("node-a", "node-a", "node-b"))
+    stranger = Caller(daemon.address, "node-c")
+    try:
+        a.handshake(tiny(), "a-rank0")
+        a2.handshake(tiny(), "a-rank1")
+        b.handshake(tiny(), "b-rank0")
+        assert a.prepare_store(hashes("a", 1)).store_id
+        exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert code_of(a2.prepare_store, hashes("a2", 1)) == exhausted  # same token, same cap
+        assert b.prepare_store(hashes("b", 1)).store_id  # another token, its own cap
+        unauthenticated = grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(stranger.handshake, tiny(), "c") == unauthenticated
+        assert code_of(stranger.lookup, hashes("a", 1)) == unauthenticated
+    finally:
+        for c in (a, a2, b, stranger):
+            c.close()
+        daemon.stop()
+
+
+def test_a_reply_that_cannot_be_built_leaks_no_store_and_no_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvbridge.worker.offload.handlers as handlers_module
+
+    transport = FakeTransport()
+    config = OffloadConfig(capacity_bytes=32 * TINY_BLOCK)
+    with serve(transport, config) as srv:  # type: ignore[arg-type]
+        w = Caller(srv.address)
+        try:
+            w.handshake(tiny(), "w")
+            hs = hashes("kept", 2)
+            prep = w.prepare_store(hs)
+            transport.notify("w", store_notification(prep.store_id))
+            assert w.commit(prep.store_id, len(prep.slots)).committed == 2
+
+            def broken(seconds: float) -> int:
+                raise ValueError("reply does not fit")
+
+            monkeypatch.setattr(handlers_module, "_ms", broken)
+            internal = grpc.StatusCode.INTERNAL
+            assert code_of(w.prepare_store, hashes("new", 2)) == internal
+            load = pb.PrepareLoadRequest(instance=w.instance, hashes=hs, session=w.session)
+            assert code_of(w, "PrepareLoad", load) == internal
+            pool = srv.handlers.pool
+            assert pool is not None
+            stats = pool.stats()
+            assert (stats.writing_blocks, stats.pinned_blocks) == (0, 0)
+            assert pool.pending_of("addr:127.0.0.1") == (0, 0)
+            pool.check()
+        finally:
+            w.close()
+
+
+@pytest.mark.parametrize("max_ttl", ["1e300", "inf", "90000"])
+def test_the_daemon_refuses_to_start_with_a_max_ttl_over_a_day(max_ttl: str) -> None:
+    out = subprocess.run(  # `kvbridge offload serve`
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvbridge.worker.cli import main; sys.exit(main())",
+            "offload",
+            "serve",
+            "--max-ttl",
+            max_ttl,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    [line] = out.stderr.strip().splitlines()  # one line, no traceback
+    assert "--max-ttl" in line and "one day" in line

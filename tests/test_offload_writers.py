@@ -62,6 +62,19 @@ def test_a_worker_that_reconnects_in_a_loop_drops_only_its_own_sessions() -> Non
         sessions.agent(flapping[-3])
 
 
+def test_a_peer_under_many_names_drops_only_its_own_sessions_and_owns_them() -> None:
+    sessions = Sessions(max_sessions=6, per_agent=2, per_peer=3)
+    honest = sessions.open("honest", "token:h")
+    flood = [sessions.open(f"name-{i}", "token:f") for i in range(10)]
+    assert len(sessions) == 4 and sessions.of_peer("token:f") == 3
+    assert sessions.agent(honest, "token:h") == "honest"
+    assert [sessions.agent(s, "token:f") for s in flood[-3:]] == ["name-7", "name-8", "name-9"]
+    with pytest.raises(ControlPlaneError):
+        sessions.agent(flood[0], "token:f")  # its own oldest went
+    with pytest.raises(ControlPlaneError):
+        sessions.agent(honest, "token:f")  # another peer's session id is no credential
+
+
 @pytest.mark.parametrize("name", ["", "x" * 129, "tab\there", "é"])
 def test_a_bad_agent_name_is_refused_naming_the_rule(name: str) -> None:
     with pytest.raises(WireError, match="NIXL agent name"):
@@ -98,6 +111,8 @@ def test_serve_flags_reach_the_config_knobs(monkeypatch: pytest.MonkeyPatch) -> 
         ("max_stores_per_writer", 0, "max_stores_per_writer"),
         ("max_pinned_per_writer", 0, "max_pinned_per_writer"),
         ("max_sessions", 0, "max_sessions"),
+        ("max_sessions_per_peer", 0, "max_sessions_per_peer"),
+        ("default_ttl_s", 1000.0, "--default-ttl"),
         ("idle_timeout_s", 0.0, "idle_timeout_s"),
         ("commit_wait_s", -1.0, "commit_wait_s"),
         ("token", "", "token"),

@@ -68,3 +68,22 @@ def test_readme_commands_are_the_ones_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "bash .ci/run" in readme
     assert "pytest" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_dependencies_are_ranges_an_existing_vllm_environment_satisfies() -> None:
+    """No exact torch pin (it would replace vLLM's torch) and no NIXL CUDA variant forced on
+    everyone: NIXL comes through the cu12/cu13 extras (tests/test_vllm_install.py installs
+    the wheel into a vLLM environment)."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {re.split(r"[<>=!~\[ ;]", d, maxsplit=1)[0]: d for d in project["dependencies"]}
+    assert re.fullmatch(r"torch>=[\d.]+", deps["torch"]), deps["torch"]
+    assert not [d for d in deps if d.startswith("nixl")], deps
+    assert all("==" not in d for d in deps.values()), deps
+    extras = project["optional-dependencies"]
+    assert [d.split(">=")[0] for d in extras["cu12"]] == ["nixl-cu12"]
+    assert [d.split(">=")[0] for d in extras["cu13"]] == ["nixl-cu13"]
+    # the tests run real NIXL agents (and ZMQ KV events)
+    assert "kvbridge[cu12,events]" in extras["dev"]

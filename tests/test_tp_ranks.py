@@ -42,7 +42,7 @@ from kvbridge.connector.control.peers import (
     rank_port,
 )
 from kvbridge.connector.control.seal import ReleaseListener, parse_release, release_message
-from kvbridge.connector.links import LinkCache
+from kvbridge.connector.load import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
@@ -445,8 +445,7 @@ class FakeLinks:
 def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     holds: dict[int, bool], seal: bytes, moved: int, released: list[int]
 ) -> None:
-    from kvbridge.connector.rank_load import load_from_ranks
-    from kvbridge.connector.remote_load import ReadFigures
+    from kvbridge.connector.load import ReadFigures, load_from_ranks
 
     ids = {"self": (BlockId(4), BlockId(5))}
     load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)

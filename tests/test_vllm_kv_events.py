@@ -131,6 +131,7 @@ def test_vllm_decodes_kvbridge_event_batches_and_reencodes_the_same_bytes(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # a real engine and daemon (~1.5 min): kept out of the default CI run
 @pytest.mark.timeout(900)
 def test_vllm_publishes_the_offload_daemons_blocks_on_its_own_event_stream(
     tmp_path: Path,

@@ -1,10 +1,12 @@
 """kvbridge's KV layout inside real vLLM (CPU): block-outermost ``BLHNC`` and ``LBHNC``.
 
-Five engines start once for the module: a prefill and a decode per layout and one
-plain engine. vLLM's CPU backend declares only ``LBHNC``; the ``BLHNC`` engines use
-the driver's test-only shim (``cpu_kv_layouts``) so that the connector's default
-request for ``BLHNC`` is honoured. The ``LBHNC`` engines ask for ``BLHNC`` too
-(the default) and get vLLM's fallback. Every P/D pair must give the plain engine's
+Five engines: a prefill and a decode per layout and one plain engine; the
+``LBHNC`` pair and the plain engine are the session's ``vllm_pair`` (shared with
+test_vllm_pd), the ``BLHNC`` pair starts once for the module. vLLM's CPU
+backend declares only ``LBHNC``; the ``BLHNC`` engines use the driver's
+test-only shim (``cpu_kv_layouts``) so that the connector's default request for
+``BLHNC`` is honoured. The ``LBHNC`` engines ask for ``BLHNC`` too (the default)
+and get vLLM's fallback. Every P/D pair must give the plain engine's
 greedy tokens (which depend on the first prompt token), moving 1 descriptor per
 block when both sides are block-outermost and one per (layer, K/V) span otherwise.
 """
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import SharedPair, model_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -38,33 +40,62 @@ def _prompts(first: int) -> list[list[int]]:
     return [[first, *BODY, 100 + i, 100 + i, 100 + i] for i in range(2)]
 
 
+SHARED = {"prefill-LBHNC": "prefill", "decode-LBHNC": "decode", "plain": "plain"}
+"""This module's names of the session pair's engines."""
+NAMES = ["prefill-BLHNC", "decode-BLHNC", *SHARED]
+
+
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("vllm-layout")
 
 
 @pytest.fixture(scope="module")
-def ports(tmp: Path) -> dict[str, int]:
+def ports(tmp: Path, vllm_pair: SharedPair) -> dict[str, int]:
     base = 19000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
-    return {name: base + i for i, name in enumerate(LAYOUTS)}
+    return {"BLHNC": base, "LBHNC": vllm_pair.port}
+
+
+class _Engines(dict[str, harness.Engine]):
+    """The module's BLHNC pair; the LBHNC pair and the plain engine are looked up in the
+    session pair on every use (a test elsewhere may have killed and restarted its prefill)."""
+
+    def __init__(self, own: dict[str, harness.Engine], pair: SharedPair) -> None:
+        super().__init__(own)
+        self.pair = pair
+
+    def __missing__(self, key: str) -> harness.Engine:
+        return self.pair.engines[SHARED[key]]
 
 
 @pytest.fixture(scope="module")
-def engines(tmp: Path, ports: dict[str, int]) -> Iterator[dict[str, harness.Engine]]:
+def engines(
+    tmp: Path, ports: dict[str, int], vllm_pair: SharedPair
+) -> Iterator[dict[str, harness.Engine]]:
     model = model_or_skip(tmp)
-    started: dict[str, harness.Engine] = {}
-    for name, shim in LAYOUTS.items():
-        kv = harness.kv_config("kvbridge", "kv_producer", control_port=ports[name])
-        started[f"prefill-{name}"] = harness.Engine(
-            model, core=0, kv=kv, log=tmp / f"prefill-{name}.log", wait=False, cpu_kv_layouts=shim
-        )
-        kv = harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5)
-        started[f"decode-{name}"] = harness.Engine(
-            model, core=1, kv=kv, log=tmp / f"decode-{name}.log", wait=False, cpu_kv_layouts=shim
-        )
-    started["plain"] = harness.Engine(model, core=1, log=tmp / "plain.log", wait=False)
-    with harness.running(started) as engines:
-        yield engines
+    shim = LAYOUTS["BLHNC"]
+    kv = harness.kv_config("kvbridge", "kv_producer", control_port=ports["BLHNC"])
+    started = {
+        "prefill-BLHNC": harness.Engine(
+            model, core=0, kv=kv, log=tmp / "prefill-BLHNC.log", wait=False, cpu_kv_layouts=shim
+        ),
+        "decode-BLHNC": harness.Engine(
+            model,
+            core=1,
+            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
+            log=tmp / "decode-BLHNC.log",
+            wait=False,
+            cpu_kv_layouts=shim,
+        ),
+    }
+    with harness.running(started) as own:
+        yield _Engines(own, vllm_pair)
+
+
+def _decode_log(engines: dict[str, harness.Engine], name: str) -> str:
+    log = engines[f"decode-{name}"].log
+    assert log is not None
+    return log.read_text()
 
 
 def _pd(
@@ -115,8 +146,7 @@ def test_pd_between_layouts_gives_the_plain_tokens(
     per_block = 1 if whole else 2 * NUM_LAYERS
     assert all(x["descriptors"] == per_block * x["moved"] for x in loads), loads
     mode = "whole_block" if whole else "per_span"
-    log = (tmp / f"decode-{dst}.log").read_text()
-    assert f"at 127.0.0.1:{ports[src]} ({mode})" in log
+    assert f"at 127.0.0.1:{ports[src]} ({mode})" in _decode_log(engines, dst)
 
 
 def test_load_figures_per_layout(engines: dict[str, harness.Engine], tmp: Path) -> None:
@@ -144,7 +174,7 @@ def test_load_figures_per_layout(engines: dict[str, harness.Engine], tmp: Path) 
 
 
 def test_nothing_is_held_afterwards(engines: dict[str, harness.Engine]) -> None:
-    for key in [k for k in engines if k != "plain"]:
+    for key in [k for k in NAMES if k != "plain"]:
         st = engines[key].call(cmd="drain", timeout_s=10)
         assert st["blocks_in_use"] == 0 and st["requests"] == 0, (key, st)
         assert st["held_requests"] == 0 and st["leases"] == 0, (key, st)

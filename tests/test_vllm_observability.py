@@ -78,8 +78,12 @@ def _connected_to(port: int) -> bool:
     return False
 
 
-def test_a_steps_loads_overlap_behind_one_handshake(pd: tuple[dict[str, Any], Path]) -> None:
-    engines, tmp = pd
+@pytest.fixture(scope="module")
+def overlapped(pd: tuple[dict[str, Any], Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One step of loads from a prefill stopped while the decode's first handshake reached
+    it: the decode's answer and those loads. Made once, by whichever test asks first, so the
+    tests that read the decode's figures find these loads in any order."""
+    engines, _ = pd
     prefill, decode = engines["prefill"], engines["decode"]
     pre = prefill.generate(PROMPTS, 1, [{"do_remote_decode": True}] * len(PROMPTS))
     params = [o["kv_transfer_params"] for o in pre["outputs"]]
@@ -98,8 +102,16 @@ def test_a_steps_loads_overlap_behind_one_handshake(pd: tuple[dict[str, Any], Pa
     finally:
         prefill.child.send_signal(signal.SIGCONT)
     loading.join(300)
-    assert answer and all(len(t) == MAX_TOKENS for t in harness.tokens(answer[0]))
-    loads = list(decode.call(cmd="stats")["loads"].values())
+    assert answer, "the decode did not answer"
+    return answer[0], list(decode.call(cmd="stats")["loads"].values())
+
+
+def test_a_steps_loads_overlap_behind_one_handshake(
+    pd: tuple[dict[str, Any], Path], overlapped: tuple[dict[str, Any], list[dict[str, Any]]]
+) -> None:
+    _, tmp = pd
+    answer, loads = overlapped
+    assert all(len(t) == MAX_TOKENS for t in harness.tokens(answer))
     assert len(loads) == len(PROMPTS) and all(not x["error"] for x in loads), loads
     # each load began before the prefill resumed: all four were in flight at once
     assert all(x["transfer_ms"] >= STALL_S * 1e3 for x in loads), loads
@@ -126,11 +138,11 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_vllms_log_line_and_prometheus_count_the_loads_kvbridge_made(
-    pd: tuple[dict[str, Any], Path],
+    pd: tuple[dict[str, Any], Path], overlapped: tuple[dict[str, Any], list[dict[str, Any]]]
 ) -> None:
     engines, tmp = pd
     loads = list(engines["decode"].call(cmd="stats")["loads"].values())
-    assert loads
+    assert loads == overlapped[1]
     log = (tmp / "decode.log").read_text()
     lines = re.findall(r"KV Transfer metrics: (.*)", log)
     counted = sum(int(m) for x in lines for m in re.findall(r"Num successful transfers=(\d+)", x))

@@ -90,26 +90,33 @@ def _assert_nothing_held(engines: dict[str, harness.Engine]) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[tuple[int, ...], list[int]]:
-    """Outputs of the writer, which computed every token itself (filled by the first test)."""
-    return {}
-
-
-def test_writer_computes_and_stores_the_full_prompt_blocks(
-    engines: dict[str, harness.Engine],
-    daemon: OffloadDaemonProcess,
-    reference: dict[tuple[int, ...], list[int]],
-) -> None:
+def written(
+    engines: dict[str, harness.Engine], daemon: OffloadDaemonProcess
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """The writer computes PROMPTS and a changed first prompt (the daemon holds none of their
+    blocks: nothing to load) and stores their full blocks: its outputs (the reference) and
+    what the daemon's counters grew by. Made once, by whichever test asks first (the tests
+    run in any order)."""
     writer = engines["writer"]
     # the early-token check of test_vllm_pd, here too: wrong KV must show in the tokens
     changed = [9, *PROMPTS[0][1:]]
+    before = set(writer.call(cmd="stats")["loads"])
+    counted = _daemon_stats(daemon.address)
     outputs = harness.tokens(writer.generate([*PROMPTS, changed], MAX_TOKENS))
-    assert outputs[0] != outputs[-1]
-    assert _loads(writer, set()) == []  # an empty daemon: nothing was loaded
-    reference.update({tuple(p): t for p, t in zip(PROMPTS, outputs, strict=False)})
+    assert _loads(writer, before) == []  # an empty daemon: nothing was loaded
     _assert_nothing_held({"writer": writer})  # every store finished and released its blocks
-    stats = _daemon_stats(daemon.address)
-    # 2 shared prefix blocks + one third block per prompt (+ the changed prompt's 3 blocks)
+    after = _daemon_stats(daemon.address)
+    grown = {k: after[k] - counted[k] for k in ("cached_blocks", "stored_blocks")}
+    return outputs, {**after, **grown}
+
+
+def test_writer_computes_and_stores_the_full_prompt_blocks(
+    written: tuple[list[list[int]], dict[str, Any]],
+) -> None:
+    outputs, stats = written
+    assert outputs[0] != outputs[-1]
+    # 2 shared prefix blocks + one third block per prompt (+ the changed prompt's 3 blocks),
+    # counted as growth; pinned and writing blocks as they are after the stores
     assert stats["cached_blocks"] == stats["stored_blocks"] == 2 + len(PROMPTS) + 3, stats
     assert stats["pinned_blocks"] == stats["writing_blocks"] == 0, stats
 
@@ -117,15 +124,17 @@ def test_writer_computes_and_stores_the_full_prompt_blocks(
 def test_a_fresh_instance_loads_the_prompt_blocks_from_the_daemon(
     engines: dict[str, harness.Engine],
     daemon: OffloadDaemonProcess,
-    reference: dict[tuple[int, ...], list[int]],
+    written: tuple[list[list[int]], dict[str, Any]],
 ) -> None:
     reader = engines["reader"]
+    reference = {tuple(p): t for p, t in zip(PROMPTS, written[0], strict=False)}
     hits = _daemon_stats(daemon.address)["loaded_blocks"]
+    before = set(reader.call(cmd="stats")["loads"])
     # the first prompt alone: the others then find the shared prefix in reader's own cache
     got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
     got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
     assert got == [reference[tuple(p)] for p in PROMPTS]
-    loads = _loads(reader, set())
+    loads = _loads(reader, before)
     assert all(not x["error"] and x["moved"] == 0 for x in loads), loads
     assert sorted(x["offloaded"] for x in loads) == [1, 1, 1, 3], loads
     assert _daemon_stats(daemon.address)["loaded_blocks"] - hits == 6
@@ -152,6 +161,7 @@ def test_decode_takes_the_daemons_blocks_and_only_the_rest_from_prefill(
     _assert_nothing_held(engines)
 
 
+@pytest.mark.destructive
 def test_a_dead_daemon_is_a_miss_and_nothing_leaks(
     engines: dict[str, harness.Engine], daemon: OffloadDaemonProcess
 ) -> None:

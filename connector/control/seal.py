@@ -250,9 +250,17 @@ class SealReader:
         """A link from the scratch slots to a peer's seal table."""
         return self.transport.connect(peer_name, metadata, seal, self.memory)
 
-    def holds(self, link: PeerLink, lease_id: str, digest: bytes, timeout_s: float) -> bool:
+    def holds(
+        self,
+        link: PeerLink,
+        lease_id: str,
+        digest: bytes,
+        timeout_s: float,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> bool:
         """READ the lease's probe slots from the owner; True if one holds exactly the
-        expected seal. Any failure is False (the caller takes the slow path)."""
+        expected seal. Any failure is False (the caller takes the slow path).
+        ``meanwhile`` runs while the seal READ is in flight (it must not raise)."""
         try:
             want = expected_seal(lease_id, digest)
         except ValueError:
@@ -265,6 +273,8 @@ class SealReader:
             remote = probe_slots(lease_id, link.remote_layout.groups[0].num_blocks)
             handle = self.transport.read_blocks(link, SEAL_GROUP, mine, remote, timeout_s=timeout_s)
             try:
+                if meanwhile is not None:
+                    meanwhile()
                 handle.wait(timeout_s)
             finally:
                 handle.release()

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from kvbridge.connector.control.auth import TokenInterceptor, caller_identity
+from kvbridge.connector.control.auth import TokenInterceptor, accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler, lease_not_found
 from kvbridge.connector.control.grpc_server import ReapingServer
 from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable, PeerCaps
@@ -261,8 +261,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def __init__(self, handlers: ControlHandlers) -> None:
         self._h = handlers
-        token = handlers.config.token
-        self._tokens = () if token is None else (token,)
+        self._tokens = accepted_tokens(handlers.config.token)
 
     def _caller(self, context: Any) -> str:
         return caller_identity(context, self._tokens)

@@ -5,11 +5,14 @@ Built once per process from ``kv_role``, ``engine_id`` and
 and a bad one raises :class:`ConfigError` naming it. No vLLM import: the
 adapter passes plain values.
 
-``kv_connector_extra_config`` keys (all optional unless said):
+``kv_connector_extra_config`` keys (all optional; docs/VLLM.md lists them too, and a test
+keeps both lists equal to ``_KNOWN``):
 
 ======================== ==================================================================
-``control_port``         port of the control server (required for ``kv_producer``/``kv_both``:
-                         the scheduler advertises it in ``kv_transfer_params``)
+``control_port``         port of the control server of a ``kv_producer``/``kv_both`` (default
+                         7600, :data:`DEFAULT_CONTROL_PORT`; TP rank ``r`` serves on
+                         ``control_port + r``); the scheduler advertises it in
+                         ``kv_transfer_params``
 ``control_host``         address the control server binds (default ``127.0.0.1``)
 ``advertise_host``       host decode peers reach it at (default ``control_host``)
 ``engine_id``            kvbridge engine id (default vLLM's ``engine_id``)
@@ -18,7 +21,17 @@ adapter passes plain values.
 ``hash_seed``            block-hash seed, equal on every node (default ``""``)
 ``hash_algorithm``       ``sha256`` (default) or ``xxh3_128``
 ``token``                shared token of the control plane and of the offload daemon
-                         (``kvbridge offload serve --token``); sent only to allowed peers
+                         (``kvbridge offload serve --token``); sent only to allowed peers.
+                         Visible to anyone who can read the process's command line: prefer
+``token_file``           a file holding the token (read once at start; not with ``token``)
+``tls_cert``             PEM certificate chain file: the control server serves TLS only
+                         (with ``tls_key``), like ``kvbridge serve --tls-cert``
+``tls_key``              PEM private key file of ``tls_cert``
+``tls_ca``               PEM roots file peers' control certificates must chain to: decode
+                         dials prefill over TLS (default with ``tls_cert``: that certificate)
+``insecure_plaintext_token`` ``true`` accepts a token served without TLS on a non-loopback
+                         ``control_host`` (anyone on the path can read it); otherwise that
+                         is a ConfigError
 ``allowed_peers``        list of prefill control addresses (``host:port``) decode may dial;
                          default: loopback addresses only. A request naming another address
                          is recomputed and the token is never sent there
@@ -34,6 +47,9 @@ adapter passes plain values.
 ``offload_verify``       check every block loaded from the offload daemon against its
                          writer's digest before vLLM uses it (default ``true``); ``false``
                          trusts the daemon's memory
+``verify_loads``         check loaded blocks against their hand-over digests (default true;
+                         ConnectorConfig rejects a non-boolean). vLLM prefills record no
+                         digests yet, so their loads go unverified either way
 ``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
                          block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where
@@ -60,7 +76,14 @@ from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
 
-__all__ = ["VllmConnectorConfig", "VLLM_ROLES", "KV_CACHE_LAYOUTS", "required_layout"]
+__all__ = [
+    "DEFAULT_CONTROL_PORT",
+    "KNOWN_KEYS",
+    "KV_CACHE_LAYOUTS",
+    "VLLM_ROLES",
+    "VllmConnectorConfig",
+    "required_layout",
+]
 
 VLLM_ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 _KNOWN = frozenset(
@@ -74,6 +97,10 @@ _KNOWN = frozenset(
         "hash_algorithm",
         "token",
         "insecure_plaintext_token",
+        "token_file",
+        "tls_cert",
+        "tls_key",
+        "tls_ca",
         "lease_ttl_s",
         "max_lease_ttl_s",
         "allowed_peers",
@@ -84,8 +111,13 @@ _KNOWN = frozenset(
         "kv_cache_layout",
         "offload_kv_events",
         "offload_kv_events_replay",
+        "verify_loads",
     }
 )
+KNOWN_KEYS = _KNOWN
+"""Every ``kv_connector_extra_config`` key (anything else is an error)."""
+DEFAULT_CONTROL_PORT = 7600
+"""Control port of a producer without ``control_port``; TP rank ``r`` listens on 7600 + r."""
 KV_CACHE_LAYOUTS = ("BLHNC", "BLNHC", "LBHNC", "LBNHC")
 """vLLM layouts whose pages kvbridge can describe (a block's heads adjacent), preferred first."""
 DEFAULT_KV_CACHE_LAYOUT = "BLHNC"
@@ -118,8 +150,15 @@ class VllmConnectorConfig:
     """vLLM layout name to request (None: ``auto``); see :func:`required_layout`."""
     offload_events: tuple[str, str | None] | None = None
     """The daemon's KV events (endpoint, replay endpoint) to relay on vLLM's stream."""
+    tls_cert: bytes | None = None
+    """PEM certificate chain the control server serves TLS with (``tls_key`` its key)."""
+    tls_key: bytes | None = None
 
     def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "kv_connector_extra_config.tls_cert and tls_key go together: give both or neither"
+            )
         if not 0 <= self.control_port <= 65535:
             raise ConfigError(f"control_port {self.control_port} is outside 0..65535")
         if self.connector.produces and self.control_port == 0:
@@ -149,26 +188,35 @@ class VllmConnectorConfig:
             )
         if kv_role not in VLLM_ROLES:
             raise ConfigError(f"kv_role {kv_role!r} is not one of {', '.join(VLLM_ROLES)}")
-        port = _int(extra, "control_port", 0)
+        produces = VLLM_ROLES[kv_role] != "decode"
+        port = _int(extra, "control_port", DEFAULT_CONTROL_PORT if produces else 0)
         host = _str(extra, "control_host", "127.0.0.1")
-        refuse_plaintext_token(  # the connector's control port has no TLS option
+        refuse_plaintext_token(
             host,
-            token=bool(extra.get("token")),
-            tls=False,
+            token=bool(extra.get("token")) or "token_file" in extra,
+            tls="tls_cert" in extra,
             accepted=extra.get("insecure_plaintext_token") is True,
             flag="kv_connector_extra_config.insecure_plaintext_token=true",
-            tls_flags="",
+            tls_flags="kv_connector_extra_config.tls_cert/tls_key",
         )
         advertise = _str(extra, "advertise_host", host)
         algorithm = str(extra.get("hash_algorithm", "sha256"))
         if algorithm not in HASH_ALGORITHMS:
             raise ConfigError(f"hash_algorithm {algorithm!r} is not one of {HASH_ALGORITHMS}")
         lease_ttl_s = _float(extra, "lease_ttl_s", 30.0)
+        token = extra.get("token")
+        if "token_file" in extra:
+            if token is not None:
+                raise ConfigError("kv_connector_extra_config: give token or token_file, not both")
+            token = _token_file(extra)
+        tls_cert = _pem(extra, "tls_cert")
+        tls_ca = _pem(extra, "tls_ca")
         connector = ConnectorConfig(
             engine_id=str(extra.get("engine_id") or engine_id or ""),
             role=VLLM_ROLES[kv_role],
             control_address=f"{advertise}:{port}" if port else "",
-            token=extra.get("token"),
+            token=token,
+            tls_root_cert=tls_ca if tls_ca is not None else tls_cert,
             allowed_peers=_peers(extra, "allowed_peers"),
             lease_ttl_s=lease_ttl_s,
             max_lease_ttl_s=_float(extra, "max_lease_ttl_s", max(600.0, lease_ttl_s)),
@@ -176,6 +224,7 @@ class VllmConnectorConfig:
             max_concurrent_loads=_int(extra, "max_concurrent_loads", DEFAULT_MAX_CONCURRENT_LOADS),
             offload_address=_address(extra, "offload_address"),
             offload_verify=_offload_verify(extra),
+            verify_loads=extra.get("verify_loads", True),
         )
         return cls(
             connector=connector,
@@ -185,6 +234,8 @@ class VllmConnectorConfig:
             hash=HashConfig(algorithm=algorithm, seed=str(extra.get("hash_seed", ""))),
             kv_cache_layout=required_layout(extra),
             offload_events=_events(extra),
+            tls_cert=tls_cert,
+            tls_key=_pem(extra, "tls_key"),
         )
 
     def hasher(
@@ -216,6 +267,47 @@ def _events(extra: Mapping[str, Any]) -> tuple[str, str | None] | None:
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"{key} {value!r} needs a tcp://, ipc:// or inproc:// scheme")
     return endpoint, replay
+
+
+def _read(extra: Mapping[str, Any], key: str) -> bytes:
+    path = extra[key]
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a file path, got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} {path!r}: {exc.strerror or exc}"
+        ) from None
+
+
+def _token_file(extra: Mapping[str, Any]) -> str:
+    """The token in ``token_file``, stripped; an empty file is an error (it must not leave
+    the control server open)."""
+    try:
+        token = _read(extra, "token_file").decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError("kv_connector_extra_config.token_file is not UTF-8 text") from None
+    if not token:
+        raise ConfigError(
+            f"kv_connector_extra_config.token_file {extra['token_file']!r} is empty: write the "
+            "token into it, or leave the key out to run without one"
+        )
+    return token
+
+
+def _pem(extra: Mapping[str, Any], key: str) -> bytes | None:
+    """The PEM file named by ``key`` (None when absent); ConfigError unless it holds PEM."""
+    if key not in extra:
+        return None
+    data = _read(extra, key)
+    if b"-----BEGIN " not in data:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key} {extra[key]!r} is not a PEM file "
+            "(no '-----BEGIN' line)"
+        )
+    return data
 
 
 def _address(extra: Mapping[str, Any], key: str) -> str:

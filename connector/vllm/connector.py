@@ -7,19 +7,17 @@ Load it with::
                            "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"control_port": 7600}}'
 
-This is the only kvbridge module that imports vLLM (0.32's connector API). vLLM
-makes one instance per process and role: the **scheduler** instance (in the
-EngineCore) delegates to :class:`~kvbridge.connector.vllm.scheduler.VllmScheduler`
-and the **worker** instance (in each model runner) to
-:class:`~kvbridge.connector.vllm.worker.VllmWorker`; they talk only through
+This is the only kvbridge module that imports vLLM (0.32's connector API). vLLM makes one
+instance per process and role: the **scheduler** instance (in the EngineCore) delegates to
+:class:`~kvbridge.connector.vllm.scheduler.VllmScheduler` and the **worker** instance (in each
+model runner) to :class:`~kvbridge.connector.vllm.worker.VllmWorker`; they talk only through
 :class:`KVBridgeMetadata`, which vLLM carries from one to the other each step.
 
 The connector asks vLLM for a block-outermost KV cache layout
-(:meth:`KVBridgeConnector.get_required_kvcache_layout`, ``kv_cache_layout`` in
-the extra config). KV tensors are described with :meth:`KVLayout.from_tensors`
-after :func:`~kvbridge.connector.vllm.views.logical_views` turns vLLM's
-per-layer views into views of logical shape ``(2, num_blocks, block_size, H,
-C)``; see ``docs/VLLM.md``.
+(:meth:`KVBridgeConnector.get_required_kvcache_layout`, ``kv_cache_layout`` in the extra
+config; model kinds kvbridge cannot serve are refused there, :mod:`.kinds`). KV tensors are
+described with :meth:`KVLayout.from_tensors` after :func:`.views.logical_views` turns vLLM's
+per-layer views into logical ``(2, num_blocks, block_size, H, C)`` views (``docs/VLLM.md``).
 """
 
 from __future__ import annotations
@@ -259,6 +257,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     control_port=self._cfg.control_port,
                     tp_rank=_tp_rank(tp_size),
                     tp_size=tp_size,
+                    tls_cert=self._cfg.tls_cert,
+                    tls_key=self._cfg.tls_key,
                 ),
             )
 

@@ -59,9 +59,11 @@ class HoldOrder:
 
 def to_json_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """``kv_transfer_params`` (``KVTransferParams.to_dict()``) as vLLM's OpenAI API can carry
-    them: hashes as hex strings."""
+    them: hashes (and block digests) as hex strings."""
     out = dict(params)
-    out[_HASH_KEY] = {g: [bytes(h).hex() for h in hs] for g, hs in params[_HASH_KEY].items()}
+    for key in (_HASH_KEY, "digests"):
+        if key in params:
+            out[key] = {g: [bytes(h).hex() for h in hs] for g, hs in params[key].items()}
     return out
 
 
@@ -78,12 +80,13 @@ def from_json_params(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if raw is None:
         return None
     out = dict(raw)
-    hashes = raw.get(_HASH_KEY)
-    if isinstance(hashes, Mapping):
-        out[_HASH_KEY] = {
-            g: [_unhex(h) for h in hs] if isinstance(hs, (list, tuple)) else hs
-            for g, hs in hashes.items()
-        }
+    for key in (_HASH_KEY, "digests"):
+        hashes = raw.get(key)
+        if isinstance(hashes, Mapping):
+            out[key] = {
+                g: [_unhex(h) for h in hs] if isinstance(hs, (list, tuple)) else hs
+                for g, hs in hashes.items()
+            }
     return out
 
 

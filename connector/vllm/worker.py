@@ -79,6 +79,9 @@ class WorkerSettings:
     """Rank 0's control port (0 on a consumer: it serves none)."""
     tp_rank: int = 0
     tp_size: int = 1
+    tls_cert: bytes | None = None
+    """PEM certificate chain of the control server (with ``tls_key``): TLS only."""
+    tls_key: bytes | None = None
 
     def __post_init__(self) -> None:
         from kvbridge.connector.control.peers import rank_port
@@ -142,6 +145,8 @@ class VllmWorker:
                     host=s.control_host,
                     port=rank_port(s.control_port, s.tp_rank) if s.control_port else 0,
                     token=self.config.token,
+                    tls_cert=s.tls_cert,
+                    tls_key=s.tls_key,
                     default_ttl_s=self.config.lease_ttl_s,
                     max_ttl_s=self.config.max_lease_ttl_s,
                 ),

@@ -8,6 +8,7 @@ logical layer so any two processes agree on what a block should hold.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import time
@@ -203,6 +204,40 @@ class Peer:
                 ucx.progress()
             time.sleep(0.001)
         return {"reply": wire.decode_reply(buf, 1 << 20)}
+
+    def op_forge(
+        self,
+        peer: str,
+        metadata: bytes,
+        layout: bytes,
+        block_id: int,
+        payload: bytes,
+        group: str = "self",
+    ) -> dict[str, Any]:
+        """A token holder's attack: WRITE ``payload`` (repeated to fill the block) into block
+        ``block_id`` of a remote memory described by ``layout`` (a KV cache or a seal table),
+        with the agent metadata a handshake gave it."""
+        remote = KVLayout.from_bytes(layout)
+        kv = remote.allocate()
+        memory = self.transport.register(remote, kv)
+        self.memories.append((memory, kv))
+        bound = memory.layout
+        spans = list(bound.block_spans(group, block_id))
+        total = sum(s.length for s in spans)
+        data = (payload * (total // len(payload) + 1))[:total]
+        pos = 0
+        for span in spans:
+            region = bound.regions[span.region]
+            ctypes.memmove(region.addr + span.offset, data[pos : pos + span.length], span.length)
+            pos += span.length
+        link = self.transport.connect(peer, metadata, remote, memory)
+        self.links.append(link)
+        handle = self.transport.write_blocks(link, group, [block_id], [block_id], timeout_s=10)
+        try:
+            handle.wait()
+        finally:
+            handle.release()
+        return {"nbytes": total}
 
     def op_close(self) -> dict[str, Any]:
         state = self.op_state()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvbridge.proto.presets import PRESETS
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
@@ -29,7 +30,14 @@ TARGET_PIN_RELEASE_P50_MS = 1.0
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("control", help="latency and RPC/s of the gRPC control plane")
-    p.add_argument("--preset", default="llama3-8b", help="layout preset (default llama3-8b)")
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="preset",
+        default="llama3-8b",
+        choices=sorted(PRESETS),
+        help="model (default llama3-8b)",
+    )
     p.add_argument("--blocks", type=int, default=64, help="blocks per Pin (default 64)")
     p.add_argument("--iterations", type=int, default=2000, help="timed calls per operation")
     p.add_argument("--warmup", type=int, default=200, help="untimed calls per operation first")

@@ -39,13 +39,21 @@ MiB = 2**20
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("offload", help="store/load through the CPU offload daemon vs memcpy")
-    p.add_argument("--presets", nargs="+", default=["llama3-8b", "small"])
+    p.add_argument(
+        "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
+    )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--mib", type=int, default=256, help="MiB per store/load")
     p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")
     p.add_argument("--lookup-hashes", type=int, default=10_000)
     p.add_argument("--lookup-repeats", type=int, default=50)
     p.add_argument("--quick", action="store_true", help="one preset, 64 MiB: well under a minute")
+    p.add_argument(
+        "--disk",
+        metavar="DIR",
+        help="also measure the disk tier (demote/promote) against a plain sequential "
+        "write/read of the same bytes to a file in DIR (rows `disk_rows`, plot *-disk.png)",
+    )
     add_output_arguments(p, "offload")
     p.set_defaults(func=run)
 
@@ -210,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     )
     settings = {**settings_of(args), "verify": "both: load_gbps verified, load_unverified_gbps not"}
     json_path, png_path = output_paths(args.out)
-    path = write_json(json_path, {"settings": settings, "rows": rows})
+    disk_rows = _disk_rows(args, cases, png_path)
+    path = write_json(json_path, {"settings": settings, "rows": rows, "disk_rows": disk_rows})
     labels = [f"{r['preset']}/{r['block_size']}" for r in rows]
     keys = ("memcpy", "store", "load", "load_unverified")
     series = {k: [r[f"{k}_gbps"] for r in rows] for k in keys}
@@ -218,6 +227,29 @@ def run(args: argparse.Namespace) -> int:
              series, "GB/s")  # fmt: skip
     print(f"wrote {path} and {png_path}")
     return 0
+
+
+def _disk_rows(args: argparse.Namespace, cases: list[tuple[str, int]], png: Any) -> list[Any]:
+    if args.disk is None:
+        return []
+    from kvbridge.worker.bench.offload_disk import disk_case
+
+    rows = []
+    for preset, bs in cases:
+        block_bytes = preset_layout(preset, block_size=bs, num_blocks=1).block_bytes()
+        rows.append(disk_case(args.disk, block_bytes, args.mib, args.repeats, f"{preset}/{bs}"))
+    print_table(
+        rows,
+        ["case", "block_kib", "mib", "demote_gbps", "plain_write_gbps", "promote_gbps",
+         "plain_read_gbps", "demote_over_write", "promote_over_read", "cache_dropped"],
+    )  # fmt: skip
+    keys = ("demote", "plain_write", "promote", "plain_read")
+    series = {k: [r[f"{k}_gbps"] for r in rows] for k in keys}
+    disk_png = png.with_name(png.stem + "-disk" + png.suffix)
+    bar_plot(disk_png, f"disk tier vs plain file I/O in {args.disk} (best of runs)",
+             [r["case"] for r in rows], series, "GB/s")  # fmt: skip
+    print(f"wrote {disk_png}")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=None,
         help="transports to compare (default: nixl, plus ucxx when installed; --quick: nixl)",
     )
-    p.add_argument("--presets", nargs="+", default=["llama3-8b", "small"])
+    p.add_argument(
+        "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
+    )
     p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64])
     p.add_argument(
         "--transports", nargs="+", choices=sorted(TRANSPORTS), default=["default", "tcp"]

@@ -303,6 +303,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(json_path, payload)}")
     if box_plot(png_path, payload):
         print(f"wrote {png_path}")
+    for line in payload["tails"]:
+        print(f"TAIL: {line}", file=sys.stderr)
     for line in payload["problems"]:
         print(f"PROBLEM: {line}", file=sys.stderr)
     if not payload["trustworthy"]:

@@ -5,7 +5,9 @@ request and one per round (a fresh engine pair); :func:`assemble` groups the row
 (model, prompt length, connector), and :func:`box_plot` draws them. A row whose KV
 did not arrive over the connector (a failed or missing load, a first token that
 differs from prefill's) is a *problem*: a benchmark of recompute is worthless, so
-problems are listed and the run is flagged untrustworthy.
+problems are listed and the run is flagged untrustworthy. A load far slower than its
+row's median (:data:`TAIL_FACTOR`) is a *tail*: listed, not a problem, so that a stall
+the medians would hide is seen.
 """
 
 from __future__ import annotations
@@ -18,7 +20,17 @@ from typing import Any
 
 from kvbridge.worker.bench.report import percentile
 
-__all__ = ["METRICS", "assemble", "box_plot", "problems", "ratios", "spread", "summarize"]
+__all__ = [
+    "METRICS",
+    "TAIL_FACTOR",
+    "assemble",
+    "box_plot",
+    "problems",
+    "ratios",
+    "spread",
+    "summarize",
+    "tails",
+]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +42,11 @@ READs, seal check and release; NixlConnector: the same telemetry as ``read_ms``)
 prefill + decode as the client saw them."""
 BASELINE = "nixl"
 """Ratios are kvbridge's median over this connector's."""
+TAIL_FACTOR = 3.0
+"""A request whose connector transfer figure exceeds this many times its row's median is
+listed under ``tails`` (the warm-up request, which pays the handshake, is never a row)."""
+TABLE = (("decode_ttft_ms", "ttft"), ("read_ms", "read"), ("transfer_ms", "xfer"))
+"""The metrics the printed table shows with median, p90 and max."""
 
 
 def spread(values: Sequence[float]) -> dict[str, float | int | None]:
@@ -78,6 +95,8 @@ def summarize(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         for metric in METRICS:
             known = [r for r in good if r.get(metric) is not None]
             entry[metric] = spread([r[metric] for r in known])
+            median, top = entry[metric]["median"], entry[metric]["max"]
+            entry[metric]["max_over_median"] = top / median if median else None
             entry[metric]["round_medians"] = [
                 statistics.median(vals) if vals else None
                 for vals in ([r[metric] for r in known if r["round"] == i] for i in rounds)
@@ -88,7 +107,8 @@ def summarize(requests: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 def ratios(summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Each other connector's median over :data:`BASELINE`'s, per (model, prompt length) and
-    metric (None where either median is missing); below 1 means it is faster."""
+    metric (None where either median is missing), and the same of the p90s under
+    ``<metric>_p90``; below 1 means it is faster."""
     by_key = {_key(s): s for s in summary}
     out = []
     for (model, prompts, connector), entry in by_key.items():
@@ -97,10 +117,27 @@ def ratios(summary: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"model": model, "prompts": prompts, "connector": connector}
         for metric in METRICS:
-            ours, theirs = entry[metric]["median"], base[metric]["median"]
-            row[metric] = ours / theirs if ours is not None and theirs else None
+            for stat, name in (("median", metric), ("p90", f"{metric}_p90")):
+                ours, theirs = entry[metric][stat], base[metric][stat]
+                row[name] = ours / theirs if ours is not None and theirs else None
         out.append(row)
     return out
+
+
+def tails(summary: Sequence[Mapping[str, Any]], requests: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Good requests whose ``transfer_ms`` exceeds :data:`TAIL_FACTOR` x their row's median."""
+    medians = {_key(s): s["transfer_ms"]["median"] for s in summary}
+    found = []
+    for r in requests:
+        median, value = medians.get(_key(r)), r.get("transfer_ms")
+        if not _good(r) or value is None or not median or value <= TAIL_FACTOR * median:
+            continue
+        found.append(
+            f"{r['model']} {r['prompts']} {r['connector']} round {r['round']} request "
+            f"{r['index']}: transfer {value:.1f} ms = {value / median:.1f}x the row median "
+            f"{median:.1f} ms"
+        )
+    return found
 
 
 def problems(
@@ -127,7 +164,7 @@ def assemble(
     rounds: Sequence[Mapping[str, Any]],
     requests: Sequence[Mapping[str, Any]],
 ) -> dict[str, Any]:
-    """The JSON payload: settings, summary, ratios, problems and every raw row."""
+    """The JSON payload: settings, summary, ratios, problems, tails and every raw row."""
     summary = summarize(requests)
     found = problems(requests, rounds)
     return {
@@ -136,6 +173,7 @@ def assemble(
         "summary": summary,
         "ratios": ratios(summary),
         "problems": found,
+        "tails": tails(summary, requests),
         "trustworthy": not found and bool(requests),
         "rounds": list(rounds),
         "requests": list(requests),
@@ -143,14 +181,14 @@ def assemble(
 
 
 def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Flat rows for :func:`~kvbridge.worker.bench.report.print_table`."""
+    """Flat rows for :func:`~kvbridge.worker.bench.report.print_table`: median, p90 and max of
+    decode TTFT, the KV READ and the connector's transfer figure, so a tail cannot hide."""
     rows = []
     for s in payload["summary"]:
         row = {k: s[k] for k in ("model", "prompts", "connector")} | {"n": s["requests"]}
-        for metric, short in (("decode_ttft_ms", "ttft"), ("read_ms", "read")):
-            for stat in ("median", "p10", "p90"):
+        for metric, short in TABLE:
+            for stat in ("median", "p90", "max"):
                 row[f"{short}_{stat}"] = s[metric][stat]
-        row["xfer_median"] = s["transfer_ms"]["median"]
         row["e2e_median"] = s["e2e_ms"]["median"]
         row["bad"] = s["bad_requests"]
         rows.append(row)

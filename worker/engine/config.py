@@ -131,8 +131,10 @@ class EngineConfig:
     def preset(cls, name: str, **overrides: Any) -> EngineConfig:
         """A named preset (``tiny``, ``small``) with some fields replaced."""
         if name not in ENGINE_PRESETS:
+            kind = "has no reference-engine weights" if name in PRESETS else "is unknown"
             raise ConfigError(
-                f"unknown engine preset {name!r}; choose one of {', '.join(ENGINE_PRESETS)}"
+                f"model {name!r} {kind}; the reference engine runs "
+                f"{', '.join(ENGINE_PRESETS)} (every model name works with kvbridge layout)"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(overrides) - known)
@@ -215,7 +217,7 @@ ENGINE_PRESETS: Mapping[str, EngineConfig] = MappingProxyType(
         ),
         # "tiny" with an encoder over byte inputs and cross-attention KV in a "cross" group
         "encdec-tiny": _from_preset(
-            PresetShape("encdec-tiny", 4, 2, 32, "float32", encoder_decoder=True),
+            PRESETS["encdec-tiny"],
             vocab_size=512,
             hidden_size=128,
             num_heads=4,
@@ -223,7 +225,7 @@ ENGINE_PRESETS: Mapping[str, EngineConfig] = MappingProxyType(
         ),
         # 8 layers, the last 4 reading the KV of layers 0-3: for KV sharing and prefill skip
         "share-tiny": _from_preset(
-            PresetShape("share-tiny", 8, 2, 32, "float32", share_last=4),
+            PRESETS["share-tiny"],
             vocab_size=512,
             hidden_size=128,
             num_heads=4,

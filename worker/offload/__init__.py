@@ -13,12 +13,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvbridge.worker.offload.disk import RECORD_BYTES, DiskTier, unpack_record
     from kvbridge.worker.offload.pool import HostPool, OffloadStats
     from kvbridge.worker.offload.server import OffloadConfig, OffloadServer, serve
 
-__all__ = ["HostPool", "OffloadConfig", "OffloadServer", "OffloadStats", "serve"]
+__all__ = [
+    "RECORD_BYTES",
+    "DiskTier",
+    "unpack_record",
+    "HostPool",
+    "OffloadConfig",
+    "OffloadServer",
+    "OffloadStats",
+    "serve",
+]
 
 _HOME = {
+    "RECORD_BYTES": "disk",
+    "DiskTier": "disk",
+    "unpack_record": "disk",
     "HostPool": "pool",
     "OffloadStats": "pool",
     "OffloadConfig": "server",

@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvbridge.connector.events import BlockEventSink
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["add_parser", "daemon_layout", "parse_bytes", "run", "main"]
+__all__ = ["add_parser", "check_memory", "daemon_layout", "parse_bytes", "run", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +53,47 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, flag: str = "--capacity") -> int:
     """``"8GiB"`` → 8589934592; accepts B, kB/KiB, MB/MiB, GB/GiB, TB/TiB (case-insensitive)."""
     from kvbridge.proto.errors import ConfigError
 
+    if text.strip().startswith("-"):
+        raise ConfigError(f"--capacity {text!r} is negative: give the pool size, e.g. 8GiB")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
-        raise ConfigError(f"--capacity {text!r} is not a size like 8GiB, 512MiB or 1000000")
+        raise ConfigError(f"{flag} {text!r} is not a size like 8GiB, 512MiB or 1000000")
     value = int(float(m.group(1)) * _UNITS[unit])
     if value < 1:
-        raise ConfigError(f"--capacity {text!r} must be at least one byte")
+        raise ConfigError(f"{flag} {text!r} must be at least one byte")
     return value
+
+
+def check_memory(capacity: int, text: str) -> None:
+    """ConfigError unless this machine's memory (``/proc/meminfo`` MemTotal, else the
+    physical pages) can hold a pool of ``capacity`` bytes."""
+    from kvbridge.proto.errors import ConfigError
+
+    total = _memory_bytes()
+    if total is not None and capacity > total:
+        raise ConfigError(
+            f"--capacity {text} ({capacity / 2**30:.1f} GiB) is more than this machine's memory "
+            f"({total / 2**30:.1f} GiB); give a smaller size, e.g. --capacity 8GiB"
+        )
+
+
+def _memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -79,9 +113,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--capacity", default="8GiB", help="host pool size, e.g. 8GiB, 512MiB (default 8GiB)"
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: pick a free one)")
+    p.add_argument("--port", type=port, default=0, help="gRPC port (default 0: pick a free one)")
     p.add_argument(
-        "--metrics-port", type=int, help="serve Prometheus metrics on this port (/metrics)"
+        "--metrics-port", type=port, help="serve Prometheus metrics on this port (/metrics)"
     )
     p.add_argument(
         "--model",
@@ -93,10 +127,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "encdec-small, kv-share-third, kv-share-every2); default: at the first "
         "authenticated handshake, in that worker's layout",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block with --model")
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size with --model")
     p.add_argument(
-        "--seed", type=int, default=0, help="the engine's --seed with a `kvbridge serve` model"
+        "--block-size", type=positive_int, default=16, help="tokens per block with --model"
+    )
+    p.add_argument(
+        "--tp-size", type=positive_int, default=1, help="tensor-parallel size with --model"
+    )
+    p.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="the engine's --seed with a `kvbridge serve` model",
     )
     add_auth_arguments(p, callers="the daemon", dials=False)
     p.add_argument(
@@ -127,7 +168,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
     p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
-    add_kv_events_arguments(p, "the host pool's blocks (medium CPU)")
+    p.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="a directory for a disk tier under the host pool: evicted blocks are demoted "
+        "there and promoted back on loads; a restarted daemon serves what it lists",
+    )
+    p.add_argument(
+        "--disk-capacity", default="64GiB", help="disk tier size with --disk (default 64GiB)"
+    )
+    add_kv_events_arguments(p, "the host pool's blocks (medium CPU; the disk tier's STORAGE)")
     p.add_argument(
         "--expired-grace",
         type=float,
@@ -150,11 +200,13 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
     auth = read_auth(args)
+    capacity = parse_bytes(args.capacity)
+    check_memory(capacity, args.capacity)
     layout = None
     if args.preset is not None:
         layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
     config = OffloadConfig(
-        capacity_bytes=parse_bytes(args.capacity),
+        capacity_bytes=capacity,
         host=args.host,
         port=args.port,
         layout=layout,
@@ -169,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         max_pinned_per_writer=args.max_pinned_per_writer,
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout,
+        disk_path=None if args.disk is None else check_disk_dir(args.disk),
+        disk_capacity_bytes=parse_bytes(args.disk_capacity, "--disk-capacity"),
     )
     metrics_config = (
         None
@@ -188,17 +242,22 @@ def run(args: argparse.Namespace) -> int:
         if events_config is None
         else open_sink(events_config, MEDIUM_CPU, key_prefix=len(pool_key(0, b"")))
     )
+    disk_events = None
+    if publisher is not None and config.disk_path is not None:
+        disk_events = storage_sinks(publisher, events_config)
     previous = signal.signal(signal.SIGTERM, on_term)
     metrics: MetricsServer | None = None
     try:
         with (
             NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
-            serve(transport, config, instance=instance, events=events) as server,
+            serve(
+                transport, config, instance=instance, events=events, disk_events=disk_events
+            ) as server,
         ):
             if metrics_config is not None:
                 metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
             print(
-                f"kvbridge offload: daemon {instance} listening on {server.address}, "
+                f"kvbridge offload serve: daemon {instance} listening on {server.address}, "
                 f"capacity {config.capacity_bytes} bytes"
                 + (f", metrics on :{metrics.port}/metrics" if metrics else "")
                 + (f", KV events on {publisher.endpoint}" if publisher else ""),
@@ -217,6 +276,39 @@ def run(args: argparse.Namespace) -> int:
             publisher.close()
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def check_disk_dir(path: str) -> str:
+    """``--disk PATH`` made if missing and checked writable, or a one-line ConfigError."""
+    import os
+    import tempfile
+
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--disk {path!r} is not a writable directory: {exc.strerror}") from None
+    return path
+
+
+def storage_sinks(publisher: Any, events_config: Any) -> Callable[[int], BlockEventSink]:
+    """A maker of the disk tier's event sinks (medium ``STORAGE``) on ``publisher``."""
+    from kvbridge.connector.events import MEDIUM_STORAGE, KVEventSource
+    from kvbridge.worker.offload.pool import pool_key
+
+    def make(block_size: int) -> BlockEventSink:
+        return KVEventSource(
+            publisher,
+            medium=MEDIUM_STORAGE,
+            block_size=block_size,
+            wire=events_config.wire,
+            key_prefix=len(pool_key(0, b"")),
+        )
+
+    return make
 
 
 def daemon_layout(name: str, block_size: int, tp_size: int, seed: int) -> KVLayout:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from kvbridge.connector.control.server_config import MAX_TTL_CEILING_S
 from kvbridge.connector.control.types import ControlLimits
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout, parse_order
@@ -33,7 +34,9 @@ class OffloadConfig:
     order: tuple[str, ...] | None = None
     """Pool order; None: block-outermost with the (first) worker's inner order."""
     token: str | None = None
-    """Shared token every call must carry (metadata ``kvbridge-token``); None: no auth."""
+    """Token every call must carry (metadata ``kvbridge-token``); None: no auth. A
+    :class:`~kvbridge.connector.control.auth.TokenSet` (a token file) accepts each of its
+    tokens, each a separate peer."""
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     default_ttl_s: float = 30.0
@@ -47,16 +50,25 @@ class OffloadConfig:
     """Close a client connection idle this long (it reconnects on its next call)."""
     max_pending: int = 4096
     max_sessions: int = 256
+    max_sessions_per_peer: int = 64
+    """Sessions one peer (authenticated identity: one token, or one host without a token)
+    may hold, under whatever agent names; past it the peer's own oldest session goes."""
     max_stores_per_writer: int = 64
-    """Prepared, not yet committed stores one worker may hold."""
+    """Prepared, not yet committed stores one peer may hold: a peer is the caller's
+    authenticated identity (a hash of its token; its host when the daemon has no token),
+    so every worker and agent name under one token shares this cap."""
     max_pinned_per_writer: int | None = None
-    """Blocks one worker may keep pinned by loads; None: the whole pool (a lone worker may
-    load all of it; with many workers, cap it so none can pin the others' room away)."""
+    """Blocks one peer (as above) may keep pinned by loads; None: the whole pool (a lone
+    peer may load all of it; with many, give each its own token and cap this so none can
+    pin the others' room away)."""
     expired_grace_s: float = 60.0
     """How long the slots of a store that expired or was aborted before its WRITE completed
     stay out of the free list: a paused writer's late WRITE then lands in a slot nobody
     else uses. Readers verify digests anyway; this only makes the late write harmless
     instead of detected (and recomputed)."""
+    disk_path: str | None = None
+    """Directory of the disk tier under the host pool (``--disk``); None: no disk tier."""
+    disk_capacity_bytes: int = 64 << 30
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
@@ -72,17 +84,25 @@ class OffloadConfig:
             raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("tls_cert and tls_key go together: give both or neither")
-        if not 0 < self.default_ttl_s <= self.max_ttl_s or not math.isfinite(self.max_ttl_s):
-            # an infinite cap lets any caller pin for as long as its ttl_ms field can say
+        if not (math.isfinite(self.max_ttl_s) and 0 < self.max_ttl_s <= MAX_TTL_CEILING_S):
+            # a store or load holds pool memory; beyond a day nothing is still writing or
+            # reading, and every TTL must fit the replies' millisecond fields
             raise ConfigError(
-                f"need 0 < default_ttl_s ({self.default_ttl_s}) <= max_ttl_s ({self.max_ttl_s}), "
-                "max_ttl_s finite"
+                f"--max-ttl (max_ttl_s) {self.max_ttl_s:g} must be a finite number of seconds > 0 "
+                f"and at most {MAX_TTL_CEILING_S:g} (one day)"
+            )
+        if not 0 < self.default_ttl_s <= self.max_ttl_s:
+            raise ConfigError(
+                f"--default-ttl {self.default_ttl_s:g} must be > 0 and at most --max-ttl "
+                f"{self.max_ttl_s:g}"
             )
         for knob in ("reap_interval_s", "idle_timeout_s"):
             if not (math.isfinite(getattr(self, knob)) and getattr(self, knob) > 0):
                 raise ConfigError(f"{knob} must be > 0, got {getattr(self, knob)}")
         if not (math.isfinite(self.expired_grace_s) and self.expired_grace_s >= 0):
             raise ConfigError(f"expired_grace_s must be >= 0, got {self.expired_grace_s}")
+        if self.disk_capacity_bytes < 1:
+            raise ConfigError(f"--disk-capacity must be >= 1 byte, got {self.disk_capacity_bytes}")
         if self.commit_wait_s < 0:
             raise ConfigError(f"commit_wait_s must be >= 0, got {self.commit_wait_s}")
         for knob in (
@@ -90,6 +110,7 @@ class OffloadConfig:
             "max_concurrent_rpcs",
             "max_pending",
             "max_sessions",
+            "max_sessions_per_peer",
             "max_stores_per_writer",
         ):
             if getattr(self, knob) < 1:

@@ -57,6 +57,7 @@ from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId
 from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
 from kvbridge.worker.offload.pool import Digest, HostPool, OffloadStats, pool_key
+from kvbridge.worker.offload.tiered import open_tiered, saved_layout
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
 
 if TYPE_CHECKING:
@@ -95,17 +96,21 @@ class OffloadHandlers:
         *,
         instance: str,
         events: Callable[[int], BlockEventSink] | None = None,
+        disk_events: Callable[[int], BlockEventSink] | None = None,
     ) -> None:
-        """``events(block_size)`` makes the pool's KV event sink when the pool is made."""
+        """``events(block_size)`` makes the pool's KV event sink when the pool is made
+        (``disk_events`` the disk tier's, medium ``STORAGE``)."""
         self.transport = transport
         self._events = events
+        self._disk_events = disk_events
         self.config = config
         self.instance = instance
         self._setup_lock = threading.Lock()
         self._state: _Pool | None = None
-        self.sessions = Sessions(config.max_sessions)
-        if config.layout is not None:
-            self._create(config.layout)
+        self.sessions = Sessions(config.max_sessions, per_peer=config.max_sessions_per_peer)
+        saved = None if config.disk_path is None else saved_layout(config.disk_path)
+        if config.layout is not None or saved is not None:
+            self._create(config.layout or saved)  # type: ignore[arg-type]
 
     @property
     def pool(self) -> HostPool | None:
@@ -117,7 +122,11 @@ class OffloadHandlers:
         state = self._state
         return None if state is None else state.caches
 
-    def handshake(self, request: pb.OffloadHandshakeRequest) -> pb.OffloadHandshakeResponse:
+    def handshake(
+        self, request: pb.OffloadHandshakeRequest, peer: str = ""
+    ) -> pb.OffloadHandshakeResponse:
+        """``peer`` is the caller's authenticated identity (``caller_identity``): the session
+        opened is its, and every store and load made under it is charged to it."""
         if not request.HasField("peer"):
             raise WireError("handshake carries no peer info")
         remote = peer_from_pb(request.peer, self.config.limits)
@@ -137,7 +146,7 @@ class OffloadHandlers:
                 f"{state.info.engine_id} ({_describe(ours)}): {result.mode.value}: "
                 f"{result.reason}"
             )
-        session = self.sessions.open(agent)
+        session = self.sessions.open(agent, peer)
         log.info("handshake from %s (agent %s): %s", remote.engine_id, agent, result.mode.value)
         return pb.OffloadHandshakeResponse(
             peer=peer_to_pb(state.info),
@@ -158,72 +167,90 @@ class OffloadHandlers:
         keys = (BlockHash(prefix + h) for h in hashes)
         return pb.LookupResponse(num_hits=state.pool.lookup(keys, len(hashes)))
 
-    def prepare_store(self, request: pb.PrepareStoreRequest) -> pb.PrepareStoreResponse:
+    def prepare_store(
+        self, request: pb.PrepareStoreRequest, peer: str = ""
+    ) -> pb.PrepareStoreResponse:
         state = self._ready()
         self._check_instance(request.instance)
-        writer = self.sessions.agent(request.session)
+        writer = self.sessions.agent(request.session, peer)
         keys = self._keys(state, request.tp_rank, request.hashes)
         ttl_s = self._ttl(request.ttl_ms)
-        prepared = state.pool.prepare_store(keys, ttl_s, writer)
-        return pb.PrepareStoreResponse(
-            store_id=prepared.store_id,
-            indices=prepared.indices,
-            slots=prepared.slots,
-            evicted=prepared.evicted,
-            expires_in_ms=round(prepared.expires_in_s * 1000),
-        )
+        prepared = state.pool.prepare_store(keys, ttl_s, writer, peer)
+        try:
+            return pb.PrepareStoreResponse(
+                store_id=prepared.store_id,
+                indices=prepared.indices,
+                slots=prepared.slots,
+                evicted=prepared.evicted,
+                expires_in_ms=_ms(prepared.expires_in_s),
+            )
+        except BaseException:
+            # a reply that cannot be built must not leave the store held to its TTL
+            state.pool.abort_store(prepared.store_id, writer, peer)
+            raise
 
-    def commit_store(self, request: pb.CommitStoreRequest) -> pb.CommitStoreResponse:
+    def commit_store(
+        self, request: pb.CommitStoreRequest, peer: str = ""
+    ) -> pb.CommitStoreResponse:
         """Publish the caller's store once its WRITE notification arrived (waiting up to
         ``commit_wait_s`` for it); refuse another session's store or one nobody wrote."""
         state = self._ready()
         store_id = check_lease_id(request.store_id)
-        writer = self.sessions.agent(request.session)
+        writer = self.sessions.agent(request.session, peer)
         deadline = time.monotonic() + self.config.commit_wait_s
         digests = list(request.digests)
         while True:
             self._collect(state)
             try:
-                n = state.pool.commit_store(store_id, writer, request.digest_key, digests)
+                n = state.pool.commit_store(store_id, writer, request.digest_key, digests, peer)
                 return pb.CommitStoreResponse(committed=n)
             except LeaseError as exc:
                 if exc.code != "FAILED_PRECONDITION" or time.monotonic() >= deadline:
                     raise
             time.sleep(NOTIFY_POLL_S)
 
-    def abort_store(self, request: pb.AbortStoreRequest) -> pb.AbortStoreResponse:
+    def abort_store(self, request: pb.AbortStoreRequest, peer: str = "") -> pb.AbortStoreResponse:
         state = self._ready()
         store_id = check_lease_id(request.store_id)
-        writer = self.sessions.agent(request.session)
-        return pb.AbortStoreResponse(aborted=state.pool.abort_store(store_id, writer))
+        writer = self.sessions.agent(request.session, peer)
+        return pb.AbortStoreResponse(aborted=state.pool.abort_store(store_id, writer, peer))
 
-    def prepare_load(self, request: pb.PrepareLoadRequest) -> pb.PrepareLoadResponse:
+    def prepare_load(
+        self, request: pb.PrepareLoadRequest, peer: str = ""
+    ) -> pb.PrepareLoadResponse:
         state = self._ready()
         self._check_instance(request.instance)
-        writer = self.sessions.agent(request.session)
+        writer = self.sessions.agent(request.session, peer)
         keys = self._keys(state, request.tp_rank, request.hashes)
         ttl_s = self._ttl(request.ttl_ms)
-        prepared = state.pool.prepare_load(keys, ttl_s, writer)
-        return pb.PrepareLoadResponse(
-            load_id=prepared.load_id,
-            slots=prepared.slots,
-            expires_in_ms=round(prepared.expires_in_s * 1000),
-            digest_keys=[k for k, _ in prepared.digests],
-            digests=[d for _, d in prepared.digests],
-        )
+        prepared = state.pool.prepare_load(keys, ttl_s, writer, peer)
+        try:
+            return pb.PrepareLoadResponse(
+                load_id=prepared.load_id,
+                slots=prepared.slots,
+                expires_in_ms=_ms(prepared.expires_in_s),
+                digest_keys=[k for k, _ in prepared.digests],
+                digests=[d for _, d in prepared.digests],
+            )
+        except BaseException:
+            # a reply that cannot be built must not leave the blocks pinned to its TTL
+            state.pool.complete_load(prepared.load_id, writer, peer)
+            raise
 
-    def complete_load(self, request: pb.CompleteLoadRequest) -> pb.CompleteLoadResponse:
+    def complete_load(
+        self, request: pb.CompleteLoadRequest, peer: str = ""
+    ) -> pb.CompleteLoadResponse:
         state = self._ready()
         load_id = check_lease_id(request.load_id)
-        writer = self.sessions.agent(request.session)
+        writer = self.sessions.agent(request.session, peer)
         layout = state.memory.layout
 
         def confirm(slot: BlockId, digest: Digest) -> bool:
             key, want = digest
             return span_digest(layout.regions, layout.block_spans(GROUP, slot), key) == want
 
-        dropped = state.pool.drop_bad(load_id, writer, list(request.bad), confirm)
-        released = state.pool.complete_load(load_id, writer)
+        dropped = state.pool.drop_bad(load_id, writer, list(request.bad), confirm, peer)
+        released = state.pool.complete_load(load_id, writer, peer)
         if request.bad:
             log.warning(
                 "worker %s reported %d blocks of load %s failing their digest; %d confirmed "
@@ -272,15 +299,17 @@ class OffloadHandlers:
             agent_metadata=self.transport.metadata(),
         )
         num_blocks = layout.group(GROUP).num_blocks
-        pool = HostPool(
-            num_blocks,
-            layout.block_bytes(GROUP),
+        knobs = dict(
             max_pending=self.config.max_pending,
             max_stores_per_writer=self.config.max_stores_per_writer,
             max_pinned_per_writer=self.config.max_pinned_per_writer,
             events=None if self._events is None else self._events(layout.block_size),
             grace_s=self.config.expired_grace_s,
         )
+        if self.config.disk_path is None:
+            pool = HostPool(num_blocks, layout.block_bytes(GROUP), **knobs)  # type: ignore[arg-type]
+        else:
+            pool = open_tiered(memory.layout, self.config, knobs, self._disk_events)
         self._state = _Pool(info, memory, caches, pool)
         log.info(
             "offload pool: %d blocks of %d bytes (%s, %s)",
@@ -340,9 +369,19 @@ class OffloadHandlers:
                 check_hash(bad, limits)  # raises WireError naming the size
 
     def _ttl(self, ttl_ms: int) -> float:
+        """The TTL a request asks for, clamped to ``max_ttl_s`` in integers first (any uint64
+        is fine)."""
         if ttl_ms == 0:
             return self.config.default_ttl_s
-        return min(ttl_ms / 1000, self.config.max_ttl_s)
+        return min(ttl_ms, round(self.config.max_ttl_s * 1000)) / 1000
+
+
+_MAX_MS = 2**64 - 1
+
+
+def _ms(seconds: float) -> int:
+    """Seconds as whole milliseconds for a reply's uint64 field, whatever the figure."""
+    return min(_MAX_MS, max(0, round(seconds * 1000)))
 
 
 def _describe(layout: KVLayout) -> str:
@@ -353,6 +392,7 @@ def _describe(layout: KVLayout) -> str:
 
 
 def stats_to_pb(stats: OffloadStats, instance: str) -> pb.StatsResponse:
+    fields = pb.StatsResponse.DESCRIPTOR.fields_by_name
     return pb.StatsResponse(
-        instance=instance, **{k: getattr(stats, k) for k in OffloadStats.__slots__}
+        instance=instance, **{k: getattr(stats, k) for k in OffloadStats.__slots__ if k in fields}
     )

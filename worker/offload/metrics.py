@@ -37,6 +37,14 @@ GAUGES: dict[str, tuple[str, str]] = {
         "Slots of stores that expired or aborted before their WRITE completed, kept out of "
         "the free list for the grace period.",
     ),
+    "disk_capacity_blocks": ("disk_capacity_blocks", "Blocks the disk tier holds (0: none)."),
+    "disk_blocks": ("disk_blocks", "Blocks listed in the disk tier."),
+    "disk_bytes": ("disk_bytes", "Bytes of the blocks listed in the disk tier."),
+    "disk_restored_blocks": ("disk_restored_blocks", "Blocks the disk index listed at start."),
+    "disk_skipped_records": (
+        "disk_skipped_records",
+        "Disk index records skipped at start (torn: bad checksum, or slot out of range).",
+    ),
 }
 COUNTERS: dict[str, tuple[str, str]] = {
     "hits": ("hits_total", "Blocks found by lookups and loads."),
@@ -56,6 +64,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "bad_digest_blocks": (
         "bad_digest_blocks_total",
         "Reported blocks the daemon's own digest check confirmed bad (dropped from the index).",
+    ),
+    "demoted_blocks": ("disk_demoted_blocks_total", "Host pool evictions written to disk."),
+    "promoted_blocks": ("disk_promoted_blocks_total", "Disk blocks read back into the pool."),
+    "disk_evicted_blocks": ("disk_evicted_blocks_total", "Blocks evicted from disk (LRU)."),
+    "disk_write_bytes": ("disk_write_bytes_total", "Bytes written to the disk tier."),
+    "disk_read_bytes": ("disk_read_bytes_total", "Bytes read from the disk tier."),
+    "disk_bad_digest_blocks": (
+        "disk_bad_digest_blocks_total",
+        "Disk blocks whose bytes failed their digest at promotion (dropped, never served).",
     ),
 }
 SUMMARIES: dict[str, tuple[str, str, str]] = {
@@ -86,7 +103,7 @@ class OffloadCollector(Collector):
         capacity = stats.capacity_blocks
         yield GaugeMetricFamily(
             PREFIX + "occupancy_ratio",
-            "Committed blocks over capacity (0..1).",
+            "Committed host pool blocks over capacity (0..1).",
             value=stats.cached_blocks / capacity if capacity else 0.0,
         )
         for field_name, (name, help_text) in COUNTERS.items():

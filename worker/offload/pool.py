@@ -1,35 +1,16 @@
 """The offload daemon's host pool bookkeeping: which slot holds which block hash.
 
-Owned by the offload daemon's servicer (:mod:`kvbridge.worker.offload.server`), called from
-its gRPC and reaper threads, so every method takes the pool's lock. Pure bookkeeping over a
-:class:`BlockPool` (the LRU, the hash map and the ref counts): it never touches memory or NIXL.
+Owned by the daemon's servicer (:mod:`kvbridge.worker.offload.server`) and called from its
+threads, so every method takes the pool's lock. Pure bookkeeping over a :class:`BlockPool`: no
+memory, no NIXL (disk tier: :mod:`kvbridge.worker.offload.tiered`). Keys: ``(tp_rank, hash)``.
 
-Slot states:
-
-- **free**: ref count 0, maybe with a hash (evictable, LRU order);
-- **writing**: taken by :meth:`HostPool.prepare_store`, ref count 1, *no hash in the block
-  pool*: invisible to lookups and loads, never evicted. :meth:`HostPool.commit_store` caches
-  it under its hash and drops the reference (it becomes evictable); an abort
-  (:meth:`HostPool.abort_store`) or the store's expiry (a dead writer) frees it without a hash;
-- **quarantined**: a slot of a store aborted or expired *before its WRITE completed* (that
-  WRITE may still land: nothing revokes it) stays out of the free list for ``grace_s``
-  seconds, up to a quarter of the pool; a written store's slots (and any past that quarter)
-  are freed at once;
-- **pinned**: a committed block with references from loads (:meth:`HostPool.prepare_load` /
-  :meth:`HostPool.complete_load`), never evicted while pinned.
-
-Keys are ``(tp_rank, block hash)``: tensor-parallel ranks hold different head slices of a
-block of the same name.
-
-Every store and load belongs to a **writer** (the daemon's name for an authenticated worker
-session, see :mod:`kvbridge.worker.offload.writers`): only that writer commits, aborts or
-completes it, a store commits only after :meth:`HostPool.mark_written` (its WRITE completed),
-and each writer holds at most ``max_stores_per_writer`` prepared stores and
-``max_pinned_per_writer`` pinned blocks.
-
-Every committed block keeps its writer's **digest** (:mod:`kvbridge.worker.offload.slots`),
-handed to readers with the slots; :meth:`HostPool.drop_bad` drops a block a
-reader reports only if the daemon's own recomputation agrees.
+Every store and load belongs to a **writer** (the NIXL agent name of the session that made it,
+:mod:`kvbridge.worker.offload.writers`) and is charged to a **peer** (the caller's
+authenticated identity): only that writer and peer end it, a store commits only after
+:meth:`HostPool.mark_written`, and each peer, under any number of agent names, holds at most
+``max_stores_per_writer`` stores and ``max_pinned_per_writer`` pinned blocks. Slot states and
+the **digest** each committed block keeps: :mod:`kvbridge.worker.offload.slots`;
+:meth:`HostPool.drop_bad` drops a reported block only if the daemon's own check agrees.
 """
 
 from __future__ import annotations
@@ -60,7 +41,6 @@ from kvbridge.worker.offload.stats import OffloadStats
 
 __all__ = ["Digest", "HostPool", "OffloadStats", "PreparedStore", "PreparedLoad", "pool_key"]
 
-
 log = logging.getLogger(__name__)
 
 
@@ -82,8 +62,8 @@ class HostPool:
         for knob, value in (("block_bytes", block_bytes), ("max_pending", max_pending)):
             if value < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {value}")
-        self._evicted: list[BlockHash] = []
-        on_evict = lambda h, _b: self._evicted.append(h)  # noqa: E731 (self._evicted is rebound)
+        self._evicted: list[tuple[BlockHash, BlockId]] = []
+        on_evict = lambda h, b: self._evicted.append((h, b))  # noqa: E731 (self._evicted rebound)
         self._pool = BlockPool(num_blocks, on_evict=on_evict, events=events)
         self._block_bytes = block_bytes
         self._clock = clock
@@ -127,6 +107,10 @@ class HostPool:
             self._count_lookup(hits, asked)
             return hits
 
+    def cached(self, key: BlockHash) -> bool:
+        with self._lock:  # is ``key`` committed in the pool? (counts nothing)
+            return self._pool.get_block(key) is not None
+
     def stats(self) -> OffloadStats:
         with self._lock:
             s = self._stats
@@ -153,28 +137,30 @@ class HostPool:
             assert writing + len(held) + len(pinned_slots) <= referenced
             assert all(self._pool.block_hash(b) is None for b in held)
             assert self._pool.num_cached_blocks + writing <= self._pool.num_blocks
-            stores = Counter(p.writer for p in self._stores.values())
-            pins = Counter(p.writer for p in self._loads.values() for _ in p.slots)
+            stores = Counter(p.peer for p in self._stores.values())
+            pins = Counter(p.peer for p in self._loads.values() for _ in p.slots)
             assert stores == self._quotas.stores and pins == self._quotas.pins
 
-    def pending_of(self, writer: str) -> tuple[int, int]:
-        """``(prepared stores, pinned blocks)`` that ``writer`` holds now."""
+    def pending_of(self, peer: str) -> tuple[int, int]:
+        """``(prepared stores, pinned blocks)`` charged to ``peer`` (or writer) now."""
         with self._lock:
-            return self._quotas.of(writer)
+            return self._quotas.of(peer)
 
     # ---------------------------------------------------------------- mutations
 
     def prepare_store(
-        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
+        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = "", peer: str | None = None
     ) -> PreparedStore:
         """Take slots for the keys neither cached nor being written, in order, while room lasts.
 
         Evicts least recently used unpinned blocks as needed; returns their keys.
-        Raises ``RESOURCE_EXHAUSTED`` when ``writer`` already holds its cap of stores.
+        Raises ``RESOURCE_EXHAUSTED`` when ``peer`` (default: ``writer``) already holds its
+        cap of stores.
         """
+        peer = writer if peer is None else peer
         self._expire()
         with self._lock:
-            self._quotas.take_store(writer)  # counted now, given back below if nothing to do
+            self._quotas.take_store(peer)  # counted now, given back below if nothing to do
             seen: set[BlockHash] = set()
             wanted: list[int] = []
             for i, key in enumerate(keys):
@@ -184,7 +170,7 @@ class HostPool:
                 wanted.append(i)
             take = min(len(wanted), self._pool.num_free_blocks)
             if take == 0 or len(self._stores) >= self._max_pending:
-                self._quotas.drop_store(writer)
+                self._quotas.drop_store(peer)
                 return PreparedStore("", (), (), (), 0.0)
             wanted = wanted[:take]
             slots = self._pool.allocate(take)
@@ -192,14 +178,14 @@ class HostPool:
             store_id = secrets.token_hex(16)
             now = self._clock()
             chosen = [keys[i] for i in wanted]
-            self._stores[store_id] = Pending(list(slots), chosen, now, now + ttl_s, writer)
+            self._stores[store_id] = Pending(list(slots), chosen, now, now + ttl_s, writer, peer)
             for key in chosen:
                 self._writing[key] = store_id
             self._stats.evicted_blocks += len(evicted)
             self._stats.evicted_bytes += len(evicted) * self._block_bytes
-        return PreparedStore(
-            store_id, tuple(wanted), tuple(slots), tuple(k[2:] for k in evicted), ttl_s
-        )
+            demoted = tuple((k, b, self._digest_of(b)) for k, b in evicted)
+        gone = tuple(k[2:] for k, _ in evicted)
+        return PreparedStore(store_id, tuple(wanted), tuple(slots), gone, ttl_s, demoted)
 
     def mark_written(self, store_id: str, writer: str) -> bool:
         """Record that ``writer``'s WRITE into the store completed; False (nothing changes)
@@ -212,20 +198,27 @@ class HostPool:
             return True
 
     def commit_store(
-        self, store_id: str, writer: str = "", key: int = 0, digests: Sequence[bytes] = ()
+        self,
+        store_id: str,
+        writer: str = "",
+        key: int | Sequence[int] = 0,
+        digests: Sequence[bytes] = (),
+        peer: str | None = None,
+        drop: frozenset[int] = frozenset(),
     ) -> int:
         """Publish a store's blocks (they become visible and evictable); returns how many.
 
-        Only ``writer``, the store's own, may commit it, and only once its WRITE was
-        marked done (:meth:`mark_written`); otherwise this raises and changes nothing.
+        Only ``writer`` and ``peer`` (default: ``writer``), the store's own, may commit it,
+        and only once its WRITE was marked done (:meth:`mark_written`); otherwise this
+        raises and changes nothing.
         ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
         readers of these blocks will check; a count or size that does not fit raises
-        :class:`WireError` and changes nothing.
+        :class:`WireError` and changes nothing. (Promotions: a key per slot; ``drop`` unpublished.)
         """
         self._expire()
         with self._lock:
             pending = self._stores.get(store_id)
-            if pending is None or pending.writer != writer:
+            if pending is None or not pending.owned_by(writer, peer):
                 raise lease_gone("store", store_id)
             if not pending.written:
                 err = LeaseError(
@@ -240,27 +233,30 @@ class HostPool:
                     f"send one {DIGEST_BYTES}-byte digest per slot"
                 )
             del self._stores[store_id]
-            self._quotas.drop_store(pending.writer)
-            for slot, block_key, digest in zip(pending.slots, pending.keys, digests, strict=True):
+            self._quotas.drop_store(pending.peer)
+            keys = [key] * len(digests) if isinstance(key, int) else list(key)
+            for i, (slot, block_key) in enumerate(zip(pending.slots, pending.keys, strict=True)):
                 del self._writing[block_key]
-                self._digests[slot] = (key, bytes(digest))
+                if i in drop:
+                    continue
+                self._digests[slot] = (keys[i], bytes(digests[i]))
                 cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)
-            n = len(pending.slots)
+            n = len(pending.slots) - len(drop)
             self._stats.stored_blocks += n
             self._stats.stored_bytes += n * self._block_bytes
             self._stats.store_seconds_sum += self._clock() - pending.started
             self._stats.store_count += 1
         return n
 
-    def abort_store(self, store_id: str, writer: str = "") -> bool:
+    def abort_store(self, store_id: str, writer: str = "", peer: str | None = None) -> bool:
         """Free a store's slots unpublished; False if it was unknown, already finished, or
-        ``writer``'s not."""
+        not ``writer``'s and ``peer``'s."""
         self._expire()
         with self._lock:
             pending = self._stores.get(store_id)
-            if pending is None or pending.writer != writer:
+            if pending is None or not pending.owned_by(writer, peer):
                 return False
             del self._stores[store_id]
             self._drop_store(pending, self._clock())
@@ -268,43 +264,48 @@ class HostPool:
         return True
 
     def prepare_load(
-        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = ""
+        self, keys: Sequence[BlockHash], ttl_s: float, writer: str = "", peer: str | None = None
     ) -> PreparedLoad:
         """Pin the committed prefix of ``keys`` until :meth:`complete_load` or expiry.
 
-        ``writer`` pins at most ``max_pinned_per_writer`` blocks at once: a longer
-        hit is cut to the room left; none left raises ``RESOURCE_EXHAUSTED``.
+        ``peer`` (default: ``writer``) pins at most ``max_pinned_per_writer`` blocks at
+        once: a longer hit is cut to the room left; none left raises ``RESOURCE_EXHAUSTED``.
         """
+        peer = writer if peer is None else peer
         self._expire()
         with self._lock:
             hits = self._pool.lookup_prefix(keys)
             self._count_lookup(len(hits), len(keys))
             if not hits or len(self._loads) >= self._max_pending:
                 return PreparedLoad("", (), 0.0)
-            hits = hits[: self._quotas.pin_room(writer)]
+            hits = hits[: self._quotas.pin_room(peer)]
             self._pool.touch(hits)
             self._pinned += len(hits)
-            self._quotas.pin(writer, len(hits))
+            self._quotas.pin(peer, len(hits))
             load_id = secrets.token_hex(16)
             now = self._clock()
             self._loads[load_id] = Pending(
-                list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer
+                list(hits), list(keys[: len(hits)]), now, now + ttl_s, writer, peer
             )
             digests = tuple(self._digest_of(b) for b in hits)
         return PreparedLoad(load_id, tuple(hits), ttl_s, digests)
 
-    def drop_bad(self, load_id: str, writer: str, bad: Sequence[int], confirm: Confirm) -> int:
-        """Drop from the index the blocks of ``writer``'s load at positions ``bad`` (whose
-        bytes failed the reader's digest check) that ``confirm`` also finds bad.
-
-        The reader's report is a claim: ``confirm`` recomputes each digest over the
-        daemon's own memory, and a block that still matches stays. Returns how many
-        were dropped (0 if the load is gone or not ``writer``'s). Positions out of range
-        or repeated raise :class:`WireError` and change nothing.
-        """
+    def drop_bad(
+        self,
+        load_id: str,
+        writer: str,
+        bad: Sequence[int],
+        confirm: Confirm,
+        peer: str | None = None,
+    ) -> int:
+        """Drop from the index the blocks of the load (``writer``'s and ``peer``'s) at
+        positions ``bad`` (failing the reader's digest check) that ``confirm`` also finds bad:
+        a report is a claim, ``confirm`` recomputes each digest over the daemon's memory.
+        Returns how many were dropped (0 if the load is gone or not the caller's). Positions
+        out of range or repeated raise :class:`WireError` and change nothing."""
         with self._lock:
             pending = self._loads.get(load_id)
-            if pending is None or pending.writer != writer:
+            if pending is None or not pending.owned_by(writer, peer):
                 return 0
             if any(not 0 <= i < len(pending.slots) for i in bad) or len(set(bad)) != len(bad):
                 last = len(pending.slots) - 1
@@ -322,13 +323,13 @@ class HostPool:
             self._stats.bad_digest_blocks += dropped
             return dropped
 
-    def complete_load(self, load_id: str, writer: str = "") -> bool:
+    def complete_load(self, load_id: str, writer: str = "", peer: str | None = None) -> bool:
         """Unpin a load's blocks (they move to the most recently used end); False if gone
-        or ``writer``'s not."""
+        or not ``writer``'s and ``peer``'s."""
         self._expire()
         with self._lock:
             pending = self._loads.get(load_id)
-            if pending is None or pending.writer != writer:
+            if pending is None or not pending.owned_by(writer, peer):
                 return False
             del self._loads[load_id]
             self._unpin(pending)
@@ -382,7 +383,7 @@ class HostPool:
             self._pool.free(pending.slots)
         else:
             self._pool.free(self._quarantine.hold(now, pending.slots))
-        self._quotas.drop_store(pending.writer)
+        self._quotas.drop_store(pending.peer)
 
     def _digest_of(self, slot: BlockId) -> Digest:
         digest = self._digests[slot]
@@ -392,7 +393,7 @@ class HostPool:
     def _unpin(self, pending: Pending) -> None:
         self._pool.free(pending.slots)
         self._pinned -= len(pending.slots)
-        self._quotas.unpin(pending.writer, len(pending.slots))
+        self._quotas.unpin(pending.peer, len(pending.slots))
 
     def _count_lookup(self, hits: int, asked: int) -> None:
         self._stats.hits += hits

@@ -1,9 +1,10 @@
-"""What each writer (worker session) of the offload daemon holds, against its caps.
+"""What each peer of the offload daemon holds, against its caps.
 
 Kept by :class:`~kvbridge.worker.offload.pool.HostPool` under its lock (offload
-daemon process): prepared stores and pinned blocks per writer, so one worker
-cannot take the whole pool's room from the others. Maps hold no entry per idle
-writer: they stay as small as the work in flight.
+daemon process): prepared stores and pinned blocks per peer (the caller's
+authenticated identity: one per token, however many worker sessions and agent
+names use it), so one peer cannot take the whole pool's room from the others.
+Maps hold no entry per idle peer: they stay as small as the work in flight.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ __all__ = ["Quotas", "lease_gone"]
 
 
 class Quotas:
-    """Per-writer counts of prepared stores and pinned blocks; not thread-safe (the pool
-    locks)."""
+    """Per-peer counts of prepared stores and pinned blocks; not thread-safe (the pool
+    locks). The config knobs keep their ``_per_writer`` names."""
 
     def __init__(self, max_stores: int, max_pinned: int) -> None:
         if max_stores < 1:
@@ -24,8 +25,8 @@ class Quotas:
             raise ConfigError(f"max_pinned_per_writer must be >= 1, got {max_pinned}")
         self.max_stores = max_stores
         self.max_pinned = max_pinned
-        self.stores: dict[str, int] = {}  # writer -> prepared stores
-        self.pins: dict[str, int] = {}  # writer -> pinned blocks
+        self.stores: dict[str, int] = {}  # peer -> prepared stores
+        self.pins: dict[str, int] = {}  # peer -> pinned blocks
 
     def of(self, writer: str) -> tuple[int, int]:
         return self.stores.get(writer, 0), self.pins.get(writer, 0)
@@ -35,8 +36,8 @@ class Quotas:
         held = self.stores.get(writer, 0)
         if held >= self.max_stores:
             raise ControlPlaneError(
-                f"this worker holds {held} prepared stores, the daemon's "
-                "max_stores_per_writer: commit or abort some first",
+                f"this peer (its token, all its sessions together) holds {held} prepared "
+                "stores, the daemon's max_stores_per_writer: commit or abort some first",
                 code="RESOURCE_EXHAUSTED",
             )
         self.stores[writer] = held + 1
@@ -46,8 +47,8 @@ class Quotas:
         held = self.pins.get(writer, 0)
         if held >= self.max_pinned:
             raise ControlPlaneError(
-                f"this worker pins {held} blocks, the daemon's max_pinned_per_writer: "
-                "complete some loads first",
+                f"this peer (its token, all its sessions together) pins {held} blocks, the "
+                "daemon's max_pinned_per_writer: complete some loads first",
                 code="RESOURCE_EXHAUSTED",
             )
         return self.max_pinned - held

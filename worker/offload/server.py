@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvbridge.connector.control.auth import accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler
 from kvbridge.connector.control.grpc_server import ReapingServer, tls_credentials
 from kvbridge.proto import offload_pb2 as pb
@@ -34,33 +35,46 @@ __all__ = ["OffloadConfig", "OffloadHandlers", "OffloadServer", "new_instance", 
 
 log = logging.getLogger(__name__)
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
 
 class _Servicer(pb_grpc.OffloadStoreServicer):
-    """Thin gRPC shim: call the handler, map a raised error to a status in one place."""
+    """Thin gRPC shim: call the handler with the caller's authenticated identity (the
+    control plane's :func:`~kvbridge.connector.control.auth.caller_identity`), map a raised
+    error to a status in one place."""
 
     def __init__(self, h: OffloadHandlers) -> None:
         self._h = h
+        self._tokens = accepted_tokens(h.config.token)
+
+    def _as_caller(self, method: Callable[[Req, str], Resp], request: Req, context: Any) -> Resp:
+        def as_caller(r: Req) -> Resp:
+            return method(r, caller_identity(context, self._tokens))
+
+        as_caller.__qualname__ = getattr(method, "__qualname__", "handler")  # for the error log
+        return call_handler(as_caller, request, context)
 
     def Handshake(self, request: Any, context: Any) -> pb.OffloadHandshakeResponse:
-        return call_handler(self._h.handshake, request, context)
+        return self._as_caller(self._h.handshake, request, context)
 
     def Lookup(self, request: Any, context: Any) -> pb.LookupResponse:
         return call_handler(self._h.lookup, request, context)
 
     def PrepareStore(self, request: Any, context: Any) -> pb.PrepareStoreResponse:
-        return call_handler(self._h.prepare_store, request, context)
+        return self._as_caller(self._h.prepare_store, request, context)
 
     def CommitStore(self, request: Any, context: Any) -> pb.CommitStoreResponse:
-        return call_handler(self._h.commit_store, request, context)
+        return self._as_caller(self._h.commit_store, request, context)
 
     def AbortStore(self, request: Any, context: Any) -> pb.AbortStoreResponse:
-        return call_handler(self._h.abort_store, request, context)
+        return self._as_caller(self._h.abort_store, request, context)
 
     def PrepareLoad(self, request: Any, context: Any) -> pb.PrepareLoadResponse:
-        return call_handler(self._h.prepare_load, request, context)
+        return self._as_caller(self._h.prepare_load, request, context)
 
     def CompleteLoad(self, request: Any, context: Any) -> pb.CompleteLoadResponse:
-        return call_handler(self._h.complete_load, request, context)
+        return self._as_caller(self._h.complete_load, request, context)
 
     def Stats(self, request: Any, context: Any) -> pb.StatsResponse:
         return call_handler(self._h.stats, request, context)
@@ -119,10 +133,15 @@ def serve(
     *,
     instance: str | None = None,
     events: Callable[[int], BlockEventSink] | None = None,
+    disk_events: Callable[[int], BlockEventSink] | None = None,
 ) -> OffloadServer:
     """Start an offload daemon's service on ``transport`` (which the caller closes after);
     ``events(block_size)`` makes the pool's KV event sink (see ``OffloadHandlers``)."""
     handlers = OffloadHandlers(
-        transport, config or OffloadConfig(), instance=instance or new_instance(), events=events
+        transport,
+        config or OffloadConfig(),
+        instance=instance or new_instance(),
+        events=events,
+        disk_events=disk_events,
     )
     return OffloadServer(handlers).start()

@@ -11,6 +11,20 @@ daemon's agent metadata can write). PrepareLoad hands them to the reader with
 the slots. A reader that finds a block's bytes do not match names it; the
 daemon drops the block from its index only if its own recomputation agrees: a
 reader's report is a claim, never enough on its own to evict a block.
+
+The pool's slot states (methods of ``HostPool``):
+
+- **free**: ref count 0, maybe with a hash (evictable, LRU order);
+- **writing**: taken by ``prepare_store``, ref count 1, *no hash in the block pool*:
+  invisible to lookups and loads, never evicted. ``commit_store`` caches it under its hash
+  and drops the reference (it becomes evictable); an abort (``abort_store``) or the store's
+  expiry (a dead writer) frees it without a hash;
+- **quarantined**: a slot of a store aborted or expired *before its WRITE completed* (that
+  WRITE may still land: nothing revokes it) stays out of the free list for ``grace_s``
+  seconds, up to a quarter of the pool; a written store's slots (and any past that quarter)
+  are freed at once;
+- **pinned**: a committed block with references from loads (``prepare_load`` /
+  ``complete_load``), never evicted while pinned.
 """
 
 from __future__ import annotations
@@ -53,6 +67,9 @@ class PreparedStore:
     slots: tuple[BlockId, ...]
     evicted: tuple[bytes, ...]
     expires_in_s: float
+    demoted: tuple[tuple[BlockHash, BlockId, Digest], ...] = ()
+    """Evicted committed blocks as ``(key, slot, digest)``: their bytes stay in ``slot`` until
+    the store's writer WRITEs it (the disk tier copies them out first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +92,18 @@ class Pending:
     started: float
     expires_at: float
     writer: str = ""
+    """The NIXL agent name of the session that made it (its WRITE notifications come from
+    that agent)."""
+    peer: str = ""
+    """The authenticated identity charged for it (``caller_identity``): the caps count this,
+    and only a session of this peer *and* this agent may end it."""
     written: bool = False
     """A store: its writer's WRITE-completion notification arrived."""
+
+    def owned_by(self, writer: str, peer: str | None) -> bool:
+        """Whether a session of ``writer`` (agent name) and ``peer`` (identity; None: the
+        writer's name, as when it was made without one) may end it."""
+        return self.writer == writer and self.peer == (writer if peer is None else peer)
 
 
 class Quarantine:

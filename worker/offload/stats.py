@@ -33,3 +33,14 @@ class OffloadStats:
     quarantined_blocks: int = 0
     bad_digest_reports: int = 0
     bad_digest_blocks: int = 0
+    disk_capacity_blocks: int = 0
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    disk_evicted_blocks: int = 0
+    disk_write_bytes: int = 0
+    disk_read_bytes: int = 0
+    disk_bad_digest_blocks: int = 0
+    disk_restored_blocks: int = 0
+    disk_skipped_records: int = 0

@@ -20,6 +20,9 @@ import threading
 from pathlib import Path
 from types import FrameType
 
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.server_auth import read_auth
+
 __all__ = ["add_parser", "run", "main"]
 
 log = logging.getLogger(__name__)
@@ -36,19 +39,29 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         description="Start the peer control server (gRPC) for a preset KV layout, with an "
         "empty block pool: checks addresses, tokens, TLS and layout compatibility.",
     )
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=1024, help="blocks per group (default 1024)")
+    p.add_argument(
+        "--model", "--preset", dest="preset", default="tiny", choices=sorted(PRESETS), help="model"
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
+    )
+    p.add_argument(
+        "--num-blocks", type=positive_int, default=1024, help="blocks per group (default 1024)"
+    )
     p.add_argument("--order", default="block-nhd", help=f"physical order: {', '.join(ORDERS)}")
-    p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-rank", type=non_negative_int, default=0)
+    p.add_argument("--tp-size", type=positive_int, default=1)
     p.add_argument("--role", default="prefill", choices=["prefill", "decode", "both", "offload"])
     p.add_argument("--engine-id", help="unique id of this process (default: HOST-PID)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="port (default 0: pick a free one)")
+    p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument("--token", help="shared token peers must send (visible in `ps`)")
-    auth.add_argument("--token-file", type=Path, help="read the shared token from this file")
+    auth.add_argument(
+        "--token-file",
+        type=Path,
+        help="read the token(s) from this file, one per line (each a peer)",
+    )
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     add_plaintext_argument(p)
@@ -61,7 +74,6 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.connector.control.peers import refuse_plaintext_token
     from kvbridge.connector.control.server import ControlServerConfig, serve
     from kvbridge.connector.control.types import PeerInfo, Role
-    from kvbridge.proto.errors import ConfigError
     from kvbridge.proto.presets import preset_layout
     from kvbridge.proto.types import EngineId
     from kvbridge.worker.block_pool import BlockPool
@@ -75,15 +87,12 @@ def run(args: argparse.Namespace) -> int:
         tp_rank=args.tp_rank,
         tp_size=args.tp_size,
     )
-    token = args.token
-    if args.token_file is not None:
-        token = args.token_file.read_text().strip()
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ConfigError("--tls-cert and --tls-key go together")
+    auth = read_auth(args)
+    token = auth.token
     refuse_plaintext_token(
         args.host,
         token=bool(token),
-        tls=args.tls_cert is not None,
+        tls=auth.tls_cert is not None,
         accepted=args.insecure_plaintext_token,
         flag="--insecure-plaintext-token",
         tls_flags="--tls-cert/--tls-key",
@@ -92,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         token=token,
-        tls_cert=None if args.tls_cert is None else args.tls_cert.read_bytes(),
-        tls_key=None if args.tls_key is None else args.tls_key.read_bytes(),
+        tls_cert=auth.tls_cert,
+        tls_key=auth.tls_key,
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
     )
@@ -109,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with serve(local, owner, config) as server:
             print(
-                f"kvbridge serve: {engine_id} ({args.role}, {args.preset}, "
+                f"kvbridge serve-control: {engine_id} ({args.role}, {args.preset}, "
                 f"{' '.join(layout.order)}) listening on {server.address}"
                 + (" with TLS" if config.tls_cert else "")
                 + (" with token auth" if token else ""),

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.bench.report import machine_info
+from kvbridge.worker.cli_checks import positive_int
 from kvbridge.worker.serving.launch import (
     OffloadDaemonProcess,
     start_node,
@@ -62,9 +63,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=sorted(ORDERS),
         help="decode's layout order (default: same as --order)",
     )
-    p.add_argument("--requests", type=int, default=24, help="number of requests (default 24)")
-    p.add_argument("--prefixes", type=int, default=4, help="distinct shared prefixes (default 4)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument(
+        "--requests", type=positive_int, default=24, help="number of requests (default 24)"
+    )
+    p.add_argument(
+        "--prefixes", type=positive_int, default=4, help="distinct shared prefixes (default 4)"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
+    )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
         "--clips",
@@ -79,8 +86,41 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="add a CPU offload daemon; a second pass meets a fresh decode node, which loads "
         "the repeated prompts from the daemon",
     )
+    p.add_argument(
+        "--offload-capacity",
+        default="256MiB",
+        help="with --offload: the daemon's host pool (default 256MiB; small, e.g. 256KiB, "
+        "to push blocks down to --offload-disk)",
+    )
+    p.add_argument(
+        "--offload-disk",
+        metavar="PATH",
+        help="with --offload: give the daemon a disk tier in this directory",
+    )
+    p.add_argument(
+        "--offload-disk-capacity", default="1GiB", help="with --offload-disk (default 1GiB)"
+    )
+    p.add_argument(
+        "--offload-restart",
+        action="store_true",
+        help="with --offload-disk: SIGKILL the daemon after the first pass and start it again "
+        "on the same port and disk, so the second pass loads what its disk held",
+    )
     p.add_argument("--startup-timeout", type=float, default=90.0)
     p.set_defaults(func=run)
+
+
+def _daemon(args: argparse.Namespace, work: Path, port: int = 0) -> Any:
+    from kvbridge.proto.errors import ConfigError
+
+    if args.offload_restart and args.offload_disk is None:
+        raise ConfigError("--offload-restart needs --offload-disk (the state that survives)")
+    extra = []
+    if args.offload_disk is not None:
+        extra = ["--disk", args.offload_disk, "--disk-capacity", args.offload_disk_capacity]
+    return start_offload_daemon(
+        work, args.startup_timeout, capacity=args.offload_capacity, port=port, extra=extra
+    )
 
 
 def make_workload(
@@ -154,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         work = Path(tmp)
         extra: list[str] = []
         if args.offload:
-            daemon = stack.enter_context(start_offload_daemon(work, args.startup_timeout)).address
+            offload = stack.enter_context(_daemon(args, work))
+            daemon = offload.address
             extra = ["--offload", daemon]
             print(f"offload daemon at {daemon}")
         token = secrets.token_hex(16)  # both nodes require it; the router sends it
@@ -165,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
         stack.callback(prefill.close)
         passes = 2 if args.offload else 1
         for n in range(passes):
+            if n == 1 and args.offload_restart:
+                offload.kill()  # SIGKILL: its host pool is gone, its disk tier is not
+                port = int(daemon.rsplit(":", 1)[1])
+                stack.enter_context(_daemon(args, work, port))
+                print(f"offload daemon SIGKILLed and restarted at {daemon}")
             # with --offload the second pass meets a fresh decode node: its prompts come back
             # from the offload daemon instead of prefill's memory
             with start_node(
@@ -239,7 +285,7 @@ def _run_pass(
     """Route every prompt, print a line per request, return the rows."""
     print(
         f"{'req':>4} {'prompt':>6} {'hit':>4} {'moved':>5} {'cross':>5} {'offl':>4} {'KiB':>7} "
-        f"{'recomp':>6} {'xfer_ms':>8} {'ttft_ms':>8}  match"
+        f"{'recomp':>6} {'xfer_ms':>8} {'prefill_ms':>10}  match"
     )
     rows = []
     for i, prompt in enumerate(prompts):
@@ -262,7 +308,8 @@ def _run_pass(
             "decode_cross_source": d.cross_source if d else "",
             "blocks_recomputed": d.blocks_recomputed if d else 0,
             "transfer_ms": round(d.transfer_ms, 3) if d else 0.0,
-            "ttft_ms": round(ttft, 3),
+            # the router's time to prefill's first token (decode's load is not in it)
+            "prefill_ttft_ms": round(ttft, 3),
             "tokens_match": tokens == expected[i],
             "load_error": error,
         }
@@ -271,7 +318,7 @@ def _run_pass(
             f"{i:>4} {row['prompt_tokens']:>6} {row['blocks_local_hit']:>4} "
             f"{row['blocks_moved']:>5} {_cross_cell(row):>5} {row['blocks_offloaded']:>4} "
             f"{row['bytes_moved'] / 1024:>7.0f} {row['blocks_recomputed']:>6} "
-            f"{row['transfer_ms']:>8.2f} {row['ttft_ms']:>8.2f}  "
+            f"{row['transfer_ms']:>8.2f} {row['prefill_ttft_ms']:>10.2f}  "
             f"{'yes' if row['tokens_match'] else 'NO'}" + (f"  ({error})" if error else ""),
             flush=True,
         )

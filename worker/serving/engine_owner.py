@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.scheduler import LeaseIssuer
+from kvbridge.kernels import block_digests
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
 
@@ -81,3 +82,10 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
             self.unpin(blocks)
             raise
         return lease.lease_id, self._ttl_s
+
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+        """Digested at once: the engine's KV memory lives in this process (the blocks are
+        leased, so nothing writes them but a peer with their NIXL metadata)."""
+        layout = self._engine.layout
+        with self._engine.lock:
+            return {g: block_digests(layout, g, ids, key) for g, ids in blocks.items()}

@@ -95,13 +95,18 @@ class OffloadDaemonProcess:
 
 @contextmanager
 def start_offload_daemon(
-    workdir: Path, timeout_s: float, capacity: str = "256MiB", port: int = 0
+    workdir: Path,
+    timeout_s: float,
+    capacity: str = "256MiB",
+    port: int = 0,
+    extra: Sequence[str] = (),
 ) -> Iterator[OffloadDaemonProcess]:
     """Start ``kvbridge offload serve`` on loopback (``port`` 0: any free one; log in
-    ``workdir/offload.log``); yield it once it listens; always stop it."""
+    ``workdir/offload.log``; ``extra`` flags, e.g. ``--disk``); yield it once it listens;
+    always stop it."""
     cmd = [sys.executable, "-m", "kvbridge.worker.cli", "offload", "serve"]
     with ChildProcess(
-        [*cmd, "--capacity", capacity, "--port", str(port)],
+        [*cmd, "--capacity", capacity, "--port", str(port), *extra],
         name="offload daemon",
         ready=listening_on,
         log=workdir / "offload.log",

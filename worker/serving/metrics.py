@@ -36,6 +36,7 @@ the owner over the control plane."""
 
 # (substring of the load error, reason); the first match wins
 _REASONS: tuple[tuple[str, str], ...] = (
+    ("digest mismatch", "digest_mismatch"),
     ("lease expired", "lease_expired"),
     ("lease gone", "lease_expired"),
     ("lease lapsed", "lease_expired"),
@@ -60,6 +61,7 @@ METRICS = (
     "kvbridge_transfer_descriptors_total",
     "kvbridge_loads_total",
     "kvbridge_leases_held",
+    "kvbridge_digest_mismatches_total",
 )
 """Every family name a node exposes (README's Metrics table lists the same)."""
 
@@ -111,6 +113,12 @@ class NodeMetrics:
             ["path"],
             registry=self.registry,
         )
+        self.digest_mismatches = Counter(
+            "kvbridge_digest_mismatches",
+            "Blocks read from peers whose bytes did not match the digest their owner recorded "
+            "at hand-over (each recomputed, with every later block of its prompt).",
+            registry=self.registry,
+        )
         self.leases_held = Gauge(
             "kvbridge_leases_held",
             "Leases this node holds on its blocks for peers that read them.",
@@ -136,6 +144,7 @@ class NodeMetrics:
         self.blocks.labels("offload").inc(load.blocks_offloaded)
         self.blocks.labels("offload_bad_digest").inc(load.offload_bad_digest)
         self.descriptors.inc(load.descriptors)
+        self.digest_mismatches.inc(load.digest_mismatches)
         if load.path in LOAD_PATHS:
             self.loads.labels(load.path).inc()
         if load.error:

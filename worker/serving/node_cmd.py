@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import threading
 from contextlib import ExitStack
@@ -13,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
@@ -32,9 +34,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and KV layout flags, shared by ``serve`` and ``demo``."""
     p.add_argument(
         "--model",
+        "--preset",
+        dest="model",
         default="tiny",
-        help="reference engine preset: tiny, small, share-tiny (8 layers, last 4 share KV) "
-        "or encdec-tiny",
+        help="reference engine model: tiny, small, share-tiny (8 layers, last 4 share KV) "
+        "or encdec-tiny (default tiny)",
     )
     p.add_argument(
         "--order",
@@ -42,9 +46,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=sorted(ORDERS),
         help="physical KV layout order (default block-nhd: block-outermost)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker (default 512)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed; must match on every node")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)"
+    )
+    p.add_argument(
+        "--num-blocks", type=positive_int, default=512, help="KV blocks per worker (default 512)"
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="weight seed; must match on every node"
+    )
     p.add_argument(
         "--share-last",
         type=int,
@@ -78,6 +88,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, order: str | None = None) -> object:
+    from kvbridge.proto.errors import ConfigError
     from kvbridge.worker.engine import EngineConfig
 
     overrides: dict[str, object] = {}
@@ -89,14 +100,29 @@ def engine_config_from_args(args: argparse.Namespace, order: str | None = None) 
         overrides["prefill_skip"] = True
     if getattr(args, "encoder_decoder", False):
         overrides["encoder_decoder"] = True
-    return EngineConfig.preset(
-        args.model,
-        order=order or args.order,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        seed=args.seed,
-        **overrides,
-    )
+    try:
+        return EngineConfig.preset(
+            args.model,
+            order=order or args.order,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            seed=args.seed,
+            **overrides,
+        )
+    except ConfigError as exc:  # name the flags the user typed, not EngineConfig's fields
+        raise ConfigError(_flag_names(str(exc))) from None
+
+
+_FLAGS = ("block_size", "num_blocks", "seed", "share_last", "share_every", "order")
+
+
+def _flag_names(message: str) -> str:
+    """``EngineConfig.share_last=3 ...`` as ``--share-last 3 ...`` for the fields with flags."""
+    for name in _FLAGS:
+        flag = "--" + name.replace("_", "-")
+        message = re.sub(rf"\b(?:EngineConfig\.)?{name}=", f"{flag} ", message)
+        message = re.sub(rf"\bEngineConfig\.{name}\b", flag, message)
+    return message.replace("EngineConfig: ", "").replace("EngineConfig.", "")
 
 
 def engine_model_flags(args: argparse.Namespace) -> list[str]:
@@ -140,8 +166,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="Inference port (default: any free)")
-    p.add_argument("--control-port", type=int, default=0, help="PeerControl port (default: any)")
+    p.add_argument("--port", type=port, default=0, help="Inference port (default: any free)")
+    p.add_argument("--control-port", type=port, default=0, help="PeerControl port (default: any)")
     p.add_argument(
         "--advertise",
         default="",
@@ -166,6 +192,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
+        "--no-verify-loads",
+        dest="verify_loads",
+        action="store_false",
+        help="do not digest handed-over blocks (prefill) nor check loaded blocks against their "
+        "digests (decode); default: verify (a peer that WRITEs this node's NIXL memory could "
+        "otherwise change decoded tokens)",
+    )
+    p.add_argument(
         "--offload",
         default="",
         metavar="HOST:PORT",
@@ -177,10 +211,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="trust the offload daemon's memory: skip the digest check of every block loaded "
         "from it (faster loads; a late or hostile WRITE into the daemon then goes unnoticed)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     p.add_argument(
         "--metrics-port",
-        type=int,
+        type=port,
         default=None,
         help="serve Prometheus transfer metrics on this port at /metrics (0: any free port; "
         "default: off)",
@@ -195,7 +229,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+_FIELD_FLAGS = {
+    "OffloadLookupConfig.address": "--offload",
+    "OffloadClientConfig.address": "--offload",
+    "allowed_peers": "--allow-peer",
+    "max_lease_ttl_s": "--max-lease-ttl",
+    "lease_ttl_s": "--lease-ttl",
+    "load_timeout_s": "--load-timeout",
+    "stall_before_read_s": "--stall-before-read",
+}
+"""Config fields named in errors -> the flag that sets them (longest names first)."""
+
+
 def run(args: argparse.Namespace) -> int:
+    from kvbridge.proto.errors import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as exc:  # name the flag the user typed, not the config field
+        message = str(exc)
+        for name, flag in _FIELD_FLAGS.items():
+            message = re.sub(rf"(?<![\w-]){re.escape(name)}\b", flag, message)
+        if message == str(exc):
+            raise
+        raise ConfigError(message) from None
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from kvbridge.connector.config import ConnectorConfig
@@ -211,6 +271,13 @@ def run(args: argparse.Namespace) -> int:
             f"--host {args.host or '(empty)'} listens on every interface, but peers cannot dial "
             "that address: pass --advertise HOST:PORT (this node's reachable address and its "
             "--control-port) so decode nodes can reach its control server"
+        )
+    if args.advertise and not re.fullmatch(r".+:\d{1,5}", args.advertise):
+        from kvbridge.proto.errors import ConfigError
+
+        raise ConfigError(
+            f"--advertise {args.advertise!r} must be HOST:PORT (this node's reachable address "
+            "and its --control-port)"
         )
     security = read_auth(args)
     warn_if_open(log, args.host, security, "generate, pin blocks and read KV")
@@ -230,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             on_load_error=args.on_load_error,
             offload_address=args.offload,
             offload_verify=not args.no_offload_verify,
+            verify_loads=args.verify_loads,
         ),
         host=args.host,
         device=args.device,

@@ -9,10 +9,20 @@ that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
 """
 
 from kvbridge.worker.vllm.engine import Engine, kv_config, running, tokens
-from kvbridge.worker.vllm.venv import PYTHON, VenvError, ensure_venv, write_model, write_tiny_model
+from kvbridge.worker.vllm.venv import (
+    PYTHON,
+    RECIPE,
+    ROOT,
+    VenvError,
+    ensure_venv,
+    write_model,
+    write_tiny_model,
+)
 
 __all__ = [
     "PYTHON",
+    "RECIPE",
+    "ROOT",
     "Engine",
     "VenvError",
     "ensure_venv",

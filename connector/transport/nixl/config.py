@@ -42,8 +42,8 @@ def load_nixl() -> Any:
         except ImportError:
             continue
     raise ConfigError(
-        "NIXL is not installed: pip install 'nixl-cu12==1.5.1' (CUDA 12) or "
-        "'nixl-cu13==1.5.1' (CUDA 13), after torch"
+        "NIXL is not installed: pip install 'kvbridge[cu12]' (CUDA 12 or CPU only) or "
+        "'kvbridge[cu13]' (CUDA 13)"
     )
 
 

@@ -1,6 +1,6 @@
 """The reading engine's links to remote engines: one control client and transport links each.
 
-:class:`LinkCache` belongs to :class:`~kvbridge.connector.remote_load.RemoteLoader`
+:class:`LinkCache` belongs to :class:`~kvbridge.connector.load.RemoteLoader`
 and is used from its load threads. A link is made once per engine (handshake
 over gRPC, then ``Transport.connect`` to the peer's KV memory and, if it
 publishes one, to its lease seal table) and reused while the engine answers at

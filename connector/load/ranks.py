@@ -1,6 +1,6 @@
 """Loading one request from several remote TP ranks at once (heterogeneous TP, fail closed).
 
-Called by :class:`~kvbridge.connector.remote_load.RemoteLoader` in decode's
+Called by :class:`~kvbridge.connector.load.RemoteLoader` in decode's
 worker half when the prefill has ``k`` times this engine's TP size: rank ``r``
 holds the heads of prefill ranks ``r * k .. r * k + k - 1``, so it READs each of
 those ranks' pages into slice ``j`` of its own pages (``HEAD_SLICE`` links, one
@@ -22,12 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
+from kvbridge.connector.load.reads import ReadFigures
+from kvbridge.connector.load.result import load_result
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
-    from kvbridge.connector.links import LinkCache, Peer
-    from kvbridge.connector.remote_load import ReadFigures
+    from kvbridge.connector.load.links import LinkCache, Peer
     from kvbridge.proto.types import BlockId
 
 __all__ = ["load_from_ranks"]
@@ -48,12 +49,9 @@ def load_from_ranks(
 ) -> LoadResult:
     """READ ``load``'s blocks from each of ``ranks`` of its engine and prove every rank's
     seal; never raises (fail closed: every block bad)."""
-    from kvbridge.connector.remote_load import ReadFigures
-
     groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
-    requested = sum(len(ids) for ids in local.values())
     t0 = time.perf_counter()
     peers: list[Peer] = []
     try:
@@ -74,40 +72,23 @@ def load_from_ranks(
                 seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
         if not all(held):
             bad = [r for r, ok in zip(ranks, held, strict=True) if not ok]
-            return _failed(load, requested, t0, f"the lease seal of TP rank(s) {bad} does not hold")
+            return _failed(load, t0, f"the lease seal of TP rank(s) {bad} does not hold")
     except Exception as exc:
         if not isinstance(exc, KVBridgeError):
             log.exception("request %s: unexpected load failure", load.request_id)
         elif not isinstance(exc, LeaseError):
             for peer in peers:  # a link may be down: handshake again next time
                 forget(load.remote_engine, peer)
-        return _failed(load, requested, t0, str(exc) or repr(exc))
+        return _failed(load, t0, str(exc) or repr(exc))
     moved = {g: len(ids) for g, ids in local.items()}
-    return LoadResult(
-        load.request_id,
-        requested,
-        requested,
-        (),
-        (time.perf_counter() - t0) * 1e3,
-        "",
-        moved,
-        path="sealed",
-        **ReadFigures.total(reads),
-    )
+    return load_result(load, t0, moved=moved, path="sealed", reads=reads)
 
 
-def _failed(load: BlockLoad, requested: int, t0: float, error: str) -> LoadResult:
+def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
     log.warning(
         "request %s: load from %s's TP ranks failed: %s; recomputing",
         load.request_id,
         load.remote_engine,
         error,
     )
-    return LoadResult(
-        load.request_id,
-        requested,
-        0,
-        tuple(load.local_ids.get("self", ())),
-        (time.perf_counter() - t0) * 1e3,
-        error,
-    )
+    return load_result(load, t0, bad=load.local_ids.get("self", ()), error=error)

@@ -1,15 +1,17 @@
-"""Reading a remote engine's blocks: the load path of the worker half, fail closed.
+"""Reading a remote engine's blocks: decode's load, fail closed, top to bottom.
 
 One :class:`RemoteLoader` per engine process (owned by ``KVBridgeWorker``, called
 from its load threads) keeps a control client and transport links per remote
-engine. A load takes the **fast path** (READ the claimed ids, then the lease's
-seal: no control RPC, the lease goes back by notification) or, without a good
-seal, the **slow path** (the owner names the blocks for decode's own names; the
-release answer confirms the lease never lapsed). The protocol and its proof:
-:mod:`kvbridge.connector.control.seal` and docs/DESIGN-NOTES.md ("Trust").
+engine (:mod:`~kvbridge.connector.load.links`). :meth:`RemoteLoader.load` is
+the whole load: link, then the **sealed path** (READ the claimed ids, then the
+lease's seal: no control RPC, the lease goes back by notification) or, without a
+good seal, the **owner path** (the owner names the blocks for decode's own
+names; the release answer confirms the lease never lapsed). The protocol and its
+proof: :mod:`kvbridge.connector.control.seal` and docs/DESIGN-NOTES.md ("Trust").
 READs land in the KV cache or, for a peer with another inner order
-(``REARRANGE``), in a staging cache converted by :func:`kvbridge.kernels.convert_blocks`.
-``self`` blocks not read whole are reported bad; cross blocks are all or nothing.
+(``REARRANGE``), in a staging cache converted by :func:`kvbridge.kernels.convert_blocks`
+(:mod:`~kvbridge.connector.load.reads`). ``self`` blocks not read whole are
+reported bad; cross blocks are all or nothing.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import SealReader
-from kvbridge.connector.links import ClientFactory, LinkCache, Peer
-from kvbridge.connector.rank_load import load_from_ranks
-from kvbridge.kernels import BlockMapping, convert_blocks
+from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
+from kvbridge.connector.load.ranks import load_from_ranks
+from kvbridge.connector.load.reads import ReadFigures, read_blocks
+from kvbridge.connector.load.result import load_result, verdict
+from kvbridge.connector.load.verify import Checked, Expected
 from kvbridge.proto.errors import (
     ControlPlaneError,
     KVBridgeError,
@@ -40,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.transport.base import LocalMemory, TransferHandle, Transport
+    from kvbridge.connector.transport.base import LocalMemory, Transport
     from kvbridge.proto.layout import KVLayout
 
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
@@ -51,35 +56,29 @@ RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
 
 
-class ReadFigures(NamedTuple):
-    """What one finished READ moved, for :class:`LoadResult`."""
+@dataclass(slots=True)
+class _Attempt:
+    """One load under way: what it reads, and what it holds that a failure must give back."""
 
-    nbytes: int
-    descriptors: int
-    wire_descriptors: int
-    backend_s: float | None
+    load: BlockLoad
+    t0: float = field(default_factory=time.perf_counter)
+    local: dict[str, list[BlockId]] = field(init=False)
+    remote: dict[str, list[BlockId]] = field(init=False)
+    peer: Peer | None = None
+    cached: bool = False
+    """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
+    lease: LeaseId | None = None
+    """The lease the owner named for this load: the only lease this load may release (the
+    lease id in the params is a claim, maybe another request's)."""
+    expected: Expected | None = field(init=False)
+    """The digests the blocks must match (None: the load is not verified)."""
 
-    @classmethod
-    def of(cls, handle: TransferHandle) -> ReadFigures:
-        wire = handle.wire_descriptors
-        return cls(
-            handle.nbytes,
-            handle.num_descriptors,
-            handle.num_descriptors if wire is None else wire,
-            handle.backend_seconds,
-        )
-
-    @staticmethod
-    def total(reads: Sequence[ReadFigures]) -> dict[str, Any]:
-        """``LoadResult`` keyword arguments for ``reads`` together."""
-        times = [r.backend_s for r in reads]
-        known = bool(times) and None not in times
-        return {
-            "bytes_moved": sum(r.nbytes for r in reads),
-            "descriptors": sum(r.descriptors for r in reads),
-            "wire_descriptors": sum(r.wire_descriptors for r in reads),
-            "read_ms": sum(t for t in times if t is not None) * 1e3 if known else None,
-        }
+    def __post_init__(self) -> None:
+        load = self.load
+        self.expected = Expected.of(load)
+        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+        self.local = {g: list(load.local_ids[g]) for g in groups}
+        self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
 
 class RemoteLoader:
@@ -148,162 +147,172 @@ class RemoteLoader:
                 ranks,
                 self._links,
                 self._seal_reader,
-                self._read,
+                self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
             )
-        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
-        local = {g: list(load.local_ids[g]) for g in groups}
-        remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
-        local_self = local.get("self", [])
-        t0 = time.perf_counter()
-        # the lease id in the params is a claim (maybe another request's); ``lease`` is set
-        # once the owner named it for this load: the only lease this load may release
-        claimed: LeaseId | None = LeaseId(load.lease_id) if load.lease_id else None
-        lease: LeaseId | None = None
-        peer: Peer | None = None
-        cached = False
+        job = _Attempt(load)
         try:
-            peer, cached = self._links.get(load, ranks[0])
+            job.peer, job.cached = self._links.get(load, ranks[0])
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
-            sealed = self._load_sealed(peer, load, local, remote, t0)
-            if sealed is not None:
-                return sealed
-            lease, remote = self._owner_blocks(peer, load, claimed, local)
-            moved: dict[str, int] = {}
-            reads: list[ReadFigures] = []
-            n = len(remote.get("self", ()))
-            if n:
-                reads.append(self._read(peer, "self", local_self[:n], remote["self"][:n]))
-            moved["self"] = n
-            bad, error = (
-                local_self[n:],
-                "" if n == len(local_self) else "lease gone (expired or released): partial prefix",
-            )
-            if "cross" in groups:
-                if len(remote["cross"]) == len(local["cross"]):
-                    reads.append(self._read(peer, "cross", local["cross"], remote["cross"]))
-                    moved["cross"] = len(local["cross"])
-                else:  # all or nothing: the engine recomputes the whole request
-                    bad, error = local_self, "cross blocks no longer held by the peer"
-            if not self._release(peer, lease):
-                # the lease lapsed at some moment before the owner confirmed the read: the
-                # blocks may have been reused under it. Recompute; never cache them.
-                moved = {}
-                bad, error = local_self + local.get("cross", []), "lease lapsed during the read"
-                log.warning("request %s: %s; recomputing", load.request_id, error)
-            ms = (time.perf_counter() - t0) * 1e3
-            return LoadResult(
-                load.request_id,
-                sum(len(ids) for ids in local.values()),
-                sum(moved.values()),
-                tuple(bad),
-                ms,
-                error,
-                moved,
-                path="owner",
-                **ReadFigures.total(reads),
-            )
+            sealed = self._load_sealed(job)
+            return sealed if sealed is not None else self._load_from_owner(job)
         except Exception as exc:
-            if isinstance(exc, KVBridgeError):
-                log.warning(
-                    "request %s: load from %s failed: %s", load.request_id, load.remote_engine, exc
-                )
-            else:  # a bug must still fail closed and give the pin back, not hang the request
-                log.exception("request %s: unexpected load failure", load.request_id)
-            if (
-                peer is not None
-                and cached
-                and retry_stale
-                and not _timed_out(exc)  # a hung peer, not a restarted one
-                and self._links.restarted(load, peer)
-            ):
-                # the link was to an earlier process of this engine: once more on the new one
-                return self.load(load, retry_stale=False)
-            if peer is not None:
-                self._forget(load.remote_engine, peer, lease)
-            ms = (time.perf_counter() - t0) * 1e3
-            return LoadResult(
-                load.request_id,
-                sum(len(ids) for ids in local.values()),
-                0,
-                tuple(local_self),
-                ms,
-                str(exc) or repr(exc),
-            )
+            return self._failed(job, exc, retry_stale)
 
-    def _read(
-        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> ReadFigures:
-        """READ ``remote`` into ``local`` (through the staging cache if the orders differ)."""
-        staging = peer.staging
-        if staging is None:
-            return self._read_into(peer, group, local, remote)
-        assert self.memory is not None
-        slots = staging.take(group, len(remote))  # OutOfBlocksError: the request recomputes
-        try:
-            read = self._read_into(peer, group, slots, remote)
-            convert_blocks(
-                staging.caches,
-                staging.memory.layout,
-                self.kv_caches,
-                self.memory.layout,
-                BlockMapping(slots, local),
-                group=group,
-            )
-        finally:
-            staging.give_back(group, slots)
-        return read
-
-    def _read_into(
-        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
-    ) -> ReadFigures:
-        handle = self.transport.read_blocks(
-            peer.link, group, local, remote, timeout_s=self.config.load_timeout_s
-        )
-        try:
-            handle.wait(self.config.load_timeout_s)
-            return ReadFigures.of(handle)
-        finally:
-            handle.release()
-
-    def _load_sealed(
-        self,
-        peer: Peer,
-        load: BlockLoad,
-        local: Mapping[str, list[BlockId]],
-        remote: Mapping[str, list[BlockId]],
-        t0: float,
-    ) -> LoadResult | None:
+    def _load_sealed(self, job: _Attempt) -> LoadResult | None:
         """The load without a control RPC: READ the claimed ids, then the lease's seal; a
         seal that holds proves them (see :mod:`kvbridge.connector.control.seal`) and the
         lease goes back by notification. None: no seal to check, or it did not hold (the
         caller then asks the owner, and reads again what the owner names)."""
+        load, peer = job.load, job.peer
+        assert peer is not None
         reader, link = self._seal_reader, peer.seal_link
-        if not load.lease_id or not load.seal or reader is None or link is None:
+        if not load.lease_id or not load.seal or link is None:
             return None
-        if any(len(remote[g]) != len(local[g]) for g in local):
+        if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
             return None
-        reads = [self._read(peer, g, local[g], remote[g]) for g in local]
-        if not reader.holds(link, load.lease_id, load.seal, self.config.load_timeout_s):
+        # blocks READ straight into the cache are checked while the seal READ is in flight
+        # (staged blocks are checked before conversion, inside the read)
+        direct = peer.staging is None
+        done = {g: self._read(job, g, job.local[g], job.remote[g], not direct) for g in job.local}
+        failed: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                for g, (read, _) in done.items():
+                    done[g] = (read, self._check(job, g, job.local[g]))
+            except BaseException as exc:  # re-raised below, after the seal READ finished
+                failed.append(exc)
+
+        holds = reader.holds(
+            link,
+            load.lease_id,
+            load.seal,
+            self.config.load_timeout_s,
+            check if direct and job.expected is not None else None,
+        )
+        if failed:
+            raise failed[0]
+        if not holds:
             log.info(
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
             )
             return None
         reader.release(link, load.lease_id, *self._reader(load))
-        moved = {g: len(ids) for g, ids in local.items()}
-        return LoadResult(
-            load.request_id,
-            sum(moved.values()),
-            sum(moved.values()),
-            (),
-            (time.perf_counter() - t0) * 1e3,
-            "",
-            moved,
-            path="sealed",
-            **ReadFigures.total(reads),
+        return self._verdict(job, done, "sealed")
+
+    def _load_from_owner(self, job: _Attempt) -> LoadResult:
+        """The owner names the blocks (for decode's own names), they are READ, and the
+        release answer confirms the lease held through the READ."""
+        load, peer = job.load, job.peer
+        assert peer is not None
+        claimed = LeaseId(load.lease_id) if load.lease_id else None
+        job.lease, remote = self._owner_blocks(peer, load, claimed, job.local)
+        local_self = job.local.get("self", [])
+        done: dict[str, tuple[ReadFigures, Checked]] = {}
+        n = len(remote.get("self", ()))
+        if n:
+            done["self"] = self._read(job, "self", local_self[:n], remote["self"][:n])
+        cross_gone = "cross" in job.local and len(remote["cross"]) != len(job.local["cross"])
+        if "cross" in job.local and not cross_gone:
+            done["cross"] = self._read(job, "cross", job.local["cross"], remote["cross"])
+        if not self._release(peer, job.lease):
+            # the lease lapsed at some moment before the owner confirmed the read: the
+            # blocks may have been reused under it. Recompute; never cache them.
+            error = "lease lapsed during the read"
+            log.warning("request %s: %s; recomputing", load.request_id, error)
+            bad = local_self + job.local.get("cross", [])
+            reads = [r for r, _ in done.values()]
+            return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
+        if cross_gone:  # all or nothing: the engine recomputes the whole request
+            return self._verdict(job, done, "owner", "cross blocks no longer held by the peer")
+        if n < len(local_self):
+            return self._verdict(
+                job, done, "owner", "lease gone (expired or released): partial prefix"
+            )
+        return self._verdict(job, done, "owner")
+
+    def _verdict(
+        self,
+        job: _Attempt,
+        done: Mapping[str, tuple[ReadFigures, Checked]],
+        path: str,
+        error: str = "",
+    ) -> LoadResult:
+        """The result of a load whose READs ``done`` landed and were checked."""
+        peer = job.peer
+        return verdict(
+            job.load,
+            job.t0,
+            job.local,
+            done,
+            path,
+            error,
+            address=peer.address if peer else job.load.remote_address,
+            verified=job.expected is not None,
         )
+
+    def _failed(self, job: _Attempt, exc: Exception, retry_stale: bool) -> LoadResult:
+        """A load that raised: retried once if its cached link was to a process since
+        restarted; else the link is dropped, the lease given back, every block recomputed."""
+        load, peer = job.load, job.peer
+        if isinstance(exc, KVBridgeError):
+            log.warning(
+                "request %s: load from %s failed: %s", load.request_id, load.remote_engine, exc
+            )
+        else:  # a bug must still fail closed and give the pin back, not hang the request
+            log.exception("request %s: unexpected load failure", load.request_id)
+        if (
+            peer is not None
+            and job.cached
+            and retry_stale
+            and not _timed_out(exc)  # a hung peer, not a restarted one
+            and self._links.restarted(load, peer)
+        ):
+            # the link was to an earlier process of this engine: once more on the new one
+            return self.load(load, retry_stale=False)
+        if peer is not None:
+            self._forget(load.remote_engine, peer, job.lease)
+        return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
+
+    def _read(
+        self,
+        job: _Attempt,
+        group: str,
+        local: list[BlockId],
+        remote: list[BlockId],
+        check: bool = True,
+    ) -> tuple[ReadFigures, Checked]:
+        """READ ``remote`` into ``local`` (through the staging cache if the orders differ),
+        checked against the load's digests before the engine may use the blocks (unless
+        ``check`` is False: the caller then checks them with :meth:`_check`)."""
+        assert job.peer is not None
+        return read_blocks(
+            self.transport,
+            job.peer,
+            group,
+            local,
+            remote,
+            self.config.load_timeout_s,
+            self.memory,
+            self.kv_caches,
+            job.expected if check else None,
+        )
+
+    def _check(self, job: _Attempt, group: str, local: list[BlockId]) -> Checked:
+        """Check blocks READ straight into the KV cache against the load's digests."""
+        if job.expected is None:
+            return Checked(len(local), 0)
+        return job.expected.check(self.memory.layout, group, local)
+
+    def _read_unchecked(
+        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
+    ) -> ReadFigures:
+        """A READ across TP ranks (head slices): not checked yet (no per-slice digests)."""
+        job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
+        return self._read(job, group, local, remote)[0]
 
     def _owner_blocks(
         self,

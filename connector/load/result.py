@@ -1,0 +1,98 @@
+"""The one place a :class:`~kvbridge.connector.base.LoadResult` is built."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from kvbridge.connector.base import BlockLoad, LoadResult
+from kvbridge.connector.load.reads import ReadFigures
+from kvbridge.connector.load.verify import Checked
+from kvbridge.proto.types import BlockId
+
+__all__ = ["load_result", "verdict"]
+
+log = logging.getLogger(__name__)
+
+
+def load_result(
+    load: BlockLoad,
+    t0: float,
+    *,
+    moved: Mapping[str, int] | None = None,
+    bad: Sequence[BlockId] = (),
+    error: str = "",
+    path: str = "",
+    reads: Sequence[ReadFigures] = (),
+    requested: int | None = None,
+    offloaded: int = 0,
+    elapsed_ms: float | None = None,
+    mismatches: int = 0,
+    verified: bool = False,
+    offload_bad_digest: int = 0,
+) -> LoadResult:
+    """What ``load`` did, started at ``t0`` (``time.perf_counter()``): ``moved`` blocks per
+    group, ``bad`` local ids the engine recomputes. ``requested`` defaults to every local
+    block of the load; ``elapsed_ms`` to the time since ``t0``."""
+    moved = dict(moved or {})
+    if requested is None:
+        requested = sum(len(ids) for ids in load.local_ids.values())
+    if elapsed_ms is None:
+        elapsed_ms = (time.perf_counter() - t0) * 1e3
+    return LoadResult(
+        request_id=load.request_id,
+        blocks_requested=requested,
+        blocks_moved=sum(moved.values()),
+        bad_block_ids=tuple(bad),
+        transfer_ms=elapsed_ms,
+        error=error,
+        moved_by_group=moved,
+        path=path,
+        blocks_offloaded=offloaded,
+        digest_mismatches=mismatches,
+        verified=verified,
+        offload_bad_digest=offload_bad_digest,
+        **ReadFigures.total(reads),
+    )
+
+
+def verdict(
+    load: BlockLoad,
+    t0: float,
+    local: Mapping[str, Sequence[BlockId]],
+    done: Mapping[str, tuple[ReadFigures, Checked]],
+    path: str,
+    error: str = "",
+    *,
+    address: str,
+    verified: bool,
+) -> LoadResult:
+    """The result of a load whose READs ``done`` landed (and were checked): ``self`` blocks
+    are good up to the first one not read or not matching its digest; a cross group not
+    read whole and good makes every block bad (``error`` says why, if the caller knows).
+    A digest mismatch is logged with the peer (engine and ``address``)."""
+    local_self = list(local.get("self", ()))
+    good = {g: checked.good for g, (_, checked) in done.items()}
+    mismatches = sum(checked.mismatches for _, checked in done.values())
+    if mismatches:
+        error = (
+            f"digest mismatch: {mismatches} block(s) read from {load.remote_engine} at "
+            f"{address} differ from the digests recorded at hand-over"
+        )
+        log.warning("request %s: %s; recomputing them", load.request_id, error)
+    moved = {g: n for g, n in good.items() if g == "self" or n == len(local[g])}
+    bad = local_self[good.get("self", 0) :]
+    if "cross" in local and moved.get("cross") != len(local["cross"]):
+        bad, error = local_self, error or "cross blocks not read whole"
+    return load_result(
+        load,
+        t0,
+        moved=moved,
+        bad=bad,
+        error=error,
+        path=path,
+        reads=[r for r, _ in done.values()],
+        mismatches=mismatches,
+        verified=verified,
+    )

@@ -1,0 +1,248 @@
+"""A token holder that WRITEs a prefill's NIXL memory cannot make decode use wrong KV.
+
+The handshake hands any token holder the prefill's NIXL agent metadata, and with it
+one-sided WRITE access to the prefill's registered memory: the KV cache and the
+lease seal table. These tests do exactly that from a separate process (a real NIXL
+agent) against real prefill and decode nodes, then check decode's tokens against a
+single-process engine: every load verifies the bytes it read against the digests
+prefill recorded at hand-over, and a block that does not match is recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvbridge.connector.control import ControlClient, PeerInfo, Role
+from kvbridge.connector.control.peers import nixl_agent_name
+from kvbridge.connector.control.seal import expected_seal, probe_slots, seal_digest
+from kvbridge.connector.scheduler import tail_name
+from kvbridge.proto import EngineId, codec
+from kvbridge.worker.engine import Engine, EngineConfig
+from kvbridge.worker.serving import make_encoder_inputs, make_workload
+from kvbridge.worker.serving.node_cmd import engine_config_from_args
+from tests.harness.nodes import NodePair, node_args, reference
+from tests.harness.peer import PeerProc, start_peers
+
+pytestmark = pytest.mark.slow
+
+BS = 16
+MAX_TOKENS = 6
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 512) for _ in range(n)]
+
+
+@pytest.fixture
+def attacker() -> Iterator[PeerProc]:
+    env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
+    (peer,) = start_peers("mallory", env=env)
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+def _handshake(control: str, config: Any = None) -> Any:
+    """What any token holder learns from a handshake: the prefill's agent metadata and
+    the layouts of its KV cache and seal table (``config``: the model it claims to run)."""
+    config = config or EngineConfig.preset("tiny", num_blocks=256)
+    me = PeerInfo(engine_id=EngineId("mallory"), role=Role.DECODE, layout=config.layout())
+    with ControlClient(control) as client:
+        return client.handshake(me).peer
+
+
+def _forge(
+    attacker: PeerProc, control: str, block: int, group: str = "self", config: Any = None
+) -> None:
+    """Handshake with the prefill at ``control`` and WRITE junk into its KV ``block``."""
+    peer = _handshake(control, config)
+    attacker.call(
+        "forge",
+        peer=nixl_agent_name(peer.engine_id, 0, 1),
+        metadata=peer.agent_metadata,
+        layout=peer.layout.to_bytes(),
+        block_id=block,
+        payload=b"\x7f\x00junk",
+        group=group,
+    )
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    )
+
+
+def test_junk_written_into_a_cached_kv_block_is_recomputed_not_decoded(
+    tmp_path: Path, attacker: PeerProc
+) -> None:
+    prompt = _prompt(41, 5 * BS + 7)
+    (expected,) = reference([prompt], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
+    try:
+        first = pair.prefill.generate(prompt, 1, "w", {"do_remote_decode": True})
+        params: dict[str, Any] = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        victim = params["block_ids"]["self"][2]  # the third block of the prompt, in place
+        _forge(attacker, pair.info["prefill"]["control"], victim)
+        rest = pair.decode.generate(prompt + list(first.token_ids), MAX_TOKENS - 1, "w", params)
+        assert list(first.token_ids) + list(rest.token_ids) == expected
+        # blocks 0-1 were verified and kept; the junk block and every later one recomputed
+        assert rest.stats.blocks_moved == 2 and rest.stats.blocks_recomputed >= 4
+        assert "digest" in rest.stats.load_error
+        url = pair.info["decode"]["metrics"]
+        assert _metric(url, "kvbridge_digest_mismatches_total") == 1.0
+        # nothing unverified was cached: an honest request for the same prompt is right
+        again = pair.decode.generate(prompt, MAX_TOKENS, "w-again", None)
+        assert list(again.token_ids) == expected
+    finally:
+        pair.close()
+
+
+def test_a_forged_seal_over_swapped_ids_does_not_make_decode_read_them(
+    tmp_path: Path, attacker: PeerProc
+) -> None:
+    a, b = _prompt(50, 4 * BS + 3), _prompt(51, 4 * BS + 3)
+    expected_a, _ = reference([a, b], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
+    try:
+        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
+        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
+        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+        swapped = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")["block_ids"]
+        params["block_ids"] = swapped  # a's lease and names, b's blocks
+        # the seal decode will expect for those ids under a's names, written into a free
+        # probe slot of a's lease: the seal check alone now passes
+        full = list(params["block_hashes"]["self"])
+        names = {"self": [*full, tail_name(full, a[len(full) * BS :])]}
+        forged = expected_seal(params["lease_id"], seal_digest(swapped, names))
+        peer = _handshake(pair.info["prefill"]["control"])
+        assert peer.seal_layout is not None
+        slots = peer.seal_layout.groups[0].num_blocks
+        attacker.call(
+            "forge",
+            peer=nixl_agent_name(peer.engine_id, 0, 1),
+            metadata=peer.agent_metadata,
+            layout=peer.seal_layout.to_bytes(),
+            block_id=int(probe_slots(params["lease_id"], slots)[3]),
+            payload=forged,
+        )
+        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
+        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+        assert rest.stats.blocks_recomputed > 0 and "digest" in rest.stats.load_error
+        assert _metric(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total") >= 1
+    finally:
+        pair.close()
+
+
+def test_a_rearranged_load_checks_the_staging_copy_before_converting_it(
+    tmp_path: Path, attacker: PeerProc
+) -> None:
+    honest, attacked = _prompt(60, 4 * BS + 9), _prompt(61, 4 * BS + 9)
+    expected = reference([honest, attacked], MAX_TOKENS)
+    pair = NodePair(
+        tmp_path,
+        node_args(),
+        prefill_order="block-nhd",
+        decode_order="layer-hnd",  # another inner order: READ into staging, then convert
+        decode_extra=["--metrics-port", "0"],
+    )
+    try:
+        res = pair.router.generate(honest, MAX_TOKENS, "h")
+        assert res.tokens == expected[0] and res.decode.blocks_moved == 5
+        first = pair.prefill.generate(attacked, 1, "x", {"do_remote_decode": True})
+        params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        _forge(attacker, pair.info["prefill"]["control"], params["block_ids"]["self"][0])
+        rest = pair.decode.generate(attacked + list(first.token_ids), MAX_TOKENS - 1, "x", params)
+        assert list(first.token_ids) + list(rest.token_ids) == expected[1]
+        assert rest.stats.blocks_moved == 0 and "digest" in rest.stats.load_error
+        assert _metric(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total") == 1
+    finally:
+        pair.close()
+
+
+def test_junk_in_a_cross_block_recomputes_the_whole_request(
+    tmp_path: Path, attacker: PeerProc
+) -> None:
+    args = node_args(num_blocks=128, encoder_decoder=True)
+    (prompt,) = make_workload(1, 3, 512, 16, seed=7)
+    (enc,) = make_encoder_inputs(1, 1, 512, seed=7)
+    config = engine_config_from_args(args)
+    engine = Engine(config)  # type: ignore[arg-type]
+    (expected,) = engine.generate([prompt], MAX_TOKENS, [enc])
+    pair = NodePair(tmp_path, args, decode_extra=["--metrics-port", "0"])
+    try:
+        first = pair.prefill.generate(prompt, 1, "c", {"do_remote_decode": True}, enc or b"")
+        params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        assert params["block_ids"]["cross"]
+        victim = params["block_ids"]["cross"][0]
+        _forge(attacker, pair.info["prefill"]["control"], victim, "cross", config)
+        rest = pair.decode.generate(
+            prompt + list(first.token_ids), MAX_TOKENS - 1, "c", params, enc or b""
+        )
+        assert list(first.token_ids) + list(rest.token_ids) == expected
+        assert "digest" in rest.stats.load_error and rest.stats.cross_source == "computed"
+        assert rest.stats.blocks_recomputed >= len(params["block_ids"]["self"]) - 1
+        assert _metric(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total") == 1
+    finally:
+        pair.close()
+
+
+def test_with_verification_off_the_junk_is_decoded(tmp_path: Path, attacker: PeerProc) -> None:
+    """What the switch gives up (and what every load did before digests)."""
+    prompt = _prompt(70, 3 * BS + 5)
+    (expected,) = reference([prompt], MAX_TOKENS)
+    off = ["--no-verify-loads"]
+    pair = NodePair(tmp_path, node_args(), prefill_extra=off, decode_extra=off)
+    try:
+        first = pair.prefill.generate(prompt, 1, "o", {"do_remote_decode": True})
+        params = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+        assert "digest_key" not in params and "digests" not in params
+        _forge(attacker, pair.info["prefill"]["control"], params["block_ids"]["self"][0])
+        rest = pair.decode.generate(prompt + list(first.token_ids), MAX_TOKENS - 1, "o", params)
+        assert list(first.token_ids) + list(rest.token_ids) != expected
+        assert rest.stats.blocks_moved == 4 and not rest.stats.load_error
+    finally:
+        pair.close()
+
+
+def test_the_owner_path_checks_the_blocks_it_reads_too(tmp_path: Path, attacker: PeerProc) -> None:
+    a, b = _prompt(80, 4 * BS + 3), _prompt(81, 4 * BS + 3)
+    expected_a, _ = reference([a, b], MAX_TOKENS)
+    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
+    try:
+        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
+        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
+        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+        # swapped ids: the seal does not hold, so the owner names a's blocks ...
+        params["block_ids"] = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")[
+            "block_ids"
+        ]
+        # ... one of which holds junk
+        _forge(attacker, pair.info["prefill"]["control"], params_a_block(first_a, 1))
+        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
+        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+        assert rest.stats.blocks_moved == 1 and "digest" in rest.stats.load_error
+        url = pair.info["decode"]["metrics"]
+        assert _metric(url, "kvbridge_digest_mismatches_total") == 1
+        assert _metric(url, "kvbridge_loads_total") == 1  # the owner path (no sealed load)
+    finally:
+        pair.close()
+
+
+def params_a_block(first: Any, i: int) -> int:
+    return int(codec.unpack(first.kv_transfer_params, "KVTransferParams")["block_ids"]["self"][i])
