@@ -21,7 +21,8 @@ import pytest
 from kvbridge.worker import vllm as harness
 from tests.harness.vllm import model_or_skip
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
+# three engines of a second model (~1.5 min): out of the default CI run, like the other long runs
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(900)]
 
 PROMPTS = [[5, *range(10, 100), 7 + i] for i in range(2)]  # 92 tokens: 2 full blocks + 28
 OTHER_FIRST = [[9, *PROMPTS[0][1:]]]  # PROMPTS[0] with another first token
