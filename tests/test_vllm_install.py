@@ -85,4 +85,5 @@ def test_installing_the_wheel_changes_nothing_but_kvbridge(
         capture_output=True,
     )
     installs = {i["metadata"]["name"].lower() for i in json.loads(report.read_text())["install"]}
-    assert installs == {"kvbridge"}, installs
+    # nothing but kvbridge (nothing at all where this venv already has this kvbridge version)
+    assert installs <= {"kvbridge"}, installs
