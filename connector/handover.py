@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
+from kvbridge.kernels.digest import ALGO_XXH3
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = ["LeaseIssuer", "tail_name"]
@@ -42,6 +43,11 @@ class LeaseIssuer(ABC):
     """True: :meth:`digests` only passes ``key`` on to where the KV lives (vLLM's worker),
     which digests the blocks when it makes the lease and answers the reader's ``Digests``
     call; the kv_transfer_params then carry the key and ``digests_at_owner``."""
+
+    def digest_algo(self) -> str:
+        """The algorithm :meth:`digests` uses (it travels in the params as ``digest_algo``, so
+        a reader on another device computes the same one)."""
+        return ALGO_XXH3
 
     def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
         """Each leased block's :func:`~kvbridge.kernels.block_digests` under ``key``, for the

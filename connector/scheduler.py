@@ -339,6 +339,7 @@ class KVBridgeScheduler(SchedulerConnector):
             digest_key=key,
             digests={g: tuple(d) for g, d in digests.items()},
             digests_at_owner=key is not None and self.issuer.digests_at_owner,
+            digest_algo=self.issuer.digest_algo(),
         )
         return delay_free, params.to_dict()
 

@@ -195,3 +195,56 @@ def test_fetched_digests_are_checked_from_the_loads_first_block_with_the_owners_
     failed.set_exception(LeaseError("no digests recorded"))
     with pytest.raises(LeaseError):
         Expected.fetching(_load(key), failed).check(bound, "self", [0, 1, 2])
+
+
+def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> None:
+    from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+
+    layout = preset_layout("tiny", num_blocks=8, order="layer-nhd")
+    caches = layout.allocate()
+    for i, t in enumerate(caches.values()):
+        t.copy_(torch.arange(t.numel(), dtype=torch.float32).reshape(t.shape).to(t.dtype) - i)
+    bound = layout.bind(caches)
+
+    class DeviceIssuer(LeaseIssuer):
+        """An owner whose KV is on a GPU: digests with the device algorithm (its CPU
+        reference here, as a reader on the host computes it)."""
+
+        def verified_prefix(self, group: str, block_ids: Any, hashes: Any) -> int:
+            return len(block_ids)
+
+        def lease_request(self, request_id: Any, blocks: Any, hashes: Any) -> Any:
+            return LeaseId("ef" * 16), 30.0
+
+        def digest_algo(self) -> str:
+            return ALGO_DEVICE
+
+        def digests(self, blocks: Any, key: int) -> dict[str, list[bytes]]:
+            return {
+                g: block_digests(bound, g, list(ids), key, ALGO_DEVICE) for g, ids in blocks.items()
+            }
+
+    cfg = VllmConnectorConfig.from_vllm("kv_producer", "e", {"control_port": 7600}, model="tiny")
+    planner = KVBridgeScheduler(cfg.connector, layout.block_size)
+    planner.attach(DeviceIssuer(), None)
+    sched = _scheduler("kv_producer")
+    prompt = list(range(1, 3 * layout.block_size))
+    view = sched._view(RID, prompt, {"do_remote_decode": True})
+    _, params = planner.request_finished(view, {"self": [BlockId(b) for b in (5, 6, 7)]})
+    assert params is not None and params["digest_algo"] == ALGO_DEVICE
+    parsed = KVTransferParams.parse(params, layout.block_size)
+    load = BlockLoad(
+        RID,
+        "e",
+        "a",
+        {"self": (5, 6, 7)},
+        {"self": (5, 6, 7)},
+        digest_key=parsed.digest_key,
+        digests=parsed.digests,
+        digest_algo=parsed.digest_algo,
+    )
+    expected = Expected.of(load)
+    assert expected is not None and expected.check(bound, "self", [5, 6, 7]) == (3, 0)
+    # a reader that computed its own default (XXH3 on CPU memory) would mismatch every block
+    xxh3 = Expected(parsed.digest_key or 0, parsed.digests, ALGO_XXH3)
+    assert xxh3.check(bound, "self", [5, 6, 7]) == (0, 3)
