@@ -19,10 +19,11 @@ gRPC. Stores and loads belong to the worker session that made them, and a
 store commits only after its writer's WRITE notification arrived
 (:mod:`kvbridge.worker.offload.writers`).
 
-CommitStore carries the writer's key and block digests; the pool keeps them and
-PrepareLoad hands them to readers. A reader's CompleteLoad may name blocks that
+CommitStore carries the writer's key, block digests and their algorithm; the pool keeps
+them and PrepareLoad hands them to readers. A reader's CompleteLoad may name blocks that
 failed its check: the daemon recomputes those digests over its own pool memory
-(:func:`kvbridge.kernels.span_digest`) and drops only blocks that really differ.
+(:func:`kvbridge.kernels.block_digests`, the writer's algorithm) and drops only blocks that
+really differ.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from kvbridge.connector.control.types import (
     peer_from_pb,
     peer_to_pb,
 )
-from kvbridge.kernels import span_digest
+from kvbridge.kernels import block_digests
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import (
     ConfigError,
@@ -184,7 +185,9 @@ class OffloadHandlers:
         while True:
             self._collect(state)
             try:
-                n = state.pool.commit_store(store_id, writer, request.digest_key, digests)
+                n = state.pool.commit_store(
+                    store_id, writer, request.digest_key, digests, request.digest_algo
+                )
                 return pb.CommitStoreResponse(committed=n)
             except LeaseError as exc:
                 if exc.code != "FAILED_PRECONDITION" or time.monotonic() >= deadline:
@@ -208,8 +211,9 @@ class OffloadHandlers:
             load_id=prepared.load_id,
             slots=prepared.slots,
             expires_in_ms=round(prepared.expires_in_s * 1000),
-            digest_keys=[k for k, _ in prepared.digests],
-            digests=[d for _, d in prepared.digests],
+            digest_keys=[k for k, _, _ in prepared.digests],
+            digests=[d for _, d, _ in prepared.digests],
+            digest_algos=[a for _, _, a in prepared.digests],
         )
 
     def complete_load(self, request: pb.CompleteLoadRequest) -> pb.CompleteLoadResponse:
@@ -219,8 +223,8 @@ class OffloadHandlers:
         layout = state.memory.layout
 
         def confirm(slot: BlockId, digest: Digest) -> bool:
-            key, want = digest
-            return span_digest(layout.regions, layout.block_spans(GROUP, slot), key) == want
+            key, want, algo = digest  # the writer's algorithm (a CPU reference if on a device)
+            return block_digests(layout, GROUP, [slot], key, algo)[0] == want
 
         dropped = state.pool.drop_bad(load_id, writer, list(request.bad), confirm)
         released = state.pool.complete_load(load_id, writer)
