@@ -57,7 +57,7 @@ class KVTransferParams:
     of the bytes at hand-over, keyed with ``digest_key``)."""
     digest_algo: str = ALGO_XXH3
     """The algorithm of ``digests`` (a reader computes the same one wherever its bytes
-    landed). Absent: XXH3."""
+    landed). Absent: XXH3. With ``digests_at_owner`` the owner's ``Digests`` reply names it."""
     digests_at_owner: bool = False
     """The digests are not here: the owner records them when it makes the lease (vLLM: in
     its worker process) and the reader asks its control server for them (``Digests``)."""
