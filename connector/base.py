@@ -105,6 +105,11 @@ class BlockLoad:
     digests: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
     """Per group, the digest of each block of ``remote_ids`` as its owner recorded it at
     hand-over: the bytes read must match before the engine may use them."""
+    digest_algo: str | None = None
+    """The algorithm of ``digests`` (:mod:`kvbridge.kernels.digest`); None: XXH3."""
+    digests_at_owner: bool = False
+    """``digests`` are empty: the reader asks the owner's control server for the lease's
+    digests (``Digests``), concurrently with its READ; the key stays the one here."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
+from kvbridge.kernels.digest import ALGO_XXH3
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = ["LeaseIssuer", "tail_name"]
@@ -38,9 +39,20 @@ class LeaseIssuer(ABC):
     ) -> tuple[LeaseId, float]:
         """Take a reference on ``blocks`` and put it under a new lease: ``(lease_id, ttl_s)``."""
 
+    digests_at_owner = False
+    """True: :meth:`digests` only passes ``key`` on to where the KV lives (vLLM's worker),
+    which digests the blocks when it makes the lease and answers the reader's ``Digests``
+    call; the kv_transfer_params then carry the key and ``digests_at_owner``."""
+
+    def digest_algo(self) -> str:
+        """The algorithm :meth:`digests` uses (it travels in the params as ``digest_algo``, so
+        a reader on another device computes the same one)."""
+        return ALGO_XXH3
+
     def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
         """Each leased block's :func:`~kvbridge.kernels.block_digests` under ``key``, for the
-        kv_transfer_params; None: not digested here (the hand-over goes unverified)."""
+        kv_transfer_params; None: not digested (the hand-over goes unverified). With
+        :attr:`digests_at_owner`: ``{}`` once the key is on its way to the owner."""
         return None
 
 

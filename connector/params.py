@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.kernels.digest import DIGEST_BYTES
+from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -30,6 +30,8 @@ MAX_TP_SIZE = 1024
 MAX_ID_CHARS = 256
 """Longest id or address string (request ids included, at the Inference edge too)."""
 _MAX_STR = MAX_ID_CHARS
+DIGEST_ALGOS = (ALGO_XXH3, ALGO_DEVICE)
+"""The digest algorithms a hand-over may name (:mod:`kvbridge.kernels.digest`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,12 @@ class KVTransferParams:
     digests: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)
     """Per group, one digest per entry of ``block_ids`` (:func:`kvbridge.kernels.block_digests`
     of the bytes at hand-over, keyed with ``digest_key``)."""
+    digest_algo: str = ALGO_XXH3
+    """The algorithm of ``digests`` (a reader computes the same one wherever its bytes
+    landed). Absent: XXH3. With ``digests_at_owner`` the owner's ``Digests`` reply names it."""
+    digests_at_owner: bool = False
+    """The digests are not here: the owner records them when it makes the lease (vLLM: in
+    its worker process) and the reader asks its control server for them (``Digests``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,7 +78,12 @@ class KVTransferParams:
                 if self.digest_key is None
                 else {
                     "digest_key": self.digest_key,
-                    "digests": {g: list(d) for g, d in self.digests.items()},
+                    "digest_algo": self.digest_algo,
+                    **(
+                        {"digests_at_owner": True}
+                        if self.digests_at_owner
+                        else {"digests": {g: list(d) for g, d in self.digests.items()}}
+                    ),
                 }
             ),
         }
@@ -95,7 +108,13 @@ class KVTransferParams:
                 lease_ttl_s=float(_num(params, "lease_ttl_s")),
                 tp_size=_int(params, "tp_size") if "tp_size" in params else 1,
                 digest_key=_key(params) if "digest_key" in params else None,
-                digests=_group_map(params, "digests", _digest) if "digest_key" in params else {},
+                digests=(
+                    _group_map(params, "digests", _digest)
+                    if "digest_key" in params and not params.get("digests_at_owner")
+                    else {}
+                ),
+                digest_algo=_algo(params),
+                digests_at_owner=_flag(params, "digests_at_owner"),
             )
         except (TypeError, ValueError) as exc:
             raise WireError(f"kv_transfer_params: {exc}") from None
@@ -128,6 +147,20 @@ def _key(params: Mapping[str, Any]) -> int:
     value = params.get("digest_key")
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
         raise WireError("kv_transfer_params: 'digest_key' must be an integer in [0, 2**64)")
+    return value
+
+
+def _algo(params: Mapping[str, Any]) -> str:
+    value = params.get("digest_algo", ALGO_XXH3)
+    if value not in DIGEST_ALGOS:
+        raise WireError(f"kv_transfer_params: 'digest_algo' must be one of {DIGEST_ALGOS}")
+    return str(value)
+
+
+def _flag(params: Mapping[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise WireError(f"kv_transfer_params: {key!r} must be true or false")
     return value
 
 

@@ -238,6 +238,8 @@ class KVBridgeScheduler(SchedulerConnector):
                 remote_tp_size=params.tp_size,
                 digest_key=params.digest_key if verify else None,
                 digests=digests,
+                digest_algo=params.digest_algo,
+                digests_at_owner=verify and params.digests_at_owner,
             )
         )
 
@@ -336,6 +338,8 @@ class KVBridgeScheduler(SchedulerConnector):
             tp_size=self.tp_size,
             digest_key=key,
             digests={g: tuple(d) for g, d in digests.items()},
+            digests_at_owner=key is not None and self.issuer.digests_at_owner,
+            digest_algo=self.issuer.digest_algo(),
         )
         return delay_free, params.to_dict()
 

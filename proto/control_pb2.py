@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/proto/control.proto\x12\x0ekvbridge.proto\"\xd3\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.kvbridge.proto.Role\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06layout\x18\x06 \x01(\x0c\x12\x16\n\x0e\x61gent_metadata\x18\x07 \x01(\x0c\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\x12\x13\n\x0bseal_layout\x18\t \x01(\x0c\"/\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\",\n\x0bGroupHashes\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x9e\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rexpires_in_ms\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1b.kvbridge.proto.GroupBlocks\x12+\n\x06hashes\x18\x05 \x03(\x0b\x32\x1b.kvbridge.proto.GroupHashes\":\n\x10HandshakeRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\"|\n\x11HandshakeResponse\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12*\n\x04mode\x18\x02 \x01(\x0e\x32\x1c.kvbridge.proto.TransferMode\x12\x13\n\x0bmode_reason\x18\x03 \x01(\t\":\n\x0bPinByHashes\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.kvbridge.proto.GroupHashes\"k\n\nPinRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12-\n\x06hashes\x18\x02 \x01(\x0b\x32\x1b.kvbridge.proto.PinByHashesH\x00\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x04\x42\x08\n\x06target\"3\n\x0bPinResponse\x12$\n\x05lease\x18\x01 \x01(\x0b\x32\x15.kvbridge.proto.Lease\"5\n\x10HeartbeatRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x04\"9\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x03(\t\x12\x15\n\rexpires_in_ms\x18\x02 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"u\n\x0eHealthResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.kvbridge.proto.Role\x12\x12\n\nnum_leases\x18\x04 \x01(\r*`\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x12\x10\n\x0cROLE_OFFLOAD\x10\x04*\xa3\x01\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRANSFER_MODE_WHOLE_BLOCK\x10\x01\x12\x1a\n\x16TRANSFER_MODE_PER_SPAN\x10\x02\x12\x1b\n\x17TRANSFER_MODE_REARRANGE\x10\x03\x12\x1c\n\x18TRANSFER_MODE_HEAD_SLICE\x10\x04\x32\x86\x03\n\x0bPeerControl\x12P\n\tHandshake\x12 .kvbridge.proto.HandshakeRequest\x1a!.kvbridge.proto.HandshakeResponse\x12>\n\x03Pin\x12\x1a.kvbridge.proto.PinRequest\x1a\x1b.kvbridge.proto.PinResponse\x12P\n\tHeartbeat\x12 .kvbridge.proto.HeartbeatRequest\x1a!.kvbridge.proto.HeartbeatResponse\x12J\n\x07Release\x12\x1e.kvbridge.proto.ReleaseRequest\x1a\x1f.kvbridge.proto.ReleaseResponse\x12G\n\x06Health\x12\x1d.kvbridge.proto.HealthRequest\x1a\x1e.kvbridge.proto.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvbridge/proto/control.proto\x12\x0ekvbridge.proto\"\xd3\x01\n\x08PeerInfo\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.kvbridge.proto.Role\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0e\n\x06layout\x18\x06 \x01(\x0c\x12\x16\n\x0e\x61gent_metadata\x18\x07 \x01(\x0c\x12\x17\n\x0f\x63ontrol_address\x18\x08 \x01(\t\x12\x13\n\x0bseal_layout\x18\t \x01(\x0c\"/\n\x0bGroupBlocks\x12\r\n\x05group\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\",\n\x0bGroupHashes\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0e\n\x06hashes\x18\x02 \x03(\x0c\"\x9e\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rexpires_in_ms\x18\x02 \x01(\x04\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12+\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x1b.kvbridge.proto.GroupBlocks\x12+\n\x06hashes\x18\x05 \x03(\x0b\x32\x1b.kvbridge.proto.GroupHashes\":\n\x10HandshakeRequest\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\"|\n\x11HandshakeResponse\x12&\n\x04peer\x18\x01 \x01(\x0b\x32\x18.kvbridge.proto.PeerInfo\x12*\n\x04mode\x18\x02 \x01(\x0e\x32\x1c.kvbridge.proto.TransferMode\x12\x13\n\x0bmode_reason\x18\x03 \x01(\t\":\n\x0bPinByHashes\x12+\n\x06groups\x18\x01 \x03(\x0b\x32\x1b.kvbridge.proto.GroupHashes\"k\n\nPinRequest\x12\x14\n\nrequest_id\x18\x01 \x01(\tH\x00\x12-\n\x06hashes\x18\x02 \x01(\x0b\x32\x1b.kvbridge.proto.PinByHashesH\x00\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\x04\x42\x08\n\x06target\"3\n\x0bPinResponse\x12$\n\x05lease\x18\x01 \x01(\x0b\x32\x15.kvbridge.proto.Lease\"5\n\x10HeartbeatRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x04\"9\n\x11HeartbeatResponse\x12\r\n\x05\x61live\x18\x01 \x03(\t\x12\x15\n\rexpires_in_ms\x18\x02 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\"\n\x0e\x44igestsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"L\n\x0f\x44igestsResponse\x12\x0c\n\x04\x61lgo\x18\x01 \x01(\t\x12+\n\x06groups\x18\x02 \x03(\x0b\x32\x1b.kvbridge.proto.GroupHashes\"\x0f\n\rHealthRequest\"u\n\x0eHealthResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\"\n\x04role\x18\x03 \x01(\x0e\x32\x14.kvbridge.proto.Role\x12\x12\n\nnum_leases\x18\x04 \x01(\r*`\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x12\x10\n\x0cROLE_OFFLOAD\x10\x04*\xa3\x01\n\x0cTransferMode\x12\x1d\n\x19TRANSFER_MODE_UNSPECIFIED\x10\x00\x12\x1d\n\x19TRANSFER_MODE_WHOLE_BLOCK\x10\x01\x12\x1a\n\x16TRANSFER_MODE_PER_SPAN\x10\x02\x12\x1b\n\x17TRANSFER_MODE_REARRANGE\x10\x03\x12\x1c\n\x18TRANSFER_MODE_HEAD_SLICE\x10\x04\x32\xd2\x03\n\x0bPeerControl\x12P\n\tHandshake\x12 .kvbridge.proto.HandshakeRequest\x1a!.kvbridge.proto.HandshakeResponse\x12>\n\x03Pin\x12\x1a.kvbridge.proto.PinRequest\x1a\x1b.kvbridge.proto.PinResponse\x12P\n\tHeartbeat\x12 .kvbridge.proto.HeartbeatRequest\x1a!.kvbridge.proto.HeartbeatResponse\x12J\n\x07Release\x12\x1e.kvbridge.proto.ReleaseRequest\x1a\x1f.kvbridge.proto.ReleaseResponse\x12G\n\x06Health\x12\x1d.kvbridge.proto.HealthRequest\x1a\x1e.kvbridge.proto.HealthResponse\x12J\n\x07\x44igests\x12\x1e.kvbridge.proto.DigestsRequest\x1a\x1f.kvbridge.proto.DigestsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.proto.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1249
-  _globals['_ROLE']._serialized_end=1345
-  _globals['_TRANSFERMODE']._serialized_start=1348
-  _globals['_TRANSFERMODE']._serialized_end=1511
+  _globals['_ROLE']._serialized_start=1363
+  _globals['_ROLE']._serialized_end=1459
+  _globals['_TRANSFERMODE']._serialized_start=1462
+  _globals['_TRANSFERMODE']._serialized_end=1625
   _globals['_PEERINFO']._serialized_start=49
   _globals['_PEERINFO']._serialized_end=260
   _globals['_GROUPBLOCKS']._serialized_start=262
@@ -61,10 +61,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEREQUEST']._serialized_end=1074
   _globals['_RELEASERESPONSE']._serialized_start=1076
   _globals['_RELEASERESPONSE']._serialized_end=1111
-  _globals['_HEALTHREQUEST']._serialized_start=1113
-  _globals['_HEALTHREQUEST']._serialized_end=1128
-  _globals['_HEALTHRESPONSE']._serialized_start=1130
-  _globals['_HEALTHRESPONSE']._serialized_end=1247
-  _globals['_PEERCONTROL']._serialized_start=1514
-  _globals['_PEERCONTROL']._serialized_end=1904
+  _globals['_DIGESTSREQUEST']._serialized_start=1113
+  _globals['_DIGESTSREQUEST']._serialized_end=1147
+  _globals['_DIGESTSRESPONSE']._serialized_start=1149
+  _globals['_DIGESTSRESPONSE']._serialized_end=1225
+  _globals['_HEALTHREQUEST']._serialized_start=1227
+  _globals['_HEALTHREQUEST']._serialized_end=1242
+  _globals['_HEALTHRESPONSE']._serialized_start=1244
+  _globals['_HEALTHRESPONSE']._serialized_end=1361
+  _globals['_PEERCONTROL']._serialized_start=1628
+  _globals['_PEERCONTROL']._serialized_end=2094
 # @@protoc_insertion_point(module_scope)

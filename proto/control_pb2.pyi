@@ -430,6 +430,56 @@ class ReleaseResponse(_message.Message):
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 
 @_typing.final
+class DigestsRequest(_message.Message):
+    """The block digests the owner recorded when it made a hand-over lease (vLLM: the worker
+    digests the held blocks under the key the scheduler drew). The key is not here: it
+    travels only in kv_transfer_params, so digests alone let no one forge matching bytes.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DigestsRequest: _TypeAlias = DigestsRequest  # noqa: Y015
+
+@_typing.final
+class DigestsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALGO_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    algo: _builtins.str
+    """the digest algorithm ("xxh3-128", "kvb-mlh32x4")"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupHashes]:
+        """one 16-byte digest per leased block, per group"""
+
+    def __init__(
+        self,
+        *,
+        algo: _builtins.str = ...,
+        groups: _abc.Iterable[Global___GroupHashes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algo", b"algo", "groups", b"groups"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DigestsResponse: _TypeAlias = DigestsResponse  # noqa: Y015
+
+@_typing.final
 class HealthRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -59,6 +59,11 @@ class PeerControlStub:
                 request_serializer=kvbridge_dot_proto_dot_control__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_proto_dot_control__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Digests = channel.unary_unary(
+                '/kvbridge.proto.PeerControl/Digests',
+                request_serializer=kvbridge_dot_proto_dot_control__pb2.DigestsRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_proto_dot_control__pb2.DigestsResponse.FromString,
+                _registered_method=True)
 
 
 class PeerControlServicer:
@@ -94,6 +99,12 @@ class PeerControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Digests(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_PeerControlServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kvbridge_dot_proto_dot_control__pb2.HealthRequest.FromString,
                     response_serializer=kvbridge_dot_proto_dot_control__pb2.HealthResponse.SerializeToString,
+            ),
+            'Digests': grpc.unary_unary_rpc_method_handler(
+                    servicer.Digests,
+                    request_deserializer=kvbridge_dot_proto_dot_control__pb2.DigestsRequest.FromString,
+                    response_serializer=kvbridge_dot_proto_dot_control__pb2.DigestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class PeerControl:
             '/kvbridge.proto.PeerControl/Health',
             kvbridge_dot_proto_dot_control__pb2.HealthRequest.SerializeToString,
             kvbridge_dot_proto_dot_control__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Digests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.proto.PeerControl/Digests',
+            kvbridge_dot_proto_dot_control__pb2.DigestsRequest.SerializeToString,
+            kvbridge_dot_proto_dot_control__pb2.DigestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,6 +32,7 @@ class PeerControlStub:
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_control_pb2.HeartbeatRequest, _control_pb2.HeartbeatResponse]
     Release: _grpc.UnaryUnaryMultiCallable[_control_pb2.ReleaseRequest, _control_pb2.ReleaseResponse]
     Health: _grpc.UnaryUnaryMultiCallable[_control_pb2.HealthRequest, _control_pb2.HealthResponse]
+    Digests: _grpc.UnaryUnaryMultiCallable[_control_pb2.DigestsRequest, _control_pb2.DigestsResponse]
 
 class PeerControlServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -68,5 +69,12 @@ class PeerControlServicer(metaclass=_abc_1.ABCMeta):
         request: _control_pb2.HealthRequest,
         context: _grpc.ServicerContext,
     ) -> _control_pb2.HealthResponse: ...
+
+    @_abc_1.abstractmethod
+    def Digests(
+        self,
+        request: _control_pb2.DigestsRequest,
+        context: _grpc.ServicerContext,
+    ) -> _control_pb2.DigestsResponse: ...
 
 def add_PeerControlServicer_to_server(servicer: PeerControlServicer, server: _grpc.Server) -> None: ...

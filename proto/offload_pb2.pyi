@@ -242,11 +242,14 @@ class CommitStoreRequest(_message.Message):
     SESSION_FIELD_NUMBER: _builtins.int
     DIGEST_KEY_FIELD_NUMBER: _builtins.int
     DIGESTS_FIELD_NUMBER: _builtins.int
+    DIGEST_ALGO_FIELD_NUMBER: _builtins.int
     store_id: _builtins.str
     session: _builtins.str
     """the session that prepared the store"""
     digest_key: _builtins.int
     """the key the writer digested this store's blocks with"""
+    digest_algo: _builtins.str
+    """their algorithm ("xxh3-128", "kvb-mlh32x4"); empty: xxh3-128"""
     @_builtins.property
     def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """one 16-byte digest per slot, in PrepareStore's order"""
@@ -258,10 +261,11 @@ class CommitStoreRequest(_message.Message):
         session: _builtins.str = ...,
         digest_key: _builtins.int = ...,
         digests: _abc.Iterable[_builtins.bytes] | None = ...,
+        digest_algo: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_key", b"digest_key", "digests", b"digests", "session", b"session", "store_id", b"store_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algo", b"digest_algo", "digest_key", b"digest_key", "digests", b"digests", "session", b"session", "store_id", b"store_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -369,6 +373,7 @@ class PrepareLoadResponse(_message.Message):
     EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
     DIGEST_KEYS_FIELD_NUMBER: _builtins.int
     DIGESTS_FIELD_NUMBER: _builtins.int
+    DIGEST_ALGOS_FIELD_NUMBER: _builtins.int
     load_id: _builtins.str
     """empty: no hit, nothing to complete"""
     expires_in_ms: _builtins.int
@@ -384,6 +389,10 @@ class PrepareLoadResponse(_message.Message):
     def digests(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """per slot: its writer's 16-byte digest"""
 
+    @_builtins.property
+    def digest_algos(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """per slot: its writer's digest algorithm"""
+
     def __init__(
         self,
         *,
@@ -392,10 +401,11 @@ class PrepareLoadResponse(_message.Message):
         expires_in_ms: _builtins.int = ...,
         digest_keys: _abc.Iterable[_builtins.int] | None = ...,
         digests: _abc.Iterable[_builtins.bytes] | None = ...,
+        digest_algos: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_keys", b"digest_keys", "digests", b"digests", "expires_in_ms", b"expires_in_ms", "load_id", b"load_id", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest_algos", b"digest_algos", "digest_keys", b"digest_keys", "digests", b"digests", "expires_in_ms", b"expires_in_ms", "load_id", b"load_id", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbridge.kernels import ALGO_XXH3
 from kvbridge.proto import BlockHash, ConfigError, LeaseError, WireError
 from kvbridge.worker.offload import OffloadConfig
 from kvbridge.worker.offload.pool import HostPool, PreparedStore, pool_key
@@ -238,7 +239,7 @@ def test_a_reported_bad_block_is_dropped_only_if_the_daemon_confirms_it() -> Non
     a = keys("a", 3)
     stored(pool, a)
     load = pool.prepare_load(a, TTL)
-    assert load.digests == ((7, DIGEST),) * 3
+    assert load.digests == ((7, DIGEST, ALGO_XXH3),) * 3  # no algorithm named: XXH3
     with pytest.raises(WireError, match="bad positions"):
         pool.drop_bad(load.load_id, "", [3], lambda slot, d: False)
     bad_slot = load.slots[1]

@@ -468,3 +468,39 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     assert result.bad_block_ids == (() if moved else ids["self"])
     if seal:
         assert reads == [0, 1]  # every rank's blocks before any seal
+
+
+def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unverified() -> None:
+    from kvbridge.connector.load import ReadFigures, load_from_ranks
+
+    ids = {"self": (BlockId(4), BlockId(5))}
+    load = BlockLoad(
+        RequestId("r"),
+        ENGINE,
+        "a:1",
+        ids,
+        ids,
+        "c" * 32,
+        seal=b"s" * 32,
+        remote_tp_size=2,
+        digest_key=7,
+        digests_at_owner=True,
+    )
+    seals, reads = FakeSeals({0: True, 1: True}), []
+
+    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
+        reads.append(peer.rank)
+        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+
+    result = load_from_ranks(
+        load,
+        [0, 1],
+        FakeLinks(),
+        seals,
+        read,
+        1.0,
+        lambda e, p: None,  # type: ignore[arg-type]
+    )
+    # whole-block digests cannot check head slices: nothing is read, every block recomputed
+    assert result.blocks_moved == 0 and result.bad_block_ids == ids["self"] and reads == []
+    assert "cannot be verified" in result.error

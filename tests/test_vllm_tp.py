@@ -89,6 +89,14 @@ def _handed_over(prefill: harness.Engine, prompts: list[list[int]]) -> list[dict
     return params
 
 
+def _unverified(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``params`` without the digest key: head-slice loads cannot be verified yet, and one
+    with a key recomputes (fail closed; docs/VLLM.md, "Not yet"). What a decode with
+    ``"verify_loads": false`` does."""
+    drop = ("digest_key", "digests_at_owner", "digest_algo")
+    return [{k: v for k, v in p.items() if k not in drop} for p in params]
+
+
 def _record(tmp: Path, name: str, figures: dict[str, Any]) -> None:
     """Keep a test's measured figures next to the engines' logs (``figures.json``)."""
     path = tmp / "figures.json"
@@ -170,7 +178,7 @@ def test_no_blocks_held_on_either_side_afterwards(tp: tuple[dict[str, Any], Path
 def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], Path]) -> None:
     engines, tmp = tp
     expected = harness.tokens(engines["tp1"].generate(TP1_TO_TP2, MAX_TOKENS))
-    params = _handed_over(engines["tp1"], TP1_TO_TP2)
+    params = _unverified(_handed_over(engines["tp1"], TP1_TO_TP2))
     assert {p["tp_size"] for p in params} == {1}
     decode = engines["decode"]
     before = decode.call(cmd="metrics")["text"]
@@ -211,7 +219,7 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     engines, tmp = tp
     # the reference from the TP=2 engine, so that the TP=1 decode has never seen these
     expected = harness.tokens(engines["decode"].generate(TP2_TO_TP1, MAX_TOKENS))
-    params = _handed_over(engines["prefill"], TP2_TO_TP1)
+    params = _unverified(_handed_over(engines["prefill"], TP2_TO_TP1))
     decode = engines["tp1"]
     before = set(decode.call(cmd="stats")["loads"])
     assert harness.tokens(decode.generate(TP2_TO_TP1, MAX_TOKENS, params)) == expected

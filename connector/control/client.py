@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvbridge.connector.control.errors import TOKEN_KEY, error_from_rpc
+from kvbridge.connector.control.leases import HandOverDigests
 from kvbridge.connector.control.types import (
     ControlLimits,
     HealthInfo,
@@ -33,6 +34,7 @@ from kvbridge.connector.control.types import (
     peer_to_pb,
     role_from_pb,
 )
+from kvbridge.kernels.digest import DIGEST_BYTES
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
@@ -167,6 +169,18 @@ class ControlClient(Closing):
         req = pb.ReleaseRequest(lease_id=lease_id)
         resp: pb.ReleaseResponse = self._call("Release", req, timeout_s, retry=True)
         return bool(resp.released)
+
+    def digests(self, lease_id: LeaseId, *, timeout_s: float | None = None) -> HandOverDigests:
+        """The block digests the owner recorded for hand-over lease ``lease_id``; LeaseError
+        (NOT_FOUND) if it recorded none."""
+        req = pb.DigestsRequest(lease_id=lease_id)
+        resp: pb.DigestsResponse = self._call("Digests", req, timeout_s, retry=True)
+        groups: dict[str, tuple[bytes, ...]] = {}
+        for g in resp.groups:
+            if g.group in groups or any(len(d) != DIGEST_BYTES for d in g.hashes):
+                raise WireError(f"digests reply: bad or repeated group {g.group!r}")
+            groups[g.group] = tuple(bytes(d) for d in g.hashes)
+        return HandOverDigests(resp.algo, groups)
 
     def health(self, *, timeout_s: float | None = None) -> HealthInfo:
         resp: pb.HealthResponse = self._call("Health", pb.HealthRequest(), timeout_s, retry=True)

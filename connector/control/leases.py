@@ -50,6 +50,7 @@ __all__ = [
     "Claimant",
     "GroupBlocks",
     "GroupHashes",
+    "HandOverDigests",
     "Lease",
     "LeaseTable",
     "PeerCaps",
@@ -87,6 +88,15 @@ class BlockOwner(ABC):
         """Drop one reference per block taken by :meth:`pin_hashes` (or by the owner itself
         when it created a lease for a finished request). Blocks whose last reference
         goes become evictable; they are not wiped."""
+
+
+@dataclass(frozen=True, slots=True)
+class HandOverDigests:
+    """What a hand-over lease's owner recorded of its blocks: ``algo`` (a
+    :mod:`kvbridge.kernels.digest` algorithm name) and, per group, one digest per leased block."""
+
+    algo: str
+    groups: Mapping[str, Sequence[bytes]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +331,11 @@ class LeaseTable:
                 + len(self._deadlines)
                 + len(self._per_peer)
             )
+
+    def digests(self, lease_id: LeaseId, wait_s: float = 0.0) -> HandOverDigests | None:
+        """The block digests recorded for hand-over lease ``lease_id`` (waiting up to
+        ``wait_s`` for them to be recorded); None: none recorded (this table records none)."""
+        return None
 
     def next_expiry(self) -> float | None:
         """Earliest deadline on the table's clock (possibly of a stale entry), or None."""

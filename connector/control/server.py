@@ -45,12 +45,23 @@ from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.proto.version import PROTOCOL_VERSION
 
-__all__ = ["ControlServerConfig", "HandshakeHook", "ControlHandlers", "ControlServer", "serve"]
+__all__ = [
+    "DIGESTS_WAIT_S",
+    "ControlServerConfig",
+    "HandshakeHook",
+    "ControlHandlers",
+    "ControlServer",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
 _MAX_MS = (1 << 63) - 1
 """Millisecond figures in replies stay below this (the fields are uint64)."""
+
+DIGESTS_WAIT_S = 0.5
+"""How long a Digests call waits for an owner that has made the lease but not yet recorded
+its digests (after that: NOT_FOUND, and the reader recomputes)."""
 
 HandshakeHook = Callable[[PeerInfo, Negotiation], None]
 """Called after a compatible handshake with the caller's info, e.g. to add it as a NIXL peer.
@@ -132,6 +143,19 @@ class ControlHandlers:
     def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
         lease_id = check_lease_id(request.lease_id)
         return pb.ReleaseResponse(released=self.leases.release(lease_id))
+
+    def digests(self, request: pb.DigestsRequest) -> pb.DigestsResponse:
+        """The digests recorded for a hand-over lease. Not secret: without the lease's key
+        (only in kv_transfer_params) no one can make other bytes match them. An owner that
+        digests after making the lease (vLLM's worker) is waited for a bounded time."""
+        lease_id = check_lease_id(request.lease_id)
+        got = self.leases.digests(lease_id, wait_s=DIGESTS_WAIT_S)
+        if got is None:
+            raise lease_not_found(f"no digests recorded for lease {lease_id}")
+        return pb.DigestsResponse(
+            algo=got.algo,
+            groups=[pb.GroupHashes(group=g, hashes=list(d)) for g, d in got.groups.items()],
+        )
 
     def health(self, request: pb.HealthRequest) -> pb.HealthResponse:
         self.leases.expire()
@@ -280,6 +304,9 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def Health(self, request: pb.HealthRequest, context: Any) -> pb.HealthResponse:
         return call_handler(self._h.health, request, context)
+
+    def Digests(self, request: pb.DigestsRequest, context: Any) -> pb.DigestsResponse:
+        return call_handler(self._h.digests, request, context)
 
 
 class ControlServer(Closing):

@@ -29,16 +29,14 @@ from kvbridge.connector.control.seal import SealReader
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, read_blocks
-from kvbridge.connector.load.result import load_result, verdict
-from kvbridge.connector.load.verify import Checked, Expected
+from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
+from kvbridge.connector.load.verify import Checked, Expected, fetch_expected
 from kvbridge.proto.errors import (
-    ControlPlaneError,
     KVBridgeError,
     LeaseError,
-    TransferTimeoutError,
     WireError,
 )
-from kvbridge.proto.negotiate import source_ranks
+from kvbridge.proto.negotiate import TransferMode, source_ranks
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -110,10 +108,12 @@ class RemoteLoader:
         )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
+        self._digest_fetches = ThreadPoolExecutor(config.max_concurrent_loads)  # beside READs
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
+        self._digest_fetches.shutdown(wait=True)  # each under the control deadline
         self._links.close()
         self._seal_reader.close()
 
@@ -154,6 +154,11 @@ class RemoteLoader:
         job = _Attempt(load)
         try:
             job.peer, job.cached = self._links.get(load, ranks[0])
+            if job.expected is not None and job.peer.link.mode is TransferMode.HEAD_SLICE:
+                return unverifiable(load)
+            if job.expected is not None and load.digests_at_owner:
+                timeout = self.config.control_timeout_s
+                job.expected = fetch_expected(self._digest_fetches, job.peer, load, timeout)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
@@ -268,7 +273,7 @@ class RemoteLoader:
             peer is not None
             and job.cached
             and retry_stale
-            and not _timed_out(exc)  # a hung peer, not a restarted one
+            and not timed_out(exc)  # a hung peer, not a restarted one
             and self._links.restarted(load, peer)
         ):
             # the link was to an earlier process of this engine: once more on the new one
@@ -387,10 +392,3 @@ class RemoteLoader:
             self._release(peer, lease)
         finally:
             self._links.drop(peer)
-
-
-def _timed_out(exc: Exception) -> bool:
-    """Whether ``exc`` is a deadline that passed (the peer hangs; a restart fails fast)."""
-    return isinstance(exc, TransferTimeoutError) or (
-        isinstance(exc, ControlPlaneError) and exc.code == "DEADLINE_EXCEEDED"
-    )

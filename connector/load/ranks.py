@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
-from kvbridge.connector.load.result import load_result
+from kvbridge.connector.load.result import load_result, unverifiable
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ def load_from_ranks(
 ) -> LoadResult:
     """READ ``load``'s blocks from each of ``ranks`` of its engine and prove every rank's
     seal; never raises (fail closed: every block bad)."""
+    if load.digest_key is not None:  # whole-block digests cannot check head slices
+        return unverifiable(load)
     groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.verify import Checked
+from kvbridge.proto.errors import ControlPlaneError, TransferTimeoutError
 from kvbridge.proto.types import BlockId
 
-__all__ = ["load_result", "verdict"]
+__all__ = ["load_result", "timed_out", "unverifiable", "verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -95,4 +96,19 @@ def verdict(
         reads=[r for r, _ in done.values()],
         mismatches=mismatches,
         verified=verified,
+    )
+
+
+def unverifiable(load: BlockLoad) -> LoadResult:
+    """A load with a digest key that reads head slices (heterogeneous TP): the owner's
+    whole-block digests cannot check a slice, so it fails closed (every block recomputed)."""
+    error = "head-slice loads (heterogeneous TP) cannot be verified yet: recomputing"
+    log.info("request %s: %s", load.request_id, error)
+    return load_result(load, time.perf_counter(), bad=load.local_ids.get("self", []), error=error)
+
+
+def timed_out(exc: Exception) -> bool:
+    """Whether ``exc`` is a deadline that passed (the peer hangs; a restart fails fast)."""
+    return isinstance(exc, TransferTimeoutError) or (
+        isinstance(exc, ControlPlaneError) and exc.code == "DEADLINE_EXCEEDED"
     )

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
-from kvbridge.connector.offload.moves import BlockMover
+from kvbridge.connector.offload.moves import BlockMover, load_digests
 from kvbridge.connector.offload.session import GROUP, Session, checked_slots, handshake
 from kvbridge.connector.offload.types import (
     OffloadClientConfig,
@@ -51,7 +51,7 @@ from kvbridge.connector.offload.types import (
     OffloadStoreResult,
 )
 from kvbridge.connector.offload.wire import call_metadata, open_channel, store_notification
-from kvbridge.kernels import DIGEST_BYTES, new_key
+from kvbridge.kernels import new_key
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
@@ -159,10 +159,10 @@ class OffloadClient(Closing):
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
             key = new_key()
-            digests = self._mover.write(
+            algo, digests = self._mover.write(
                 session, local_ids, slots, store_notification(store_id), key
             )
-            commit = self._commit(session, store_id, key, digests)
+            commit = self._commit(session, store_id, key, digests, algo)
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -211,7 +211,7 @@ class OffloadClient(Closing):
             if not 0 < len(slots) <= len(hashes):
                 raise WireError(f"PrepareLoad pinned {len(slots)} blocks for {len(hashes)} hashes")
             session.daemon.layout.check_block_ids(GROUP, slots)
-            digests = self._digests_of(resp, len(slots))
+            digests = load_digests(resp, len(slots)) if self.config.verify else None
             local_ids = list(block_ids[: len(slots)])
             bad, verify_s = self._mover.read(session, local_ids, slots, digests)
             done: pb.CompleteLoadResponse = self._call(
@@ -308,23 +308,16 @@ class OffloadClient(Closing):
             )
             return self._session
 
-    def _digests_of(self, resp: pb.PrepareLoadResponse, n: int) -> list[tuple[int, bytes]] | None:
-        """PrepareLoad's per-slot ``(key, digest)``, checked; None when verification is off."""
-        if not self.config.verify:
-            return None
-        keys, digests = list(resp.digest_keys), list(resp.digests)
-        if len(keys) != n or len(digests) != n or any(len(d) != DIGEST_BYTES for d in digests):
-            raise WireError(
-                f"PrepareLoad sent {len(keys)} keys and {len(digests)} digests for {n} slots"
-            )
-        return list(zip(keys, map(bytes, digests), strict=True))
-
     def _commit(
-        self, session: Session, store_id: str, key: int, digests: Sequence[bytes]
+        self, session: Session, store_id: str, key: int, digests: Sequence[bytes], algo: str
     ) -> pb.CommitStoreResponse:
         """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
         req = pb.CommitStoreRequest(
-            store_id=store_id, session=session.session, digest_key=key, digests=list(digests)
+            store_id=store_id,
+            session=session.session,
+            digest_key=key,
+            digests=list(digests),
+            digest_algo=algo,
         )
         try:
             resp: pb.CommitStoreResponse = self._call("CommitStore", req)

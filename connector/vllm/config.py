@@ -48,8 +48,9 @@ keeps both lists equal to ``_KNOWN``):
                          writer's digest before vLLM uses it (default ``true``); ``false``
                          trusts the daemon's memory
 ``verify_loads``         check loaded blocks against their hand-over digests (default true;
-                         ConnectorConfig rejects a non-boolean). vLLM prefills record no
-                         digests yet, so their loads go unverified either way
+                         ConnectorConfig rejects a non-boolean); a vLLM prefill's worker
+                         digests the blocks it holds and decode fetches the digests beside
+                         its READ
 ``kv_cache_layout``      the KV cache layout kvbridge asks vLLM for: ``BLHNC`` (default,
                          block-outermost: one descriptor per block), ``BLNHC``, ``LBHNC``,
                          ``LBNHC``, or ``auto`` (ask for nothing). vLLM uses it only where

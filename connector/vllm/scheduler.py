@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.connector.base import RequestView, StepMetadata
@@ -55,6 +55,9 @@ class HoldOrder:
     block_ids: tuple[BlockId, ...]
     block_hashes: tuple[BlockHash, ...]
     ttl_s: float
+    digest_key: int | None = None
+    """The hand-over's digest key (the scheduler drew it; it goes to the decode only in the
+    kv_transfer_params): the worker digests the blocks under it when it makes the lease."""
 
 
 def to_json_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,6 +124,16 @@ class HoldIssuer(LeaseIssuer):
         )
         self._orders.append(order)
         return lease_id, self.ttl_s
+
+    digests_at_owner = True
+
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+        """Send ``key`` with the request's hold order: the worker, where the KV lives, digests
+        the held blocks when it makes the lease (called right after :meth:`lease_request`)."""
+        if not self._orders or tuple(blocks.get("self", ())) != self._orders[-1].block_ids:
+            return None
+        self._orders[-1] = replace(self._orders[-1], digest_key=key)
+        return {}
 
     def ordered(self, request_id: RequestId) -> bool:
         """Whether a hold for ``request_id`` waits to go to the worker."""

@@ -29,21 +29,20 @@ own id.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable
-from kvbridge.connector.control.seal import SealTable
+from kvbridge.connector.control.leases import HandOverDigests
 from kvbridge.connector.control.types import PeerInfo, Role
+from kvbridge.connector.vllm.holds import HeldRequests, NamedLeases
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
-from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.errors import ConfigError, KVBridgeError
 from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
+from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -197,10 +196,25 @@ class VllmWorker:
             return
         self.held.hold(order.request_id, order.block_ids)
         try:
-            self.leases.create_named(order)
+            self.leases.create_named(order, self._digests(order))
         except Exception as exc:  # e.g. the table is full: decode recomputes, vLLM frees
             log.warning("request %s: could not lease its blocks (%s)", order.request_id, exc)
             self.held.release(order.request_id)
+
+    def _digests(self, order: HoldOrder) -> HandOverDigests | None:
+        """The held blocks' digests under the order's key (None: no key, or they could not
+        be digested: a reader that asks then recomputes). Kept in this process only."""
+        if order.digest_key is None or self.layout is None:
+            return None
+        from kvbridge.kernels import block_digests, digest_algo
+
+        try:
+            ids = list(order.block_ids)
+            got = block_digests(self.layout, "self", ids, order.digest_key)
+        except KVBridgeError as exc:
+            log.warning("request %s: no block digests (%s)", order.request_id, exc)
+            return None
+        return HandOverDigests(digest_algo(self.layout, "self"), {"self": tuple(got)})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
@@ -269,117 +283,3 @@ class _Sends:
             self._open.pop(rid, None)
             finished.add(rid)
         return finished
-
-
-class HeldRequests(BlockOwner):
-    """The KV memory as the control plane sees it: blocks vLLM holds for finished requests.
-
-    Thread-safe (the control server's threads and the lease reaper call
-    :meth:`unpin`). A request is *done* once its lease is gone; vLLM then frees
-    its blocks, which may be reused at once, so :meth:`pin_hashes` never pins
-    anything: a decode that lost its lease recomputes.
-    """
-
-    def __init__(self) -> None:
-        self.blocks_per_group: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._held: dict[tuple[BlockId, ...], list[RequestId]] = {}
-        self._done: set[RequestId] = set()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._held.values())
-
-    def hold(self, request_id: RequestId, block_ids: Sequence[BlockId]) -> None:
-        with self._lock:
-            self._held.setdefault(tuple(block_ids), []).append(request_id)
-
-    def release(self, request_id: RequestId) -> None:
-        """Give a request back to vLLM without a lease (it could not be leased)."""
-        with self._lock:
-            for key, rids in list(self._held.items()):
-                if request_id in rids:
-                    rids.remove(request_id)
-                    if not rids:
-                        del self._held[key]
-            self._done.add(request_id)
-
-    def take_done(self) -> set[RequestId]:
-        with self._lock:
-            done, self._done = self._done, set()
-        return done
-
-    # ----- BlockOwner ----------------------------------------------------------------------
-    def num_blocks(self, group: str) -> int:
-        return self.blocks_per_group.get(group, 0)
-
-    def pin_hashes(
-        self, group_hashes: Mapping[str, Sequence[BlockHash]]
-    ) -> dict[str, list[BlockId]]:
-        return {g: [] for g in group_hashes}
-
-    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
-        key = tuple(blocks.get("self", ()))
-        with self._lock:
-            rids = self._held.get(key)
-            if not rids:
-                log.warning("unpin of %d blocks that no request holds", len(key))
-                return
-            rid = rids.pop(0)
-            if not rids:
-                del self._held[key]
-            self._done.add(rid)
-
-
-class NamedLeases(LeaseTable):
-    """A lease table whose leases for finished requests also answer to the id the scheduler
-    chose (decode peers heartbeat and release by that id)."""
-
-    def __init__(self, held: HeldRequests, seal: SealTable | None = None) -> None:
-        super().__init__(held, seal=seal)
-        self._names: dict[LeaseId, LeaseId] = {}
-        self._name_of: dict[RequestId, LeaseId] = {}
-        self._names_lock = threading.Lock()
-
-    def create_named(self, order: HoldOrder) -> Lease:
-        lease = self.create(
-            {"self": order.block_ids},
-            ttl_s=order.ttl_s,
-            hashes={"self": order.block_hashes},
-            request_id=order.request_id,
-            seal_as=order.lease_id,
-        )
-        with self._names_lock:
-            self._names[order.lease_id] = lease.lease_id
-            self._name_of[order.request_id] = order.lease_id
-        return lease
-
-    def forget(self, request_ids: Iterable[RequestId]) -> None:
-        with self._names_lock:
-            for rid in request_ids:
-                name = self._name_of.pop(rid, None)
-                if name is not None:
-                    self._names.pop(name, None)
-
-    def _real(self, lease_id: LeaseId) -> LeaseId:
-        with self._names_lock:
-            return self._names.get(lease_id, lease_id)
-
-    def get(self, lease_id: LeaseId) -> Lease | None:
-        return super().get(self._real(lease_id))
-
-    def heartbeat(
-        self,
-        lease_ids: Iterable[LeaseId],
-        ttl_s: float,
-        by: Claimant | None = None,
-        *,
-        claim: bool = False,
-    ) -> list[Lease]:
-        """Extends the leases; each comes back under the id it was asked by."""
-        asked = {self._real(x): x for x in lease_ids}
-        alive = super().heartbeat(list(asked), ttl_s, by, claim=claim)
-        return [replace(lease, lease_id=asked[lease.lease_id]) for lease in alive]
-
-    def release(self, lease_id: LeaseId) -> bool:
-        return super().release(self._real(lease_id))

@@ -1,28 +1,21 @@
 """The offload daemon's ``OffloadStore`` logic over a NIXL-registered host pool.
 
-Runs in the per-node offload daemon (``kvbridge offload serve``).
-:class:`OffloadHandlers` does the work on protobuf messages and raises typed
-kvbridge errors; :mod:`kvbridge.worker.offload.server` is the gRPC shim around
-it (as in :mod:`kvbridge.connector.control.server`).
+Runs in the per-node offload daemon (``kvbridge offload serve``): :class:`OffloadHandlers`
+does the work on protobuf messages and raises typed errors; :mod:`.server` is the gRPC shim.
 
-The host memory is allocated and registered with NIXL **once**: at start if
-the config names a layout, else at the first handshake (with a token: the
-first *authenticated* one; the gRPC server refuses the others), in the layout of that
-worker (same model, block size and TP size; block-outermost with the worker's
-inner order unless configured otherwise), sized by ``capacity_bytes``. Later
-workers must be compatible with it (``WHOLE_BLOCK`` or ``PER_SPAN``) or their
-handshake fails with the reason. Only the ``self`` group is offloaded.
+The host memory is allocated and registered with NIXL **once**: at start if the config names
+a layout, else at the first (authenticated) handshake, in that worker's layout (block-outermost
+with its inner order unless configured otherwise), sized by ``capacity_bytes``. Later workers
+must be compatible (``WHOLE_BLOCK`` or ``PER_SPAN``) or their handshake fails with the reason.
+Only the ``self`` group is offloaded. Workers move the bytes with NIXL (WRITE into a prepared
+store's slots, READ from a prepared load's); only ids and hashes cross gRPC. Stores and loads
+belong to the session that made them; a store commits only after its writer's WRITE
+notification arrived (:mod:`kvbridge.worker.offload.writers`).
 
-Workers move the bytes with NIXL (WRITE into the slots of a prepared store,
-READ from the slots of a prepared load); nothing but ids and hashes crosses
-gRPC. Stores and loads belong to the worker session that made them, and a
-store commits only after its writer's WRITE notification arrived
-(:mod:`kvbridge.worker.offload.writers`).
-
-CommitStore carries the writer's key and block digests; the pool keeps them and
-PrepareLoad hands them to readers. A reader's CompleteLoad may name blocks that
-failed its check: the daemon recomputes those digests over its own pool memory
-(:func:`kvbridge.kernels.span_digest`) and drops only blocks that really differ.
+CommitStore carries the writer's key, block digests and their algorithm; the pool keeps them
+and PrepareLoad hands them to readers. Blocks a reader's CompleteLoad names as failing its
+check are recomputed over the daemon's own memory (the writer's algorithm) and dropped only
+if they really differ.
 """
 
 from __future__ import annotations
@@ -43,7 +36,7 @@ from kvbridge.connector.control.types import (
     peer_from_pb,
     peer_to_pb,
 )
-from kvbridge.kernels import span_digest
+from kvbridge.kernels import block_digests
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import (
     ConfigError,
@@ -202,7 +195,9 @@ class OffloadHandlers:
         while True:
             self._collect(state)
             try:
-                n = state.pool.commit_store(store_id, writer, request.digest_key, digests, peer)
+                n = state.pool.commit_store(
+                    store_id, writer, request.digest_key, digests, request.digest_algo, peer
+                )
                 return pb.CommitStoreResponse(committed=n)
             except LeaseError as exc:
                 if exc.code != "FAILED_PRECONDITION" or time.monotonic() >= deadline:
@@ -229,8 +224,9 @@ class OffloadHandlers:
                 load_id=prepared.load_id,
                 slots=prepared.slots,
                 expires_in_ms=_ms(prepared.expires_in_s),
-                digest_keys=[k for k, _ in prepared.digests],
-                digests=[d for _, d in prepared.digests],
+                digest_keys=[k for k, _, _ in prepared.digests],
+                digests=[d for _, d, _ in prepared.digests],
+                digest_algos=[a for _, _, a in prepared.digests],
             )
         except BaseException:
             # a reply that cannot be built must not leave the blocks pinned to its TTL
@@ -246,8 +242,8 @@ class OffloadHandlers:
         layout = state.memory.layout
 
         def confirm(slot: BlockId, digest: Digest) -> bool:
-            key, want = digest
-            return span_digest(layout.regions, layout.block_spans(GROUP, slot), key) == want
+            key, want, algo = digest  # the writer's algorithm (a CPU reference if on a device)
+            return block_digests(layout, GROUP, [slot], key, algo)[0] == want
 
         dropped = state.pool.drop_bad(load_id, writer, list(request.bad), confirm, peer)
         released = state.pool.complete_load(load_id, writer, peer)

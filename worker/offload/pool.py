@@ -28,13 +28,13 @@ from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.offload.quotas import Quotas, lease_gone
 from kvbridge.worker.offload.slots import (
-    DIGEST_BYTES,
     Confirm,
     Digest,
     Pending,
     PreparedLoad,
     PreparedStore,
     Quarantine,
+    checked_digests,
     pool_key,
 )
 from kvbridge.worker.offload.stats import OffloadStats
@@ -203,6 +203,7 @@ class HostPool:
         writer: str = "",
         key: int | Sequence[int] = 0,
         digests: Sequence[bytes] = (),
+        algo: str = "",
         peer: str | None = None,
         drop: frozenset[int] = frozenset(),
     ) -> int:
@@ -210,10 +211,10 @@ class HostPool:
 
         Only ``writer`` and ``peer`` (default: ``writer``), the store's own, may commit it,
         and only once its WRITE was marked done (:meth:`mark_written`); otherwise this
-        raises and changes nothing.
-        ``digests`` (one per slot, in the store's slot order, keyed with ``key``) are what
-        readers of these blocks will check; a count or size that does not fit raises
-        :class:`WireError` and changes nothing. (Promotions: a key per slot; ``drop`` unpublished.)
+        raises and changes nothing. ``digests`` (one per slot, in slot order, keyed with
+        ``key``, of algorithm ``algo``, empty: XXH3) are what readers will check; a count,
+        size or algorithm that does not fit raises :class:`WireError` and changes nothing.
+        (Promotions: a key per slot; ``drop`` unpublished.)
         """
         self._expire()
         with self._lock:
@@ -227,19 +228,16 @@ class HostPool:
                 )
                 err.code = "FAILED_PRECONDITION"
                 raise err
-            if len(digests) != len(pending.slots) or any(len(d) != DIGEST_BYTES for d in digests):
-                raise WireError(
-                    f"CommitStore carries {len(digests)} digests for {len(pending.slots)} slots: "
-                    f"send one {DIGEST_BYTES}-byte digest per slot"
-                )
+            kept = checked_digests(key, digests, algo, len(pending.slots))
             del self._stores[store_id]
             self._quotas.drop_store(pending.peer)
-            keys = [key] * len(digests) if isinstance(key, int) else list(key)
-            for i, (slot, block_key) in enumerate(zip(pending.slots, pending.keys, strict=True)):
+            for i, (slot, block_key, digest) in enumerate(
+                zip(pending.slots, pending.keys, kept, strict=True)
+            ):
                 del self._writing[block_key]
                 if i in drop:
                     continue
-                self._digests[slot] = (keys[i], bytes(digests[i]))
+                self._digests[slot] = digest
                 cached = self._pool.cache_block(slot, block_key)
                 assert cached, "a key being written is never cached by anyone else"
             self._pool.free(pending.slots)

@@ -32,7 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvbridge.proto.errors import ConfigError
+from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3
+from kvbridge.proto.errors import ConfigError, WireError
 from kvbridge.proto.types import BlockHash, BlockId
 
 __all__ = [
@@ -43,12 +44,14 @@ __all__ = [
     "PreparedLoad",
     "PreparedStore",
     "Quarantine",
+    "checked_digests",
     "pool_key",
 ]
 
 DIGEST_BYTES = 16
-Digest = tuple[int, bytes]
-"""A committed block's ``(key, digest)``: its writer's keyed XXH3-128."""
+Digest = tuple[int, bytes, str]
+"""A committed block's ``(key, digest, algo)``: its writer's keyed digest and the algorithm
+(:mod:`kvbridge.kernels.digest`) it used, so a reader computes the same one."""
 Confirm = Callable[[BlockId, Digest], bool]
 """``confirm(slot, digest)``: True if the slot's bytes (in the daemon's memory) still match."""
 
@@ -153,3 +156,22 @@ class Quarantine:
 
     def slots(self) -> list[BlockId]:
         return [b for _, slots in self._held for b in slots]
+
+
+def checked_digests(
+    key: int | Sequence[int], digests: Sequence[bytes], algo: str, slots: int
+) -> list[Digest]:
+    """A CommitStore's digests as the pool keeps them, one per slot; a count, size or
+    algorithm that does not fit raises :class:`WireError` (empty ``algo``: XXH3)."""
+    algo = algo or ALGO_XXH3
+    if algo not in (ALGO_XXH3, ALGO_DEVICE):
+        raise WireError(f"CommitStore names digest algorithm {algo!r}: not one this daemon knows")
+    if len(digests) != slots or any(len(d) != DIGEST_BYTES for d in digests):
+        raise WireError(
+            f"CommitStore carries {len(digests)} digests for {slots} slots: "
+            f"send one {DIGEST_BYTES}-byte digest per slot"
+        )
+    keys = [key] * slots if isinstance(key, int) else list(key)
+    if len(keys) != slots:
+        raise WireError(f"{len(keys)} digest keys for {slots} slots")
+    return [(k, bytes(d), algo) for k, d in zip(keys, digests, strict=True)]

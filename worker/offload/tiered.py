@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from kvbridge.kernels import span_digest
+from kvbridge.kernels import ALGO_XXH3, span_digest
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.types import BlockHash
@@ -134,8 +134,14 @@ class TieredPool(HostPool):
         writer never learns its slots) and raise: the evicted blocks are lost, never wrong."""
         if prepared.demoted:
             try:
+                # the disk index keeps XXH3 digests (the pool is host memory); a block a GPU
+                # writer digested with the device algorithm is evicted, not demoted
                 self.disk.put(
-                    [(k, d, block_views(self._layout, b)) for k, b, d in prepared.demoted]
+                    [
+                        ((k, (d[0], d[1]), block_views(self._layout, b)))
+                        for k, b, d in prepared.demoted
+                        if d[2] in ("", ALGO_XXH3)
+                    ]
                 )
             except BaseException:
                 if prepared.store_id:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.scheduler import LeaseIssuer
-from kvbridge.kernels import block_digests
+from kvbridge.kernels import block_digests, digest_algo
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
 
@@ -82,6 +82,9 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
             self.unpin(blocks)
             raise
         return lease.lease_id, self._ttl_s
+
+    def digest_algo(self) -> str:
+        return digest_algo(self._engine.layout, "self")
 
     def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
         """Digested at once: the engine's KV memory lives in this process (the blocks are

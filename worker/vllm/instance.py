@@ -202,6 +202,7 @@ class Instance:
                     "descriptors_per_block": lay.descriptors_per_block(),
                     "block_bytes": lay.block_bytes(),
                     "model": lay.model.name,
+                    "wire": lay.to_bytes().hex(),  # what a handshake with this engine sends
                 }
             out["loads"] = {
                 rid: {
@@ -215,6 +216,8 @@ class Instance:
                     "read_ms": r.read_ms,
                     "path": r.path,
                     "error": r.error,
+                    "verified": r.verified,
+                    "digest_mismatches": r.digest_mismatches,
                 }
                 for rid, r in worker.results.items()
             }
