@@ -144,13 +144,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--max-stores-per-writer",
         type=int,
         default=64,
-        help="prepared, uncommitted stores one peer (one token of --token-file) may hold (default 64)",
+        help="prepared, uncommitted stores one peer (one token of --token-file) may hold "
+        "(default 64)",
     )
     p.add_argument(
         "--max-pinned-per-writer",
         type=int,
         default=None,
-        help="blocks one peer (one token of --token-file) may keep pinned by loads (default: the whole pool)",
+        help="blocks one peer (one token of --token-file) may keep pinned by loads "
+        "(default: the whole pool)",
     )
     p.add_argument(
         "--max-sessions", type=int, default=256, help="worker sessions kept (default 256)"
