@@ -2,9 +2,9 @@
 
 Every error a caller can act on is a :class:`KVBridgeError`. Messages name the
 bad value and, where there is one, the fix. Transfer failures inside an
-engine step come back as results, not exceptions (see DESIGN.md §1, "fail
-closed"); the exceptions here are for bad input, bad configuration and
-broken peers at the edges.
+engine step come back as results, not exceptions (fail closed: a request
+whose KV did not arrive whole is recomputed); the exceptions here are for bad
+input, bad configuration and broken peers at the edges.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefix-hash identity of full blocks (DESIGN.md §1, idea 3).
+"""Prefix-hash identity of full blocks (docs/DESIGN-NOTES.md, "Block naming").
 
 Block *i* of a request is named ``H(name_{i-1} || tokens_i)``, where the chain
 starts at a *request root*: ``H(model root || extra keys)``. The model root is

@@ -1,7 +1,7 @@
 """``KVLayout``: what a worker's KV-cache memory is, in terms a peer can check.
 
-Logical dimensions (DESIGN.md §2): ``B`` blocks, ``L`` layers, ``KV`` (2),
-``N`` tokens per block, ``H`` KV heads on this TP rank, ``C`` head size.
+Logical dimensions (docs/DESIGN-NOTES.md, "Layout and negotiation"): ``B`` blocks,
+``L`` layers, ``KV`` (2), ``N`` tokens per block, ``H`` KV heads on this TP rank, ``C`` head size.
 The *physical order* is a permutation of those six names, outermost first.
 The first three positions hold ``B``, ``L`` and ``KV`` in any order and the
 last three hold ``N``, ``H`` and ``C`` in any order (the *inner order*).

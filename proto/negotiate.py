@@ -1,4 +1,4 @@
-"""Negotiating a transfer mode between two peers' layouts (DESIGN.md §2).
+"""Negotiating a transfer mode between two peers' layouts (docs/DESIGN-NOTES.md, "Negotiation").
 
 - ``WHOLE_BLOCK``: same identity, both block-outermost with the same order:
   one descriptor per block.

@@ -1,4 +1,5 @@
-"""Shared test settings: UCX must not load its InfiniBand modules (DESIGN.md §5).
+"""Shared test settings: UCX must not load its InfiniBand modules (processes
+segfault at exit otherwise).
 
 Fixtures here are opt-in (``pytestmark = pytest.mark.usefixtures("one_thread")``); helpers
 that are not fixtures live in ``tests/harness``.

@@ -126,7 +126,7 @@ def test_no_module_is_over_400_lines_apart_from_the_listed_ones() -> None:
         for _, path in modules()
         if "_pb2" not in path.name and _lines(path) > MAX_LINES
     }
-    assert set(long) - OVERSIZE == set(), f"split these by concept (STYLE.md 1): {long}"
+    assert set(long) - OVERSIZE == set(), f"split these by concept (one concept per module): {long}"
 
 
 def test_every_listed_oversize_module_is_still_oversize() -> None:

@@ -1,8 +1,8 @@
 """A hung offload daemon costs the scheduler one short lookup deadline, never a handshake.
 
 The scheduler plans loads on the engine's one scheduling thread; asking the daemon there
-must be bounded (DESIGN.md §4: "a daemon restart is a cache miss, not an error"; a hung one
-too). The daemon here is a real gRPC server on loopback that accepts every call and never
+must be bounded: a daemon restart is a cache miss, not an error, and a hung daemon
+is one too. The daemon here is a real gRPC server on loopback that accepts every call and never
 answers, like a SIGSTOPped daemon.
 """
 

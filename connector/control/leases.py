@@ -1,8 +1,8 @@
 """Leases: blocks pinned for a peer until it releases them or stops heartbeating.
 
-A peer reads our KV blocks only while we keep them pinned (DESIGN.md §1,
-"fail closed"). A :class:`Lease` names such a pin; the :class:`LeaseTable`
-holds them, and its one promise is that every lease's blocks are unpinned
+A peer reads our KV blocks only while we keep them pinned (fail closed: a
+block that may have been reused is never read). A :class:`Lease` names such a pin;
+the :class:`LeaseTable` holds them, and its one promise is that every lease's blocks are unpinned
 **exactly once** — on release, on expiry, or when the table is closed. An
 expired lease only makes its blocks *evictable* (the owner drops its
 reference); memory another pin still covers stays referenced.

@@ -1,7 +1,7 @@
 """Which control addresses this engine may dial, and the one place it dials them.
 
 A decode engine learns a prefill's control address from ``kv_transfer_params``:
-a claim made by whoever sent the request (DESIGN.md §7). Dialing it sends the
+a claim made by whoever sent the request, not a fact. Dialing it sends the
 shared token, so an address inside a request is never enough: the operator
 names the peers (``kvbridge serve --allow-peer HOST:PORT``, ``allowed_peers``
 in the vLLM extra config). With none named, only loopback addresses are

@@ -16,8 +16,8 @@ a thread executor) or ``loop.run_in_executor`` for the whole transfer.
 
 Policy lives elsewhere: the transport never decides which blocks move, never
 pins and never evicts. It validates every id it is given against the
-layouts before anything reaches the wire (DESIGN.md §3, "bounds-checked";
-the checks both transports share are in :mod:`kvbridge.connector.transport.checks`).
+layouts before anything reaches the wire (every id a peer sends is
+bounds-checked; the checks both transports share are in :mod:`kvbridge.connector.transport.checks`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""kvbridge's log lines in vLLM's output (DESIGN.md §8: vLLM configures only its own loggers).
+"""kvbridge's log lines in vLLM's output (vLLM configures only its own loggers).
 
 No vLLM import: :func:`follow_vllm_logging` hands the ``kvbridge`` logger the
 handlers vLLM configured on its ``vllm`` logger (same stream, same format),

@@ -6,7 +6,7 @@ goes through :class:`NixlAgent`, under :attr:`NixlAgent.lock`; the lock is
 re-entrant because the transport holds it across several calls while it
 changes its own tables.
 
-The agent is created with NIXL's progress thread **off** (DESIGN.md §5: an
+The agent is created with NIXL's progress thread **off** (measured: an
 idle one burns a core on 2-core machines). kvbridge drives progress itself:
 a waiting transfer polls its own state, and a small background thread of
 ours (``progress_interval_s``, sleeping between polls, stopped by

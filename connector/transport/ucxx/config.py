@@ -24,9 +24,9 @@ __all__ = ["UcxxConfig", "UcxxStats", "check_host_memory", "load_ucxx"]
 def load_ucxx() -> tuple[Any, Any]:
     """Import UCXX's synchronous API lazily: ``(ucxx._lib.libucxx, ucxx._lib.arr.Array)``.
 
-    Sets ``UCX_MODULES=^ib`` (DESIGN.md §5) and host staging for rendezvous
-    unless the environment says otherwise, and drops the ``UCX_MEMTYPE_CACHE``
-    knob UCXX sets at import, which this UCX no longer knows (it would warn
+    Sets ``UCX_MODULES=^ib`` (without it processes segfault at exit here) and host
+    staging for rendezvous unless the environment says otherwise, and drops the
+    ``UCX_MEMTYPE_CACHE`` knob UCXX sets at import, which this UCX no longer knows (it would warn
     at every context).
     """
     os.environ.setdefault("UCX_MODULES", "^ib")
