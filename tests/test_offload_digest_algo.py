@@ -9,7 +9,6 @@ notifications); the bytes are written into the pool's memory directly, as a WRIT
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 
 import pytest
 import torch
@@ -17,33 +16,13 @@ import torch
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
 from kvbridge.connector.offload.moves import load_digests
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport import LocalMemory
 from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, block_digests, new_key
 from kvbridge.proto import EngineId, KVLayout, WireError, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.worker.offload.server import OffloadConfig, OffloadHandlers
+from tests.harness.offload import FakeTransport
 
 BLOCKS = 8
-
-
-class FakeTransport:
-    name = "fake-offload-agent"
-
-    def __init__(self) -> None:
-        self.notifications: dict[str, list[bytes]] = {}
-
-    def poll_notifications(self) -> dict[str, list[bytes]]:
-        out, self.notifications = self.notifications, {}
-        return out
-
-    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
-        return LocalMemory(1, layout.bind(kv), "cpu")
-
-    def unregister(self, memory: LocalMemory) -> None:
-        pass
-
-    def metadata(self) -> bytes:
-        return b"fake-metadata"
 
 
 def _stored(algo: str, named: str = "") -> tuple[OffloadHandlers, str, list[bytes], KVLayout]:

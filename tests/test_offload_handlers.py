@@ -10,45 +10,21 @@ counters and contents exactly as they were.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.connector.control.errors import status_for
 from kvbridge.connector.control.types import PeerInfo, Role, mode_from_pb, peer_to_pb
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport import LocalMemory
 from kvbridge.proto import EngineId, KVBridgeError, KVLayout, TransferMode, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.worker.offload.server import OffloadConfig, OffloadHandlers
+from tests.harness.offload import FakeTransport
 
 BLOCKS = 8
-
-
-class FakeTransport:
-    """Registers nothing real; enough for the handlers (which never move data)."""
-
-    name = "fake-offload-agent"
-
-    def __init__(self) -> None:
-        self.notifications: dict[str, list[bytes]] = {}
-
-    def poll_notifications(self) -> dict[str, list[bytes]]:
-        out, self.notifications = self.notifications, {}
-        return out
-
-    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
-        return LocalMemory(1, layout.bind(kv), "cpu")
-
-    def unregister(self, memory: LocalMemory) -> None:
-        pass
-
-    def metadata(self) -> bytes:
-        return b"fake-metadata"
 
 
 def worker_layout(**kw: Any) -> KVLayout:

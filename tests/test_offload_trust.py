@@ -13,26 +13,24 @@ import hashlib
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import torch
 
 from kvbridge.connector.control.auth import TokenSet, token_identity
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.offload.wire import store_notification
-from kvbridge.connector.transport import LocalMemory
 from kvbridge.proto import BlockHash, ConfigError, EngineId, KVLayout, preset_layout
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.worker.engine import EngineConfig
 from kvbridge.worker.offload import OffloadConfig, OffloadServer, serve
-from tests.harness.offload import DaemonProc, WorkerProc
+from tests.harness.offload import DaemonProc, FakeTransport, WorkerProc
 
 TINY_BLOCK = 2 * 4 * 16 * 2 * 32 * 4  # tiny preset: 2 x 4 layers x 16 tokens x 2 heads x 32 x fp32
 TOKEN = "s3cret-token"
@@ -40,34 +38,6 @@ TOKEN = "s3cret-token"
 
 def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
-
-
-class FakeTransport:
-    """Registers nothing real; delivers the notifications a test puts in ``notifications``."""
-
-    name = "fake-offload-agent"
-
-    def __init__(self) -> None:
-        self.notifications: dict[str, list[bytes]] = {}
-        self.lock = threading.Lock()
-
-    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
-        return LocalMemory(1, layout.bind(kv), "cpu")
-
-    def unregister(self, memory: LocalMemory) -> None:
-        pass
-
-    def metadata(self) -> bytes:
-        return b"fake-metadata"
-
-    def poll_notifications(self) -> dict[str, list[bytes]]:
-        with self.lock:
-            out, self.notifications = self.notifications, {}
-        return out
-
-    def notify(self, agent: str, message: bytes) -> None:
-        with self.lock:
-            self.notifications.setdefault(agent, []).append(message)
 
 
 class Caller:

@@ -4,11 +4,48 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
+from kvbridge.connector.transport import LocalMemory
+from kvbridge.proto import KVLayout
 from kvbridge.worker import ChildProcess, listening_on
 from tests.harness.peer import PeerProc, start_peers
 
+if TYPE_CHECKING:
+    import torch
+
 WORKER_MODULE = "tests.harness.offload_worker"
+
+
+class FakeTransport:
+    """An offload daemon's transport that registers nothing real (the handlers never move
+    data) and delivers the notifications a test puts in ``notifications`` or :meth:`notify`."""
+
+    name = "fake-offload-agent"
+
+    def __init__(self) -> None:
+        self.notifications: dict[str, list[bytes]] = {}
+        self.lock = threading.Lock()
+
+    def register(self, layout: KVLayout, kv: Mapping[str, torch.Tensor]) -> LocalMemory:
+        return LocalMemory(1, layout.bind(kv), "cpu")
+
+    def unregister(self, memory: LocalMemory) -> None:
+        pass
+
+    def metadata(self) -> bytes:
+        return b"fake-metadata"
+
+    def poll_notifications(self) -> dict[str, list[bytes]]:
+        with self.lock:
+            out, self.notifications = self.notifications, {}
+        return out
+
+    def notify(self, agent: str, message: bytes) -> None:
+        with self.lock:
+            self.notifications.setdefault(agent, []).append(message)
 
 
 def free_port() -> int:
