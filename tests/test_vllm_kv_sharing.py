@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import model_or_skip, pd_trio
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -31,23 +31,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harn
     model = harness.write_tiny_model("gemma4", tmp / "gemma4")
     port = 20000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
-    started = {
-        "prefill": harness.Engine(
-            model,
-            core=0,
-            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
-            log=tmp / "prefill.log",
-            **common,
-        ),
-        "decode": harness.Engine(
-            model,
-            core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
-            log=tmp / "decode.log",
-            **common,
-        ),
-        "plain": harness.Engine(model, core=1, log=tmp / "plain.log", **common),
-    }
+    started = pd_trio(model, tmp, port, **common)
     with harness.running(started) as engines:
         yield engines
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -44,6 +45,29 @@ def model_or_skip(tmp: Path) -> Path:
     model = _session["model"]
     assert isinstance(model, Path)
     return model
+
+
+def pd_trio(model: Path, tmp: Path, port: int, **common: Any) -> dict[str, Engine]:
+    """A prefill (core 0, control ``port``), a decode (core 1) and a plain engine (core 1)
+    of ``model``, started without waiting (pass them to :func:`running`); ``common`` goes
+    to every :class:`Engine`."""
+    return {
+        "prefill": Engine(
+            model,
+            core=0,
+            kv=kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
+            log=tmp / "prefill.log",
+            **common,
+        ),
+        "decode": Engine(
+            model,
+            core=1,
+            kv=kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
+            log=tmp / "decode.log",
+            **common,
+        ),
+        "plain": Engine(model, core=1, log=tmp / "plain.log", **common),
+    }
 
 
 class Engines(dict[str, Engine]):
