@@ -7,9 +7,14 @@ one contiguous region of that size (``raw_gbps``), then, per layout
 (block-outermost vs layer-separate) and block order (random vs sequential),
 READ and WRITE bandwidth, descriptors per
 transfer, descriptor prep time and p50/p99 latency of 1k/8k/32k-token
-requests. Targets, as ratios in one run: block-outermost >= 1.5x
-layer-separate at 16-token blocks, >= 70% of memcpy for >= 1 MiB blocks,
->= 90% of the raw single-region NIXL figure.
+requests. Each READ is also timed interleaved, repeat by repeat, with bare
+NIXL calls moving the same blocks on the same prepped lists (one descriptor
+per block on a block-outermost link: ``vs_bare_nixl``) and with the
+one-region READ of the same bytes (``vs_raw_paired``); both are medians of
+per-repeat ratios, so that a busy machine slows both sides alike. Targets,
+as ratios in one run: block-outermost >= 1.5x layer-separate at 16-token
+blocks, >= 70% of memcpy for >= 1 MiB blocks, >= 90% of raw NIXL moving the
+same bytes.
 
 ``--target-device`` / ``--reader-device`` put either side's KV pool on the GPU
 (``cuda``): NIXL then registers VRAM. The reference copy is then torch's copy
@@ -134,7 +139,8 @@ def _pair(
 ) -> dict[str, Any]:
     t = target("setup", key=key, device=args.target_device, **setup)
     reader("setup", key=key, device=args.reader_device, **setup)
-    return reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
+    link = reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
+    return {**link, "metadata": t["metadata"], "layout": t["layout"]}
 
 
 def _drop(target: _Proc, reader: _Proc, key: str) -> None:
@@ -166,18 +172,21 @@ def _measure(
         dst=args.reader_device,
     )
     memcpy, d2d = copies["gbps"], copies.get("d2d_gbps")
-    _pair(
+    raw_link = _pair(
         target, reader, args, "raw", preset=preset, block_size=bs * n, num_blocks=1,
         order="block-nhd",
     )  # fmt: skip
     raw = reader("bandwidth", key="raw", op="read", pattern="sequential", n=1,
                  repeats=args.repeats, seed=0)["gbps"]  # fmt: skip
-    _drop(target, reader, "raw")
     rows = []
     for kind, order in ORDERS.items():
         link = _pair(
             target, reader, args, kind, preset=preset, block_size=bs, num_blocks=pool, order=order
         )
+        # the target's new registration changed its metadata, which took the raw link down:
+        # link the raw region again with the same metadata, for the interleaved comparison
+        reader("connect", key="raw", peer=target.name, metadata=link["metadata"],
+               layout=raw_link["layout"])  # fmt: skip
         latency: dict[str, Any] = {}
         for tokens in args.request_tokens:
             k = -(-tokens // bs)
@@ -191,6 +200,9 @@ def _measure(
             common = {"key": kind, "pattern": pattern, "n": n, "repeats": args.repeats, "seed": 1}
             rd = reader("bandwidth", op="read", **common)
             wr = reader("bandwidth", op="write", **common)
+            # the same READs interleaved with bare NIXL calls on the same lists and with
+            # the one-region READ of the same bytes
+            bare = reader("bare", op="read", raw_key="raw", **common)
             rows.append(
                 {
                     "transport": transport,
@@ -212,6 +224,9 @@ def _measure(
                     "raw_gbps": raw,
                     "vs_memcpy": rd["gbps"] / memcpy,
                     "vs_raw": rd["gbps"] / raw,
+                    "bare_nixl_gbps": bare["bare_gbps"],
+                    "vs_bare_nixl": bare["vs_bare"],
+                    "vs_raw_paired": bare["vs_raw"],
                     "d2d_gbps": d2d,
                     "vs_d2d": rd["gbps"] / d2d if d2d else None,
                     "write_vs_d2d": wr["gbps"] / d2d if d2d else None,
@@ -219,6 +234,7 @@ def _measure(
                 }
             )
         _drop(target, reader, kind)
+    _drop(target, reader, "raw")
     return rows
 
 
@@ -241,6 +257,8 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "outermost_vs_layer": r["gbps"] / other["gbps"],
                     "outermost_vs_memcpy": r["vs_memcpy"],
                     "outermost_vs_raw": r["vs_raw"],
+                    "outermost_vs_raw_paired": r["vs_raw_paired"],
+                    "outermost_vs_bare_nixl": r["vs_bare_nixl"],
                     "outermost_vs_d2d": r["vs_d2d"],
                     "layer_vs_d2d": other["vs_d2d"],
                 }
@@ -282,8 +300,9 @@ def run(args: argparse.Namespace) -> int:
             stack.__exit__(None, None, None)
     columns = ["transport", "devices", "preset", "layout", "pattern", "block_tokens",
                "descriptors", "prep_ms", "gbps", "write_gbps", "memcpy_gbps",
-               "d2d_gbps", "raw_gbps", "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k",
-               "p50_ms_32k", "p99_ms_32k"]  # fmt: skip
+               "d2d_gbps", "raw_gbps", "bare_nixl_gbps", "vs_bare_nixl", "vs_raw_paired",
+               "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k", "p50_ms_32k", "p99_ms_32k",
+               ]  # fmt: skip
     print_table(rows, columns)
     ratios = _ratios(rows)
     print()

@@ -28,6 +28,9 @@ __all__ = ["serve", "BenchPeer"]
 
 log = logging.getLogger(__name__)
 
+# the orders :meth:`BenchPeer.op_bare` takes its three moves in, one per repeat in turn
+_ROTATIONS = (("ours", "bare", "raw"), ("bare", "raw", "ours"), ("raw", "ours", "bare"))
+
 
 class BenchPeer:
     """One side of the benchmark; methods are the ops the driver may call."""
@@ -61,6 +64,9 @@ class BenchPeer:
 
     def op_connect(self, key: str, peer: str, metadata: bytes, layout: bytes) -> dict[str, Any]:
         remote = KVLayout.from_bytes(layout)
+        old = self.links.pop(key, None)
+        if old is not None:  # e.g. a link the peer's new metadata took down: linked again
+            self.transport.disconnect(old)
         link = self.transport.connect(peer, metadata, remote, self.memories[key][0])
         self.links[key] = link
         return {"prep_s": link.prep_s, "descriptors_per_block": link.descriptors_per_block}
@@ -104,6 +110,82 @@ class BenchPeer:
             "gbps": nbytes / times[0] / 1e9,
             "median_gbps": nbytes / times[len(times) // 2] / 1e9,
             "descriptors": n * self.links[key].descriptors_per_block,
+        }
+
+    def op_bare(
+        self, key: str, op: str, pattern: str, n: int, repeats: int, seed: int, raw_key: str
+    ) -> dict[str, Any]:
+        """The transport's transfer against bare NIXL moving the same bytes, interleaved.
+
+        Each repeat moves one set of ids through ``read_blocks``/``write_blocks``,
+        the same blocks with ``make_prepped_xfer`` + ``transfer`` +
+        ``check_xfer_state`` on the link's own prepped lists, with descriptor
+        indices computed before the clock starts (one descriptor per block on a
+        block-outermost link), as a program calling NIXL by hand would, then the
+        same byte count as one region through the link ``raw_key`` (one block of
+        that size), the three in a rotating order. Returns the best GB/s of each,
+        and ``vs_bare`` / ``vs_raw``: the median over the repeats of the other's
+        time over the transport's (1 = as fast), so that a busy machine slows
+        both sides of each ratio alike.
+        """
+        from kvbridge.connector.transport.nixl_descs import request_indices
+        from kvbridge.proto.negotiate import TransferMode
+
+        transport: Any = self.transport  # the bench reads the NIXL transport's internals
+        link = self.links[key]
+        state = transport._links[link.link_id]
+        local_h, remote_h = state.dlists["self"]
+        agent = transport._nixl._agent
+        rng = random.Random(seed)
+        nbytes = n * link.local.layout.block_bytes()
+        times: dict[str, list[float]] = {"ours": [], "bare": [], "raw": []}
+
+        def bare_move(li: Any, ri: Any) -> float:
+            t0 = time.perf_counter()
+            with transport._lock:
+                xfer = agent.make_prepped_xfer(op.upper(), local_h, li, remote_h, ri, b"")
+                status = agent.transfer(xfer)
+                while status == "PROC":
+                    status = agent.check_xfer_state(xfer)
+                xfer.release()
+            if status != "DONE":
+                raise RuntimeError(f"bare NIXL {op} ended {status}")
+            return time.perf_counter() - t0
+
+        for i in range(repeats + 1):  # the first round warms all three
+            local_ids, remote_ids = self._ids(key, n, pattern, rng)
+            li, ri = request_indices(
+                link.local.layout,
+                link.remote_layout,
+                "self",
+                local_ids,
+                remote_ids,
+                per_span=link.mode is TransferMode.PER_SPAN,
+                strided=state.strided,
+            )
+            taken = {}
+            for name in _ROTATIONS[i % 3]:  # none of the three always goes first
+                if name == "ours":
+                    taken[name] = self._move(key, op, local_ids, remote_ids)
+                elif name == "bare":
+                    taken[name] = bare_move(li, ri)
+                else:
+                    taken[name] = self._move(raw_key, op, [0], [0])
+            if i:
+                for name, elapsed in taken.items():
+                    times[name].append(elapsed)
+        ours, bare, raw = times["ours"], times["bare"], times["raw"]
+
+        def median_ratio(other: list[float]) -> float:
+            ratios = sorted(b / o for o, b in zip(ours, other, strict=True))
+            return ratios[len(ratios) // 2]
+
+        return {
+            "gbps": nbytes / min(ours) / 1e9,
+            "bare_gbps": nbytes / min(bare) / 1e9,
+            "raw_gbps": nbytes / min(raw) / 1e9,
+            "vs_bare": median_ratio(bare),
+            "vs_raw": median_ratio(raw),
         }
 
     def op_latency(self, key: str, n: int, repeats: int, seed: int) -> dict[str, Any]:
