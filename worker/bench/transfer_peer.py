@@ -128,47 +128,20 @@ class BenchPeer:
         time over the transport's (1 = as fast), so that a busy machine slows
         both sides of each ratio alike.
         """
-        from kvbridge.connector.transport.nixl_descs import request_indices
-        from kvbridge.proto.negotiate import TransferMode
+        from kvbridge.worker.bench.bare_nixl import bare_move
 
-        transport: Any = self.transport  # the bench reads the NIXL transport's internals
         link = self.links[key]
-        state = transport._links[link.link_id]
-        local_h, remote_h = state.dlists["self"]
-        agent = transport._nixl._agent
         rng = random.Random(seed)
         nbytes = n * link.local.layout.block_bytes()
         times: dict[str, list[float]] = {"ours": [], "bare": [], "raw": []}
-
-        def bare_move(li: Any, ri: Any) -> float:
-            t0 = time.perf_counter()
-            with transport._lock:
-                xfer = agent.make_prepped_xfer(op.upper(), local_h, li, remote_h, ri, b"")
-                status = agent.transfer(xfer)
-                while status == "PROC":
-                    status = agent.check_xfer_state(xfer)
-                xfer.release()
-            if status != "DONE":
-                raise RuntimeError(f"bare NIXL {op} ended {status}")
-            return time.perf_counter() - t0
-
         for i in range(repeats + 1):  # the first round warms all three
             local_ids, remote_ids = self._ids(key, n, pattern, rng)
-            li, ri = request_indices(
-                link.local.layout,
-                link.remote_layout,
-                "self",
-                local_ids,
-                remote_ids,
-                per_span=link.mode is TransferMode.PER_SPAN,
-                strided=state.strided,
-            )
             taken = {}
             for name in _ROTATIONS[i % 3]:  # none of the three always goes first
                 if name == "ours":
                     taken[name] = self._move(key, op, local_ids, remote_ids)
                 elif name == "bare":
-                    taken[name] = bare_move(li, ri)
+                    taken[name] = bare_move(self.transport, link, op, local_ids, remote_ids)
                 else:
                     taken[name] = self._move(raw_key, op, [0], [0])
             if i:
