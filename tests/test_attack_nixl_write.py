@@ -26,8 +26,8 @@ from kvbridge.connector.control.seal import expected_seal, probe_slots, seal_dig
 from kvbridge.connector.planner import tail_name
 from kvbridge.proto import EngineId, codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import make_encoder_inputs, make_workload
 from kvbridge.worker.serving.node_cmd import engine_config_from_args
+from kvbridge.worker.tools import make_encoder_inputs, make_workload
 from tests.harness.nodes import NodePair, node_args, reference
 from tests.harness.peer import PeerProc, start_peers
 
