@@ -39,12 +39,14 @@ from kvbridge.proto.specs import (
     DTYPE_BYTES,
     ORDERS,
     GroupSpec,
+    KVGroup,
     LayerSpec,
     ModelSpec,
     Region,
     Span,
     check_groups_and_layers,
     check_order,
+    parse_group,
     parse_order,
 )
 
@@ -58,9 +60,11 @@ __all__ = [
     "ModelSpec",
     "LayerSpec",
     "GroupSpec",
+    "KVGroup",
     "Region",
     "Span",
     "KVLayout",
+    "parse_group",
     "parse_order",
 ]
 
@@ -134,13 +138,13 @@ class KVLayout:
     def inner_order(self) -> tuple[str, ...]:
         return self.order[3:]
 
-    def group(self, name: str) -> GroupSpec:
+    def group(self, name: KVGroup) -> GroupSpec:
         for g in self.groups:
             if g.name == name:
                 return g
         raise LayoutError(f"layout has no group {name!r}; it has {[g.name for g in self.groups]}")
 
-    def owning_layers(self, group: str) -> tuple[LayerSpec, ...]:
+    def owning_layers(self, group: KVGroup) -> tuple[LayerSpec, ...]:
         """Layers of ``group`` that own memory, in layout order (the ``L`` dimension)."""
         key = f"own:{group}"
         if key not in self._cache:
@@ -150,7 +154,7 @@ class KVLayout:
         result: tuple[LayerSpec, ...] = self._cache[key]
         return result
 
-    def sizes(self, group: str) -> dict[str, int]:
+    def sizes(self, group: KVGroup) -> dict[str, int]:
         """Size of each logical dimension in ``group``."""
         return {
             "B": self.group(group).num_blocks,
@@ -161,7 +165,7 @@ class KVLayout:
             "C": self.model.head_size,
         }
 
-    def strides(self, group: str) -> dict[str, int]:
+    def strides(self, group: KVGroup) -> dict[str, int]:
         """Byte stride of each dimension in ``group`` (``L`` is the region step if per-layer)."""
         sizes = self.sizes(group)
         out: dict[str, int] = {}
@@ -177,14 +181,14 @@ class KVLayout:
         """Bytes of one (layer, K/V) span of one block: ``N * H * C * dtype``."""
         return self.block_size * self.num_heads * self.model.head_size * self.model.dtype_bytes
 
-    def block_bytes(self, group: str = "self") -> int:
+    def block_bytes(self, group: KVGroup = KVGroup.SELF) -> int:
         """Bytes of one block of ``group`` across all its owning layers and K/V."""
         return 2 * len(self.owning_layers(group)) * self.span_bytes
 
-    def descriptors_per_block(self, group: str = "self") -> int:
+    def descriptors_per_block(self, group: KVGroup = KVGroup.SELF) -> int:
         return 1 if self.block_outermost else 2 * len(self.owning_layers(group))
 
-    def group_bytes(self, group: str) -> int:
+    def group_bytes(self, group: KVGroup) -> int:
         return self.group(group).num_blocks * self.block_bytes(group)
 
     @property
@@ -197,7 +201,7 @@ class KVLayout:
             self.regions_of(g.name).stop - self.regions_of(g.name).start for g in self.groups
         )
 
-    def regions_of(self, group: str) -> range:
+    def regions_of(self, group: KVGroup) -> range:
         """Indices (into ``regions``) of the memory regions of ``group``."""
         start = 0
         for g in self.groups:
@@ -214,14 +218,14 @@ class KVLayout:
                 return self.group_bytes(g.name) // len(r)
         raise LayoutError(f"region index {index} out of range 0..{self.num_regions - 1}")
 
-    def check_block_ids(self, group: str, block_ids: Sequence[int]) -> None:
+    def check_block_ids(self, group: KVGroup, block_ids: Sequence[int]) -> None:
         """Raise LayoutError naming the first id outside ``0..num_blocks-1`` of ``group``."""
         n = self.group(group).num_blocks
         for b in block_ids:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
                 raise LayoutError(f"block id {b!r} of group {group!r} is outside 0..{n - 1}")
 
-    def block_spans(self, group: str, block_id: int) -> list[Span]:
+    def block_spans(self, group: KVGroup, block_id: int) -> list[Span]:
         """The spans that together hold block ``block_id`` of ``group``.
 
         One span when block-outermost; otherwise one per (owning layer, K/V),
@@ -246,7 +250,7 @@ class KVLayout:
                 )
         return spans
 
-    def iter_spans(self, group: str, block_ids: Sequence[int]) -> Iterator[Span]:
+    def iter_spans(self, group: KVGroup, block_ids: Sequence[int]) -> Iterator[Span]:
         for b in block_ids:
             yield from self.block_spans(group, b)
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.proto import codec
 from kvbridge.proto.errors import WireError
-from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region
+from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region, parse_group
 
 if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
@@ -64,14 +64,18 @@ def layout_from_bytes(
         counts = codec.take(body, "num_blocks", list)
         if len(names) != len(counts):
             raise WireError("groups and num_blocks differ in length")
-        groups = tuple(GroupSpec(_str(n), _int(c)) for n, c in zip(names, counts, strict=True))
+        groups = tuple(
+            GroupSpec(parse_group(_str(n)), _int(c)) for n, c in zip(names, counts, strict=True)
+        )
         layers = []
         for item in codec.take(body, "layers", list):
             if not isinstance(item, list) or len(item) != 3:
                 raise WireError("each layer must be [name, group, kv_source]")
             src = item[2]
             layers.append(
-                LayerSpec(_str(item[0]), _str(item[1]), None if src is None else _str(src))
+                LayerSpec(
+                    _str(item[0]), parse_group(_str(item[1])), None if src is None else _str(src)
+                )
             )
         regions = []
         for item in codec.take(body, "regions", list):

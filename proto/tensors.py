@@ -23,6 +23,7 @@ from kvbridge.proto.layout import (
     ModelSpec,
     Region,
 )
+from kvbridge.proto.specs import KVGroup, parse_group
 
 __all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
 
@@ -121,7 +122,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
     same_without_l = [d for d in described.order if d != "L"] == [
         d for d in layout.order if d != "L"
     ]
-    if len(layout.owning_layers("self")) == 1 and same_without_l:
+    if len(layout.owning_layers(KVGroup.SELF)) == 1 and same_without_l:
         described = layout.with_regions(_regions(layout, kv_caches))
     if described.one_region and layout.layer_separate and described.order == layout.order:
         # layers in one allocation may still be registered one region per layer
@@ -164,11 +165,11 @@ def from_tensors(
     dtype = _dtype_name(first.dtype)
     elem = DTYPE_BYTES[dtype]
     layers: list[LayerSpec] = []
-    owner_at: dict[tuple[int, str], str] = {}
-    num_blocks: dict[str, int] = {}
+    owner_at: dict[tuple[int, KVGroup], str] = {}
+    num_blocks: dict[KVGroup, int] = {}
     order: tuple[str, ...] | None = None
     for name, t in kv_caches.items():
-        group = groups_of.get(name, "self")
+        group = parse_group(groups_of.get(name, KVGroup.SELF))
         if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != block_size:
             raise LayoutError(
                 f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size), "
@@ -196,7 +197,7 @@ def from_tensors(
         elif order != inner:
             raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
     assert order is not None
-    group_names = ["self"] + [g for g in ("cross",) if g in num_blocks]
+    group_names = [KVGroup.SELF] + [g for g in (KVGroup.CROSS,) if g in num_blocks]
     if set(num_blocks) - set(group_names):
         raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}
@@ -207,7 +208,7 @@ def from_tensors(
     model = ModelSpec(
         name=model_name,
         dtype=dtype,
-        num_layers=per_group["self"],
+        num_layers=per_group[KVGroup.SELF],
         num_kv_heads=first.shape[3] * tp_size,
         head_size=first.shape[4],
     )
@@ -269,7 +270,7 @@ def _place_layer_dim(
     order: tuple[str, ...],
     elem: int,
 ) -> tuple[str, ...]:
-    owners = [x for x in layers if x.kv_source is None and x.group == "self"]
+    owners = [x for x in layers if x.kv_source is None and x.group == KVGroup.SELF]
     ptrs = [kv_caches[x.name].data_ptr() for x in owners]
     steps = {b - a for a, b in itertools.pairwise(ptrs)}
     t = kv_caches[owners[0].name]

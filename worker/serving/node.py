@@ -283,7 +283,7 @@ class Node(Closing):
         if load is not None:
             result.transfer_ms = load.transfer_ms
             result.blocks_moved = load.blocks_moved
-            result.blocks_moved_by_group = dict(load.moved_by_group)
+            result.blocks_moved_by_group = {g.value: n for g, n in load.moved_by_group.items()}
             result.bytes_moved = load.bytes_moved
             result.blocks_offloaded = load.blocks_offloaded
             result.offload_bad_digest = load.offload_bad_digest
@@ -306,8 +306,8 @@ class Node(Closing):
 
     # ----- stats and lifecycle -------------------------------------------------------------
     def stats(self) -> epb.EngineStatsResponse:
-        free = {g: self.engine.num_free_blocks(g) for g in self.engine.pools}
-        total = {g: p.num_blocks for g, p in self.engine.pools.items()}
+        free = {g.value: self.engine.num_free_blocks(g) for g in self.engine.pools}
+        total = {g.value: p.num_blocks for g, p in self.engine.pools.items()}
         return epb.EngineStatsResponse(
             engine_id=self.config.connector.engine_id,
             role=self.config.connector.role,
