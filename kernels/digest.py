@@ -49,7 +49,7 @@ __all__ = [
 ALGO_XXH3 = "xxh3-128"
 """The CPU digest: XXH3-128, seeded with the hand-over's key."""
 ALGO_DEVICE = "kvb-mlh32x4"
-"""The device digest (:mod:`kvbridge.kernels.digest_cuda`, which checks it is the same name)."""
+"""The device digest, computed by :mod:`kvbridge.kernels.digest_cuda`."""
 DIGEST_BYTES = 16
 """Length of one block digest."""
 _KEY_MASK = (1 << 64) - 1

@@ -1,4 +1,5 @@
-"""The device block digest (:data:`ALGO_DEVICE`): computed where CUDA KV lives, no host copy.
+"""The device block digest (``ALGO_DEVICE`` of :mod:`kvbridge.kernels.digest`): computed where
+CUDA KV lives, no host copy.
 
 XXH3 (:mod:`kvbridge.kernels.digest`) is a sequential byte hash: fine on a CPU
 core, a poor fit for thousands of GPU threads. CUDA memory is digested with a
@@ -45,7 +46,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.kernels import digest
 from kvbridge.proto.errors import LayoutError
 from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.specs import Region, Span
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ALGO_DEVICE",
     "LANES",
     "chunk_bytes_of",
     "device_block_digests",
@@ -63,8 +62,6 @@ __all__ = [
     "reference_block_digests",
 ]
 
-ALGO_DEVICE = digest.ALGO_DEVICE
-"""The device digest's name; a digest travels with its algorithm's name."""
 LANES = 4
 _TABLE = 256
 _MAX_CHUNK = 4 * _TABLE
