@@ -53,7 +53,12 @@ def test_the_inference_port_disconnects_idle_clients() -> None:
         connector=ConnectorConfig("idle-test"),
         max_connection_idle_s=1.0,
     )
-    server = inference_server(config, InferenceServicer(StatsOnlyNode()))  # type: ignore[arg-type]
+    server = inference_server(
+        InferenceServicer(StatsOnlyNode(), config.request_timeout_s),  # type: ignore[arg-type]
+        token=None,
+        max_connection_idle_s=config.max_connection_idle_s,
+        max_concurrent_requests=config.max_concurrent_requests,
+    )
     port = listen(server, "127.0.0.1", 0, None, None)
     server.start()
     states: list[grpc.ChannelConnectivity] = []
@@ -126,7 +131,12 @@ def test_a_malformed_inference_request_is_invalid_argument(method: str) -> None:
         engine=EngineConfig.preset("tiny", num_blocks=8), connector=ConnectorConfig("bad-bytes")
     )
     node = StatsOnlyNode()
-    server = inference_server(config, InferenceServicer(node))  # type: ignore[arg-type]
+    server = inference_server(
+        InferenceServicer(node, config.request_timeout_s),  # type: ignore[arg-type]
+        token=None,
+        max_connection_idle_s=config.max_connection_idle_s,
+        max_concurrent_requests=config.max_concurrent_requests,
+    )
     port = listen(server, "127.0.0.1", 0, None, None)
     server.start()
     try:

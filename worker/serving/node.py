@@ -41,10 +41,15 @@ from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.kv_events import open_sink
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
-from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+from kvbridge.worker.serving.inference import (
+    GenerateResult,
+    InferenceServicer,
+    inference_server,
+    listen,
+)
 from kvbridge.worker.serving.metrics import NodeMetrics
 
-__all__ = ["NodeConfig", "Node", "GenerateResult"]
+__all__ = ["NodeConfig", "Node"]
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +93,6 @@ class NodeConfig:
             raise ConfigError(
                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}"
             )
-
-
-@dataclass(slots=True)
-class GenerateResult:
-    output: RequestOutput
-    transfer_ms: float = 0.0
-    blocks_moved: int = 0
-    load_error: str = ""
-    blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
-    bytes_moved: int = 0
-    blocks_offloaded: int = 0
-    offload_bad_digest: int = 0
-    blocks_refused: int = 0
-    """Blocks recomputed because the planner refused prefill's KV (``load_error`` says why)."""
 
 
 @dataclass(slots=True)
@@ -184,7 +175,12 @@ class Node(Closing):
             self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
             self._thread.start()
             built.callback(self._stop_engine)
-            self._grpc = inference_server(config, InferenceServicer(self))
+            self._grpc = inference_server(
+                InferenceServicer(self, config.request_timeout_s),
+                token=config.connector.token,
+                max_connection_idle_s=config.max_connection_idle_s,
+                max_concurrent_requests=config.max_concurrent_requests,
+            )
             built.callback(lambda: self._grpc.stop(grace=0.5).wait())
             self.port = listen(
                 self._grpc, config.host, config.port, config.tls_cert, config.tls_key
