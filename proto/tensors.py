@@ -1,4 +1,4 @@
-"""Building and describing KV tensors for a :class:`KVLayout` (imports torch).
+"""Building and describing KV tensors for a layout (imports torch).
 
 Every layer is handed a view of logical shape ``(2, num_blocks, block_size,
 H, C)`` — K/V, block, token, head, channel — whose strides follow the
@@ -11,21 +11,25 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import (
+from kvbridge.proto.layout_core import LayoutCore
+from kvbridge.proto.specs import (
     DTYPE_BYTES,
     GroupSpec,
-    KVLayout,
+    KVGroup,
     LayerSpec,
     ModelSpec,
     Region,
+    parse_group,
 )
-from kvbridge.proto.specs import KVGroup, parse_group
 
 __all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
+
+L = TypeVar("L", bound=LayoutCore)
 
 LOGICAL = ("KV", "B", "N", "H", "C")
 
@@ -46,7 +50,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+def allocate(layout: LayoutCore, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed KV tensors for ``layout``: per-layer views, one allocation per region.
 
     Block-outermost (and any single-region) groups are one allocation in which
@@ -80,7 +84,7 @@ def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {x.name: out[x.name] for x in layout.layers}
 
 
-def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
+def _regions(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
     regions = []
     for g in layout.groups:
         owners = layout.owning_layers(g.name)
@@ -108,9 +112,10 @@ def _check_disjoint(regions: list[Region]) -> None:
             )
 
 
-def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+def bind(layout: L, kv_caches: Mapping[str, torch.Tensor]) -> L:
     """``layout`` with its regions read from ``kv_caches``, after checking they match it."""
     described = from_tensors(
+        type(layout),
         kv_caches,
         model_name=layout.model.name,
         block_size=layout.block_size,
@@ -142,6 +147,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
 
 
 def from_tensors(
+    cls: type[L],
     kv_caches: Mapping[str, torch.Tensor],
     *,
     model_name: str,
@@ -149,8 +155,8 @@ def from_tensors(
     layer_groups: Mapping[str, str] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> KVLayout:
-    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``.
+) -> L:
+    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``, as a ``cls``.
 
     The physical order is inferred from the views' strides and, for the
     ``L`` dimension, from the distance between consecutive layers' data
@@ -212,7 +218,7 @@ def from_tensors(
         num_kv_heads=first.shape[3] * tp_size,
         head_size=first.shape[4],
     )
-    layout = KVLayout(
+    layout = cls(
         model=model,
         block_size=block_size,
         groups=tuple(GroupSpec(g, num_blocks[g]) for g in group_names),
@@ -227,7 +233,7 @@ def from_tensors(
     return layout.with_regions(_regions(layout, kv_caches))
 
 
-def _one_allocation(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> bool:
+def _one_allocation(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> bool:
     """Whether every group's owning layers share one storage at the dense layer step
     (then a layer-outermost group is one region, not one per layer)."""
     for g in layout.groups:
@@ -283,7 +289,7 @@ def _place_layer_dim(
     return ("L", *order)
 
 
-def _check_dense(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> None:
+def _check_dense(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> None:
     elem = layout.model.dtype_bytes
     for g in layout.groups:
         st = layout.strides(g.name)
