@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.control.types import ControlLimits
 from kvbridge.proto.errors import ConfigError
 
@@ -38,15 +39,13 @@ class ControlServerConfig:
     """Most blocks one peer may pin through Pin; None: half of the owner's blocks."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
+    @property
+    def listen(self) -> ServerOptions:
+        """The port's address, token and TLS (checked when this config is built)."""
+        return ServerOptions(self.host, self.port, self.token, self.tls_cert, self.tls_key)
+
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
-        if self.token is not None and (
-            not self.token or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        _ = self.listen  # building the options checks the port, token and TLS pair
         for knob in ("max_workers", "max_concurrent_rpcs"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")

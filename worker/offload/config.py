@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kvbridge.connector.control.server_config import MAX_TTL_CEILING_S
+from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.control.types import ControlLimits
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVLayout, parse_order
@@ -71,19 +72,17 @@ class OffloadConfig:
     disk_capacity_bytes: int = 64 << 30
     limits: ControlLimits = field(default_factory=ControlLimits)
 
+    @property
+    def listen(self) -> ServerOptions:
+        """The daemon's address, token and TLS (checked when this config is built)."""
+        return ServerOptions(self.host, self.port, self.token, self.tls_cert, self.tls_key)
+
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:
             raise ConfigError(f"capacity_bytes must be >= 1, got {self.capacity_bytes}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
+        _ = self.listen  # building the options checks the port, token and TLS pair
         if self.order is not None:
             parse_order(self.order)
-        if self.token is not None and (
-            not self.token or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
         if not (math.isfinite(self.max_ttl_s) and 0 < self.max_ttl_s <= MAX_TTL_CEILING_S):
             # a store or load holds pool memory; beyond a day nothing is still writing or
             # reading, and every TTL must fit the replies' millisecond fields

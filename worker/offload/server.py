@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbridge.connector.control.auth import accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler
-from kvbridge.connector.control.grpc_server import ReapingServer, tls_credentials
+from kvbridge.connector.control.grpc_server import ReapingServer
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
@@ -88,8 +88,7 @@ class OffloadServer(Closing):
         config = handlers.config
         self._grpc = ReapingServer(
             name="offload",
-            host=config.host,
-            port=config.port,
+            options=config.listen,
             max_workers=config.max_workers,
             max_message_bytes=config.limits.max_message_bytes,
             register=lambda server: pb_grpc.add_OffloadStoreServicer_to_server(
@@ -98,8 +97,6 @@ class OffloadServer(Closing):
             reap=handlers.expire,
             reap_interval_s=config.reap_interval_s,
             max_concurrent_rpcs=config.max_concurrent_rpcs,
-            credentials=tls_credentials(config.tls_cert, config.tls_key),
-            token=config.token,
             idle_timeout_s=config.idle_timeout_s,
         )
         self.port = self._grpc.port
