@@ -152,11 +152,7 @@ def _control_config(config: ConnectorConfig, listen: ServerOptions) -> ControlSe
     from kvbridge.connector.control.server import ControlServerConfig
 
     return ControlServerConfig(
-        host=listen.host,
-        port=listen.port,
-        token=listen.token,
-        tls_cert=listen.tls_cert,
-        tls_key=listen.tls_key,
+        listen=listen,
         default_ttl_s=config.lease_ttl_s,
         max_ttl_s=config.max_lease_ttl_s,
     )

@@ -141,7 +141,7 @@ def test_the_digests_rpc_answers_a_reader_and_waits_for_a_late_hold_order() -> N
     assert worker.leases is not None and worker.layout is not None
     info = PeerInfo(EngineId("engine-a"), Role.PREFILL, preset_layout("tiny", num_blocks=32))
     key = new_key()
-    server = serve(info, worker.leases, ControlServerConfig(port=0))
+    server = serve(info, worker.leases, ControlServerConfig())
     with server, ControlClient(server.address) as client:
         # the hold order reaches the worker while the reader already waits for it
         late = threading.Timer(0.1, worker.start_step, (_empty_step(), [_order(key)]))

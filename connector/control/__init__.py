@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
+from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.control.types import (
     ControlLimits,
     HealthInfo,
@@ -36,6 +37,7 @@ __all__ = [
     "PeerInfo",
     "PinnedBlocks",
     "Role",
+    "ServerOptions",
     "serve",
 ]
 

@@ -283,7 +283,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def __init__(self, handlers: ControlHandlers) -> None:
         self._h = handlers
-        self._tokens = accepted_tokens(handlers.config.token)
+        self._tokens = accepted_tokens(handlers.config.listen.token)
 
     def _caller(self, context: Any) -> str:
         return caller_identity(context, self._tokens)

@@ -19,11 +19,8 @@ MAX_TTL_CEILING_S = 86_400.0
 class ControlServerConfig:
     """How the control server listens and what it allows (built once at the edge)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """Where the server listens, the token callers must send, TLS."""
     max_workers: int = 8
     max_concurrent_rpcs: int = 256
     default_ttl_s: float = 30.0
@@ -39,13 +36,7 @@ class ControlServerConfig:
     """Most blocks one peer may pin through Pin; None: half of the owner's blocks."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
-    @property
-    def listen(self) -> ServerOptions:
-        """The port's address, token and TLS (checked when this config is built)."""
-        return ServerOptions(self.host, self.port, self.token, self.tls_cert, self.tls_key)
-
     def __post_init__(self) -> None:
-        _ = self.listen  # building the options checks the port, token and TLS pair
         for knob in ("max_workers", "max_concurrent_rpcs"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")

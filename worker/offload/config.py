@@ -27,19 +27,15 @@ class OffloadConfig:
     """The offload daemon's settings (built once at the edge: ``kvbridge offload serve``)."""
 
     capacity_bytes: int = 8 << 30
-    host: str = "127.0.0.1"
-    port: int = 0
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """Where the daemon listens, the token every call must carry (metadata
+    ``kvbridge-token``; a :class:`~kvbridge.connector.control.auth.TokenSet` from a token
+    file accepts each of its tokens, each a separate peer), TLS."""
     layout: KVLayout | None = None
     """Allocate the pool at start in this layout (block counts ignored); None: at the first
     (authenticated) handshake, in that worker's layout."""
     order: tuple[str, ...] | None = None
     """Pool order; None: block-outermost with the (first) worker's inner order."""
-    token: str | None = None
-    """Token every call must carry (metadata ``kvbridge-token``); None: no auth. A
-    :class:`~kvbridge.connector.control.auth.TokenSet` (a token file) accepts each of its
-    tokens, each a separate peer."""
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
     default_ttl_s: float = 30.0
     max_ttl_s: float = 300.0
     reap_interval_s: float = 0.5
@@ -72,15 +68,9 @@ class OffloadConfig:
     disk_capacity_bytes: int = 64 << 30
     limits: ControlLimits = field(default_factory=ControlLimits)
 
-    @property
-    def listen(self) -> ServerOptions:
-        """The daemon's address, token and TLS (checked when this config is built)."""
-        return ServerOptions(self.host, self.port, self.token, self.tls_cert, self.tls_key)
-
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:
             raise ConfigError(f"capacity_bytes must be >= 1, got {self.capacity_bytes}")
-        _ = self.listen  # building the options checks the port, token and TLS pair
         if self.order is not None:
             parse_order(self.order)
         if not (math.isfinite(self.max_ttl_s) and 0 < self.max_ttl_s <= MAX_TTL_CEILING_S):

@@ -46,7 +46,7 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
 
     def __init__(self, h: OffloadHandlers) -> None:
         self._h = h
-        self._tokens = accepted_tokens(h.config.token)
+        self._tokens = accepted_tokens(h.config.listen.token)
 
     def _as_caller(self, method: Callable[[Req, str], Resp], request: Req, context: Any) -> Resp:
         def as_caller(r: Req) -> Resp:

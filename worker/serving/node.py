@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent import futures
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.connector.config import ConnectorConfig
@@ -53,14 +53,11 @@ class NodeConfig:
 
     engine: EngineConfig
     connector: ConnectorConfig
-    host: str = "127.0.0.1"
-    port: int = 0
-    """Inference API port (0: pick a free one)."""
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """The Inference port (0: pick a free one), the token callers must send, and the TLS
+    pair; the control server takes the same, on ``control_port``."""
     control_port: int = 0
     request_timeout_s: float = 120.0
-    tls_cert: bytes | None = None
-    """PEM certificate both servers (Inference, control) present; with ``tls_key``."""
-    tls_key: bytes | None = None
     max_connection_idle_s: float = 300.0
     """The Inference server closes connections idle this long."""
     max_concurrent_requests: int = 64
@@ -71,28 +68,14 @@ class NodeConfig:
     """torch device of the engine's model and KV cache (``cpu``, ``cuda``, ``cuda:N``)."""
 
     @property
-    def listen(self) -> ServerOptions:
-        """The Inference port: address, the connector's token, TLS."""
-        return ServerOptions(
-            self.host, self.port, self.connector.token, self.tls_cert, self.tls_key
-        )
-
-    @property
     def control_listen(self) -> ServerOptions:
-        """The control port: the same host, token and TLS as the Inference port."""
-        return ServerOptions(
-            self.host,
-            self.control_port,
-            self.connector.token,
-            self.tls_cert,
-            self.tls_key,
-            port_knob="control_port",
-        )
+        """The control port: the Inference port's host, token and TLS on ``control_port``."""
+        return replace(self.listen, port=self.control_port, port_knob="control_port")
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
-        _ = self.listen, self.control_listen  # building them checks ports, token and TLS
+        _ = self.control_listen  # building it checks the control port
         if self.max_connection_idle_s <= 0:
             raise ConfigError(
                 f"max_connection_idle_s must be > 0, got {self.max_connection_idle_s}"
@@ -190,15 +173,15 @@ class Node(Closing):
             "%s (%s) serving requests on %s:%d%s, control on %s",
             cc.engine_id,
             cc.role,
-            config.host,
+            config.listen.host,
             self.port,
-            " with TLS" if config.tls_cert else "",
+            " with TLS" if config.listen.tls else "",
             self.control.address,
         )
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return f"{self.config.listen.host}:{self.port}"
 
     # ----- requests ------------------------------------------------------------------------
     def submit(
