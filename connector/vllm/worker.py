@@ -124,14 +124,16 @@ class VllmWorker:
         self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
-        """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
+    def register(self, kv_caches: Mapping[str, torch.Tensor], model_suffix: str = "") -> KVLayout:
+        """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C);
+        ``model_suffix`` tags the model name with how the views were cut from vLLM's pages
+        (``views.packed_suffix``), so only peers with the same pages negotiate."""
         from kvbridge.connector.engine_side import EngineSide
 
         s = self.settings
         layout = KVLayout.from_tensors(
             kv_caches,
-            model_name=s.model_name,
+            model_name=s.model_name + model_suffix,
             block_size=s.block_size,
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
