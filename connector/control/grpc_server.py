@@ -27,16 +27,20 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from kvbridge.connector.control.auth import TokenInterceptor
 from kvbridge.connector.control.errors import lenient_deserializer
 from kvbridge.connector.control.server_options import ServerOptions
+from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError
 
-__all__ = ["LenientRequests", "ReapingServer", "bind", "new_server"]
+if TYPE_CHECKING:
+    from kvbridge.connector.control.types import ControlLimits
+
+__all__ = ["LenientRequests", "ReapingServer", "ServedByReaping", "bind", "new_server"]
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +98,47 @@ def bind(server: grpc.Server, options: ServerOptions, hint: str = "") -> int:
     return bound
 
 
+class ServerConfig(Protocol):
+    """What a reaping server reads from its role's config (``ControlServerConfig``,
+    ``OffloadConfig``)."""
+
+    @property
+    def listen(self) -> ServerOptions: ...
+    @property
+    def max_workers(self) -> int: ...
+    @property
+    def max_concurrent_rpcs(self) -> int: ...
+    @property
+    def reap_interval_s(self) -> float: ...
+    @property
+    def limits(self) -> ControlLimits: ...
+
+
 class ReapingServer:
     """A bound (not yet started) gRPC server plus its reaper; ``start``, then ``close``."""
+
+    @classmethod
+    def for_config(
+        cls,
+        name: str,
+        config: ServerConfig,
+        *,
+        register: Callable[[grpc.Server], None],
+        reap: Callable[[], object],
+        idle_timeout_s: float = 300.0,
+    ) -> ReapingServer:
+        """The server a role's config describes, serving what ``register`` adds."""
+        return cls(
+            name=name,
+            options=config.listen,
+            max_workers=config.max_workers,
+            max_message_bytes=config.limits.max_message_bytes,
+            register=register,
+            reap=reap,
+            reap_interval_s=config.reap_interval_s,
+            max_concurrent_rpcs=config.max_concurrent_rpcs,
+            idle_timeout_s=idle_timeout_s,
+        )
 
     def __init__(
         self,
@@ -175,3 +218,22 @@ class ReapingServer:
                 self._reap_fn()
             except Exception:
                 log.exception("%s reaper failed", self._name)
+
+
+class ServedByReaping(Closing):
+    """A kvbridge service on a :class:`ReapingServer` (``_grpc``): its port, address and
+    ``wait``; the service says how it starts and what closing it also releases."""
+
+    _grpc: ReapingServer
+
+    @property
+    def port(self) -> int:
+        return self._grpc.port
+
+    @property
+    def address(self) -> str:
+        return self._grpc.address
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the server stops (or ``timeout_s`` passes); True if it stopped."""
+        return self._grpc.wait(timeout_s)

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbridge.connector.control.auth import accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler, lease_not_found
-from kvbridge.connector.control.grpc_server import ReapingServer
+from kvbridge.connector.control.grpc_server import ReapingServer, ServedByReaping
 from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable, PeerCaps
 from kvbridge.connector.control.server_config import ControlServerConfig
 from kvbridge.connector.control.types import (
@@ -32,7 +32,6 @@ from kvbridge.connector.control.types import (
 )
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
-from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import (
     BlockPoolError,
     ControlPlaneError,
@@ -307,7 +306,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
         return call_handler(self._h.digests, request, context)
 
 
-class ControlServer(Closing):
+class ControlServer(ServedByReaping):
     """A gRPC server for one :class:`ControlHandlers`, plus its lease reaper.
 
     Construction binds the port (so :attr:`address` is known before the handlers
@@ -319,23 +318,14 @@ class ControlServer(Closing):
     def __init__(self, config: ControlServerConfig) -> None:
         self.config = config
         self._handlers: ControlHandlers | None = None
-        self._grpc = ReapingServer(
-            name="control",
-            options=config.listen,
-            max_workers=config.max_workers,
-            max_message_bytes=config.limits.max_message_bytes,
+        self._grpc = ReapingServer.for_config(
+            "control",
+            config,
             register=lambda server: pb_grpc.add_PeerControlServicer_to_server(
                 _Servicer(self.handlers), server
             ),
             reap=lambda: self.leases.expire(),
-            reap_interval_s=config.reap_interval_s,
-            max_concurrent_rpcs=config.max_concurrent_rpcs,
         )
-        self.port = self._grpc.port
-
-    @property
-    def address(self) -> str:
-        return self._grpc.address
 
     @property
     def handlers(self) -> ControlHandlers:
@@ -353,10 +343,6 @@ class ControlServer(Closing):
         self._grpc.start()
         log.info("control server for %s listening on %s", handlers.local.engine_id, self.address)
         return self
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until the server stops (or ``timeout_s`` passes); True if it stopped."""
-        return self._grpc.wait(timeout_s)
 
     def close(self, grace_s: float = 1.0) -> None:
         if not self._grpc.close(grace_s) or self._handlers is None:
