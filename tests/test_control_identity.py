@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvbridge.connector.control import ControlClient, ControlServerConfig
+from kvbridge.connector.control import ControlClient, ControlServerConfig, ServerOptions
 from kvbridge.connector.control.auth import token_identity
 from kvbridge.connector.control.server import ControlHandlers
 from kvbridge.proto import (
@@ -104,7 +104,7 @@ def cluster(**knobs: object) -> Cluster:
 
 @pytest.fixture
 def tokened() -> Iterator[Cluster]:
-    c = cluster(token="shared", max_leases_per_peer=2, max_blocks_per_peer=8)
+    c = cluster(listen=ServerOptions(token="shared"), max_leases_per_peer=2, max_blocks_per_peer=8)
     yield c
     stop_cluster(c)
 
