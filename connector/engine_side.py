@@ -39,7 +39,7 @@ from kvbridge.proto.types import EngineId
 if TYPE_CHECKING:
     from kvbridge.connector.control.client import ControlClient
     from kvbridge.connector.control.server import ControlServer, ControlServerConfig
-    from kvbridge.connector.control.server_options import ServerOptions
+    from kvbridge.connector.server_options import ServerOptions
     from kvbridge.connector.transport.nixl import NixlTransport
     from kvbridge.connector.worker_side import KVBridgeWorker
     from kvbridge.proto.layout import KVLayout

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvbridge.connector.control import ControlServer, ControlServerConfig, ServerOptions, serve
+from kvbridge.connector import ServerOptions
+from kvbridge.connector.control import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
 from kvbridge.proto import PROTOCOL_VERSION, BlockHash, EngineId, preset_layout

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvbridge.connector.control import ControlClient, ControlServerConfig, ServerOptions
+from kvbridge.connector import ServerOptions
+from kvbridge.connector.control import ControlClient, ControlServerConfig
 from kvbridge.connector.control.auth import token_identity
 from kvbridge.connector.control.server import ControlHandlers
 from kvbridge.proto import (

@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control import (
     ControlClient,
     ControlServerConfig,
     PeerInfo,
     Role,
-    ServerOptions,
     serve,
 )
 from kvbridge.proto import (

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvbridge.connector import ConnectorConfig
-from kvbridge.connector.control import ControlClient, ServerOptions
+from kvbridge.connector import ConnectorConfig, ServerOptions
+from kvbridge.connector.control import ControlClient
 from kvbridge.connector.engine_side import EngineSide
 from kvbridge.proto import ConfigError, preset_layout
 from kvbridge.worker.block_pool import BlockPool

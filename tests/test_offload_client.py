@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.connector import ConnectorConfig
-from kvbridge.connector.control import ServerOptions
+from kvbridge.connector import ConnectorConfig, ServerOptions
 from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
 from kvbridge.connector.transport import LocalMemory, PeerLink, TransferHandle
 from kvbridge.proto import BlockHash, BlockId, KVLayout, negotiate, preset_layout

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvbridge.connector.control import ServerOptions
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control.auth import TokenSet, token_identity
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb

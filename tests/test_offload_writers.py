@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvbridge.connector.control import ServerOptions
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.proto import ConfigError, ControlPlaneError, WireError, preset_layout
 from kvbridge.worker.engine import EngineConfig

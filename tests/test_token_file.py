@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.connector.control import ControlClient, ControlServerConfig, ServerOptions
+from kvbridge.connector import ServerOptions
+from kvbridge.connector.control import ControlClient, ControlServerConfig
 from kvbridge.connector.control.auth import TokenSet, accepted_tokens, token_identity
 from kvbridge.proto import AuthError, ConfigError, ControlPlaneError, preset_layout
 from kvbridge.worker import ChildProcess, listening_on

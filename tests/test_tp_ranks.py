@@ -33,12 +33,11 @@ from typing import Any
 
 import pytest
 
-from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams
+from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams, ServerOptions
 from kvbridge.connector.control import (
     ControlServer,
     ControlServerConfig,
     Role,
-    ServerOptions,
     serve,
 )
 from kvbridge.connector.control.peers import (

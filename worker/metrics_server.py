@@ -25,7 +25,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from kvbridge.connector.control.server_options import check_port
+from kvbridge.connector.server_options import check_port
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.control.leases import BlockOwner, Lease, LeaseTable
-from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.control.types import (
     ControlLimits,
     HealthInfo,
@@ -37,7 +36,6 @@ __all__ = [
     "PeerInfo",
     "PinnedBlocks",
     "Role",
-    "ServerOptions",
     "serve",
 ]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId
 
 __all__ = ["BlockOwner", "GroupBlocks", "GroupHashes"]
 
-GroupBlocks = Mapping[str, Sequence[BlockId]]
-GroupHashes = Mapping[str, Sequence[BlockHash]]
+GroupBlocks = Mapping[KVGroup, Sequence[BlockId]]
+GroupHashes = Mapping[KVGroup, Sequence[BlockHash]]
 
 
 class BlockOwner(ABC):
@@ -23,11 +24,11 @@ class BlockOwner(ABC):
     """
 
     @abstractmethod
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         """Blocks in ``group`` (ids are ``0..num_blocks-1``); 0 if the group is unknown."""
 
     @abstractmethod
-    def pin_hashes(self, group_hashes: GroupHashes) -> dict[str, list[BlockId]]:
+    def pin_hashes(self, group_hashes: GroupHashes) -> dict[KVGroup, list[BlockId]]:
         """Take a reference on the longest present prefix of each group's hashes.
 
         Returns the pinned block ids per group, in hash order (a group with no

@@ -2,7 +2,7 @@
 
 :func:`new_server` and :func:`bind` are the one place every kvbridge gRPC port (peer
 control, the offload daemon, the serving node's Inference API) gets its guards from
-its :class:`~kvbridge.connector.control.server_options.ServerOptions`:
+its :class:`~kvbridge.connector.server_options.ServerOptions`:
 
 - a token: :class:`~kvbridge.connector.control.auth.TokenInterceptor` rejects
   every call without it (metadata :data:`~kvbridge.connector.control.errors.TOKEN_KEY`)
@@ -33,7 +33,7 @@ import grpc
 
 from kvbridge.connector.control.auth import TokenInterceptor
 from kvbridge.connector.control.errors import lenient_deserializer
-from kvbridge.connector.control.server_options import ServerOptions
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError
 

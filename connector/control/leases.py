@@ -43,6 +43,7 @@ from kvbridge.connector.control.bounds import (
 )
 from kvbridge.connector.control.seal import SealTable, seal_digest
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = [
@@ -65,7 +66,7 @@ class HandOverDigests:
     :mod:`kvbridge.kernels.digest` algorithm name) and, per group, one digest per leased block."""
 
     algo: str
-    groups: Mapping[str, Sequence[bytes]]
+    groups: Mapping[KVGroup, Sequence[bytes]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +75,8 @@ class Lease:
 
     lease_id: LeaseId
     expires_at: float
-    blocks: Mapping[str, tuple[BlockId, ...]]
-    hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
+    blocks: Mapping[KVGroup, tuple[BlockId, ...]]
+    hashes: Mapping[KVGroup, tuple[BlockHash, ...]] = field(default_factory=dict)
     request_id: RequestId | None = None
     peer: str | None = None
     """Who holds the pin (per-peer caps): the peer that asked for it, or the one that

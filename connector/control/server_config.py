@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.control.types import ControlLimits
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto.errors import ConfigError
 
 __all__ = ["MAX_TTL_CEILING_S", "ControlServerConfig"]

@@ -73,7 +73,7 @@ from typing import Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.connector.control.peers import refuse_plaintext_token
-from kvbridge.connector.control.server_options import check_port, check_tls_pair
+from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig

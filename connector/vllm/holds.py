@@ -14,6 +14,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.control.leases import BlockOwner
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
 __all__ = ["HeldRequests"]
@@ -61,16 +62,16 @@ class HeldRequests(BlockOwner):
         return done
 
     # ----- BlockOwner ----------------------------------------------------------------------
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         return self.blocks_per_group.get(group, 0)
 
     def pin_hashes(
-        self, group_hashes: Mapping[str, Sequence[BlockHash]]
-    ) -> dict[str, list[BlockId]]:
+        self, group_hashes: Mapping[KVGroup, Sequence[BlockHash]]
+    ) -> dict[KVGroup, list[BlockId]]:
         return {g: [] for g in group_hashes}
 
-    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
-        key = tuple(blocks.get("self", ()))
+    def unpin(self, blocks: Mapping[KVGroup, Sequence[BlockId]]) -> None:
+        key = tuple(blocks.get(KVGroup.SELF, ()))
         with self._lock:
             rids = self._held.get(key)
             if not rids:

@@ -38,7 +38,7 @@ from kvbridge.connector.vllm.holds import HeldRequests
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.errors import ConfigError, KVBridgeError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, RequestId
 
 if TYPE_CHECKING:
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from kvbridge.connector.base import LoadResult
     from kvbridge.connector.control.leases import LeaseTable
     from kvbridge.connector.control.server import ControlServer
-    from kvbridge.connector.control.server_options import ServerOptions
     from kvbridge.connector.engine_side import EngineSide
+    from kvbridge.connector.server_options import ServerOptions
     from kvbridge.connector.transport.nixl import NixlTransport
     from kvbridge.connector.worker_side import KVBridgeWorker
 
@@ -93,7 +93,7 @@ class WorkerSettings:
     def control_listen(self, token: str | None) -> ServerOptions:
         """This rank's control port (``control_port + tp_rank``; 0: any free one)."""
         from kvbridge.connector.control.peers import rank_port
-        from kvbridge.connector.control.server_options import ServerOptions
+        from kvbridge.connector.server_options import ServerOptions
 
         port = rank_port(self.control_port, self.tp_rank) if self.control_port else 0
         return ServerOptions(
@@ -173,9 +173,9 @@ class VllmWorker:
         self.held.hold(order.request_id, order.block_ids)
         try:
             self.leases.create(
-                {"self": order.block_ids},
+                {KVGroup.SELF: order.block_ids},
                 ttl_s=order.ttl_s,
-                hashes={"self": order.block_hashes},
+                hashes={KVGroup.SELF: order.block_hashes},
                 request_id=order.request_id,
                 lease_id=order.lease_id,
                 digests=self._digests(order),
@@ -193,11 +193,11 @@ class VllmWorker:
 
         try:
             ids = list(order.block_ids)
-            got = block_digests(self.layout, "self", ids, order.digest_key)
+            got = block_digests(self.layout, KVGroup.SELF, ids, order.digest_key)
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        return HandOverDigests(digest_algo(self.layout, "self"), {"self": tuple(got)})
+        return HandOverDigests(digest_algo(self.layout, KVGroup.SELF), {KVGroup.SELF: tuple(got)})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.handover import LeaseIssuer
 from kvbridge.kernels import block_digests, digest_algo
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
 
@@ -31,14 +32,14 @@ class EngineBlockOwner(BlockOwner):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         pool = self._engine.pools.get(group)
         return 0 if pool is None else pool.num_blocks
 
     def pin_hashes(
-        self, group_hashes: Mapping[str, Sequence[BlockHash]]
-    ) -> dict[str, list[BlockId]]:
-        out: dict[str, list[BlockId]] = {}
+        self, group_hashes: Mapping[KVGroup, Sequence[BlockHash]]
+    ) -> dict[KVGroup, list[BlockId]]:
+        out: dict[KVGroup, list[BlockId]] = {}
         with self._engine.lock:
             for group, hashes in group_hashes.items():
                 pool = self._engine.pools.get(group)
@@ -49,7 +50,7 @@ class EngineBlockOwner(BlockOwner):
                 out[group] = ids
         return out
 
-    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
+    def unpin(self, blocks: Mapping[KVGroup, Sequence[BlockId]]) -> None:
         with self._engine.lock:
             for group, ids in blocks.items():
                 self._engine.pools[group].free(ids)
@@ -64,7 +65,7 @@ class EngineLeaseIssuer(LeaseIssuer):
         self._ttl_s = lease_ttl_s
 
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
         pool = self._engine.pools.get(group)
         if pool is None:
@@ -93,9 +94,9 @@ class EngineLeaseIssuer(LeaseIssuer):
         return lease.lease_id, self._ttl_s
 
     def digest_algo(self) -> str:
-        return digest_algo(self._engine.layout, "self")
+        return digest_algo(self._engine.layout, KVGroup.SELF)
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Digested at once: the engine's KV memory lives in this process (the blocks are
         leased, so nothing writes them but a peer with their NIXL metadata)."""
         layout = self._engine.layout

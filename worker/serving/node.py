@@ -27,11 +27,11 @@ from typing import Any
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.grpc_server import bind
 from kvbridge.connector.control.server import ControlServer
-from kvbridge.connector.control.server_options import ServerOptions
 from kvbridge.connector.engine_side import EngineSide
 from kvbridge.connector.events import MEDIUM_GPU, KVEventsConfig, ZmqEventPublisher
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
-from kvbridge.connector.scheduler import KVBridgeScheduler
+from kvbridge.connector.planner import KVBridgePlanner
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError, KVBridgeError
@@ -39,10 +39,10 @@ from kvbridge.proto.types import RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.kv_events import open_sink
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner, EngineLeaseIssuer
-from kvbridge.worker.serving.inference import InferenceServicer, inference_server
+from kvbridge.worker.serving.inference import GenerateResult, InferenceServicer, inference_server
 from kvbridge.worker.serving.metrics import NodeMetrics
 
-__all__ = ["NodeConfig", "Node", "GenerateResult"]
+__all__ = ["NodeConfig", "Node"]
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +87,6 @@ class NodeConfig:
 
 
 @dataclass(slots=True)
-class GenerateResult:
-    output: RequestOutput
-    transfer_ms: float = 0.0
-    blocks_moved: int = 0
-    load_error: str = ""
-    blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
-    bytes_moved: int = 0
-    blocks_offloaded: int = 0
-    offload_bad_digest: int = 0
-    blocks_refused: int = 0
-    """Blocks recomputed because the planner refused prefill's KV (``load_error`` says why)."""
-
-
-@dataclass(slots=True)
 class _Submission:
     request_id: str
     prompt: list[int]
@@ -127,7 +113,7 @@ class Node(Closing):
             cc = self.side.config  # with the control address peers find us at
             self.transport = self.side.transport
             self.worker_connector = self.side.loader
-            self.scheduler_connector = KVBridgeScheduler(cc, config.engine.block_size)
+            self.scheduler_connector = KVBridgePlanner(cc, config.engine.block_size)
             self.kv_events: ZmqEventPublisher | None = None
             events = None
             if config.kv_events is not None:
@@ -164,7 +150,12 @@ class Node(Closing):
             self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
             self._thread.start()
             built.callback(self._stop_engine)
-            self._grpc = inference_server(config, InferenceServicer(self))
+            self._grpc = inference_server(
+                InferenceServicer(self, config.request_timeout_s),
+                options=config.listen,
+                max_connection_idle_s=config.max_connection_idle_s,
+                max_concurrent_requests=config.max_concurrent_requests,
+            )
             built.callback(lambda: self._grpc.stop(grace=0.5).wait())
             self.port = bind(self._grpc, config.listen, "; pick another --port")
             self._grpc.start()
@@ -246,7 +237,7 @@ class Node(Closing):
         if load is not None:
             result.transfer_ms = load.transfer_ms
             result.blocks_moved = load.blocks_moved
-            result.blocks_moved_by_group = dict(load.moved_by_group)
+            result.blocks_moved_by_group = {g.value: n for g, n in load.moved_by_group.items()}
             result.bytes_moved = load.bytes_moved
             result.blocks_offloaded = load.blocks_offloaded
             result.offload_bad_digest = load.offload_bad_digest
@@ -269,8 +260,8 @@ class Node(Closing):
 
     # ----- stats and lifecycle -------------------------------------------------------------
     def stats(self) -> epb.EngineStatsResponse:
-        free = {g: self.engine.num_free_blocks(g) for g in self.engine.pools}
-        total = {g: p.num_blocks for g, p in self.engine.pools.items()}
+        free = {g.value: self.engine.num_free_blocks(g) for g in self.engine.pools}
+        total = {g.value: p.num_blocks for g, p in self.engine.pools.items()}
         return epb.EngineStatsResponse(
             engine_id=self.config.connector.engine_id,
             role=self.config.connector.role,
