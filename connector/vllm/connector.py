@@ -199,6 +199,14 @@ def _tp_rank(tp_size: int) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _computed_tokens(request: Request) -> list[int]:
+    """The tokens whose KV ``request``'s blocks hold when it finished: the prompt and every
+    generated token but the last (sampled, never fed back), or fewer if vLLM computed fewer."""
+    tokens = request.all_token_ids
+    n = min(request.num_computed_tokens, len(tokens) - 1)
+    return list(tokens[: max(n, len(request.prompt_token_ids or ()))])
+
+
 class KVBridgeConnector(KVConnectorBase_V1):
     """kvbridge behind vLLM's KV connector API; see the module docstring."""
 
@@ -241,7 +249,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 head_size=self._head_size,
                 block_size=self._block_size,
             )
-            self._lookup = self._offload_lookup()
+            self._lookup = self._offload_lookup(tp_size)
             self._relay = _offload_relay(self._cfg, vllm_config)
             self._scheduler = VllmScheduler(
                 self._cfg.connector, self._block_size, hasher, self._lookup, tp_size
@@ -262,10 +270,14 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 ),
             )
 
-    def _offload_lookup(self) -> OffloadLookup | None:
+    def _offload_lookup(self, tp_size: int) -> OffloadLookup | None:
+        """The scheduler's daemon lookup: every rank stores and loads its own heads, so it
+        asks for all ``tp_size`` ranks' blocks."""
         cc = self._cfg.connector
         address = cc.offload_address
-        return OffloadLookup(OffloadLookupConfig(address, token=cc.token)) if address else None
+        if not address:
+            return None
+        return OffloadLookup(OffloadLookupConfig(address, tp_size=tp_size, token=cc.token))
 
     # ----- worker side ---------------------------------------------------------------------
     @property
@@ -397,4 +409,5 @@ class KVBridgeConnector(KVConnectorBase_V1):
             request.kv_transfer_params,
             [BlockId(b) for b in block_ids],
             done,
+            _computed_tokens(request) if done else None,
         )
