@@ -6,12 +6,15 @@ tensor under a sharing layer's name; kvbridge counts each tensor once, so a bloc
 pages of the 2 layers that own KV and the daemon's blocks are that size: the sharing layers
 own no memory and are never stored or loaded. A *writer* computes the prompts and stores
 their full blocks (those its generated tokens completed included); a fresh *reader* loads
-them from the daemon and must produce the writer's tokens.
+them from the daemon and must produce the writer's tokens. The same at TP=2 with
+``gemma4-kv2`` (2 KV heads, one per rank): every rank stores and loads its own.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,12 +36,10 @@ MAX_TOKENS = 8  # 99 tokens with KV: the generated tokens complete a third block
 PAGE = 32 * 1 * 64 * 2 * 4  # one layer's page of a block: 1 KV head of 64, K and V, fp32
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing")
+def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, Any]]:
+    """A daemon and a writer (core 0) and reader (core 1) of the tiny ``kind`` model."""
     model_or_skip(tmp)  # the venv
-    model = harness.write_tiny_model("gemma4", tmp / "gemma4")
-    port = 25000 + (hash(str(tmp)) % 1000) * 2
+    model = harness.write_tiny_model(kind, tmp / kind)
     with start_offload_daemon(tmp, 60, "64MiB") as daemon:
         started = {
             name: harness.Engine(
@@ -47,7 +48,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 kv=harness.kv_config(
                     "kvbridge",
                     "kv_both",
-                    control_port=port + core,
+                    control_port=port + tp * core,
                     offload_address=daemon.address,
                     lease_ttl_s=20,
                     load_timeout_s=10,
@@ -56,11 +57,25 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 wait=False,
                 max_model_len=512,
                 startup_timeout_s=600.0,
+                log_stats=tp > 1,
+                tp=tp,
             )
             for core, name in enumerate(("writer", "reader"))
         }
         with harness.running(started) as ready:
             yield {**ready, "daemon": daemon}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing")
+    yield from _pair(tmp, "gemma4", 25000 + (hash(str(tmp)) % 1000) * 2)
+
+
+@pytest.fixture(scope="module")
+def engines_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing-tp2")
+    yield from _pair(tmp, "gemma4-kv2", 27000 + (hash(str(tmp)) % 1000) * 4, tp=2)
 
 
 def _daemon_stats(address: str) -> dict[str, Any]:
@@ -103,3 +118,51 @@ def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(
     assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2
     assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * PAGE
     assert stats["blocks_in_use"] == 0 and stats["requests"] == 0, stats
+
+
+def _metric(text: str, name: str, *, before: bool = False) -> float:
+    """The one sample of ``name``; 0 for a ``before`` snapshot taken before vLLM exported it."""
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
+    if before and not values:
+        return 0.0
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
+    engines_tp2: dict[str, Any],
+) -> None:
+    writer, reader = engines_tp2["writer"], engines_tp2["reader"]
+    daemon: OffloadDaemonProcess = engines_tp2["daemon"]
+    expected = harness.tokens(writer.generate(PROMPTS, MAX_TOKENS))
+    assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
+    held = writer.call(cmd="drain", timeout_s=30)
+    assert held["tp"] == 2 and held["blocks_in_use"] == 0 and held["requests"] == 0, held
+    stored = _daemon_stats(daemon.address)
+    # a rank's block: its 1 of the 2 KV heads in the 2 KV-owning layers
+    assert stored["block_bytes"] == 2 * PAGE, stored
+    assert stored["stored_blocks"] == 2 * (2 + len(PROMPTS) + 3), stored  # per rank
+
+    before = reader.call(cmd="metrics")["text"]
+    got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
+    got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
+    assert got == expected
+    after = reader.call(cmd="metrics")["text"]
+
+    def grew(name: str) -> float:
+        return _metric(after, name) - _metric(before, name, before=True)
+
+    for _ in range(3):  # vLLM publishes a step's connector stats with a later step
+        if grew("vllm:kvbridge_num_offloaded_blocks_total") >= 2 * 2:
+            break
+        reader.generate([[1, 2, 3, 4]], 1)
+        after = reader.call(cmd="metrics")["text"]
+    # the first prompt's 2 full blocks on each rank (a rank loads at most the 2 planned)
+    assert grew("vllm:kvbridge_num_offloaded_blocks_total") == 2 * 2
+    assert grew("vllm:kvbridge_xfer_time_seconds_count") == 2
+    assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
+    loaded = _daemon_stats(daemon.address)
+    assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2 * 2
+    assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * 2 * PAGE
+    held = reader.call(cmd="drain", timeout_s=30)
+    assert held["blocks_in_use"] == 0 and held["requests"] == 0, held
