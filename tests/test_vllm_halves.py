@@ -17,7 +17,7 @@ from kvbridge.connector import KVTransferParams
 from kvbridge.connector.base import BlockLoad, BlockStore, LoadResult, StepMetadata
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens, to_json_params
 from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
 from kvbridge.proto import BlockHash, BlockId, ConfigError, LeaseId, RequestId
 
@@ -189,6 +189,13 @@ def test_a_finished_request_stores_the_full_blocks_its_generated_tokens_complete
     # the hand-over still names the prompt's blocks only (the same chain's first 4)
     assert params["block_hashes"]["self"] == [h.hex() for h in _names(sched, PROMPT)]
     assert params["num_tokens"] == len(PROMPT)
+
+
+def test_the_last_generated_token_has_no_kv_and_never_more_than_vllm_computed() -> None:
+    tokens = [*PROMPT, 40, 41, 42]
+    assert kv_tokens(tokens, len(tokens)) == tokens[:-1]  # the last one was sampled only
+    assert kv_tokens(tokens, len(PROMPT)) == PROMPT
+    assert kv_tokens([], 0) == []
 
 
 def test_computed_tokens_that_do_not_extend_the_prompt_store_only_the_prompt() -> None:

@@ -1,6 +1,6 @@
 """The CPU offload daemon with a KV-sharing model inside real vLLM (CPU).
 
-The tiny Gemma-4-style model (:mod:`kvbridge.worker.vllm.tiny_models` ``gemma4``: 4 layers,
+The tiny Gemma-4-style model (:mod:`tests.harness.tiny_models` ``gemma4``: 4 layers,
 the last two reading the KV of the first two). vLLM hands the connector the target layer's
 tensor under a sharing layer's name; kvbridge counts each tensor once, so a block is the
 pages of the 2 layers that own KV and the daemon's blocks are that size: the sharing layers
@@ -21,7 +21,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import model_or_skip, write_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,7 +39,7 @@ PAGE = 32 * 1 * 64 * 2 * 4  # one layer's page of a block: 1 KV head of 64, K an
 def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, Any]]:
     """A daemon and a writer (core 0) and reader (core 1) of the tiny ``kind`` model."""
     model_or_skip(tmp)  # the venv
-    model = harness.write_tiny_model(kind, tmp / kind)
+    model = write_tiny_model(kind, tmp / kind)
     with start_offload_daemon(tmp, 60, "64MiB") as daemon:
         started = {
             name: harness.Engine(

@@ -41,7 +41,7 @@ from kvbridge.connector.vllm.holds import HeldRequests, NamedLeases
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.errors import ConfigError, KVBridgeError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
@@ -210,11 +210,11 @@ class VllmWorker:
 
         try:
             ids = list(order.block_ids)
-            got = block_digests(self.layout, "self", ids, order.digest_key)
+            got = block_digests(self.layout, KVGroup.SELF, ids, order.digest_key)
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        return HandOverDigests(digest_algo(self.layout, "self"), {"self": tuple(got)})
+        return HandOverDigests(digest_algo(self.layout, KVGroup.SELF), {KVGroup.SELF: tuple(got)})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
