@@ -69,7 +69,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.connector.control.peers import refuse_plaintext_token
@@ -77,6 +77,9 @@ from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+
+if TYPE_CHECKING:
+    from kvbridge.connector.offload.lookup import OffloadLookup
 
 __all__ = [
     "DEFAULT_CONTROL_PORT",
@@ -251,6 +254,16 @@ class VllmConnectorConfig:
         }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
+
+    def offload_lookup(self, tp_size: int) -> OffloadLookup | None:
+        """The scheduler's lookup of the offload daemon (None without one). Each TP rank
+        stores and loads its own heads, so it asks for the blocks of all ``tp_size`` ranks."""
+        from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+
+        address, token = self.connector.offload_address, self.connector.token
+        return (
+            OffloadLookup(OffloadLookupConfig(address, tp_size, token=token)) if address else None
+        )
 
 
 def _events(extra: Mapping[str, Any]) -> tuple[str, str | None] | None:
