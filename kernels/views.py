@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.tensors import torch_dtype
 
 __all__ = [
@@ -67,7 +67,7 @@ def _check_tensor(name: str, t: object, want: tuple[int, ...], dtype: torch.dtyp
 
 
 def group_views(
-    cache: Mapping[str, torch.Tensor], layout: KVLayout, group: str
+    cache: Mapping[str, torch.Tensor], layout: KVLayout, group: KVGroup
 ) -> list[torch.Tensor]:
     """6-D views ``(l, KV, B, N, H, C)`` covering the owning layers of ``group`` in order.
 
@@ -125,7 +125,7 @@ def paired_views(
 
 
 def staging_view(
-    staging: torch.Tensor, layout: KVLayout, group: str, count: int, what: str
+    staging: torch.Tensor, layout: KVLayout, group: KVGroup, count: int, what: str
 ) -> torch.Tensor:
     """A 6-D view ``(L, KV, count, N, H, C)`` over a contiguous staging buffer.
 

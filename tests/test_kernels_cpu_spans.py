@@ -17,6 +17,7 @@ from kvbridge.kernels import (
     gather_blocks,
     torch_path,
 )
+from kvbridge.proto import KVGroup
 from kvbridge.proto.presets import PresetShape, make_layout
 from tests.harness.kernels import (
     assert_cache_equals,
@@ -68,7 +69,7 @@ def test_a_per_layer_convert_is_one_call_for_every_layer_and_block(spy: _Spy) ->
     sl, dl = _layout("layer-nhd"), _layout("layer-hnd")
     src, dst = random_cache(sl, 1), random_cache(dl, 2)
     pairs = [(5, 0), (1, 4), (5, 3), (2, 1)]  # no run on either side, a source read twice
-    want = reference_copy(src, sl, dst, pairs, "self")
+    want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
     convert_blocks(src, sl, dst, dl, pairs)
     assert_cache_equals(dst, want, dl)
     (call,) = spy.calls
@@ -86,7 +87,7 @@ def test_work_is_split_between_torchs_threads_bit_exact(
     sl, dl = _layout("block-nhd"), _layout("layer-kv-nhd")
     src, dst = random_cache(sl, 3), random_cache(dl, 4)
     pairs = [(0, 5), (3, 2), (4, 0), (1, 1)]
-    want = reference_copy(src, sl, dst, pairs, "self")
+    want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
     convert_blocks(src, sl, dst, dl, BlockMapping([p[0] for p in pairs], [p[1] for p in pairs]))
     assert_cache_equals(dst, want, dl)
     assert [c[-1] for c in spy.calls] == [3]
@@ -107,7 +108,7 @@ def test_runs_shorter_than_the_minimum_are_left_to_torch(
     sl, dl = _layout("layer-nhd"), _layout("layer-hnd")
     src, dst = random_cache(sl, 5), random_cache(dl, 6)
     pairs = [(5, 0), (1, 4)]
-    want = reference_copy(src, sl, dst, pairs, "self")
+    want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
     convert_blocks(src, sl, dst, dl, pairs)
     assert_cache_equals(dst, want, dl)
     assert spy.calls == [] and calls == [1]
@@ -117,7 +118,7 @@ def test_a_copy_that_may_overlap_itself_never_takes_the_span_copy(spy: _Spy) -> 
     layout = _layout("layer-nhd")
     cache = random_cache(layout, 7)
     pairs = [(0, 1), (1, 2), (2, 0)]  # a rotation: every source is also a destination
-    want = reference_copy(cache, layout, cache, pairs, "self")
+    want = reference_copy(cache, layout, cache, pairs, KVGroup.SELF)
     copy_blocks(cache, cache, layout, pairs)
     assert_cache_equals(cache, want, layout)
     assert spy.calls == []
@@ -129,5 +130,5 @@ def test_gather_from_per_layer_tensors_is_one_call(spy: _Spy) -> None:
     cache = random_cache(layout, 8)
     staging = torch.zeros(layout.block_bytes() * 3, dtype=torch.uint8)
     gather_blocks(cache, layout, [4, 0, 4], staging)
-    assert torch.equal(staging, reference_staging(cache, layout, [4, 0, 4], "self"))
+    assert torch.equal(staging, reference_staging(cache, layout, [4, 0, 4], KVGroup.SELF))
     assert len(spy.calls) == 1

@@ -15,7 +15,7 @@ from kvbridge.connector.offload import moves
 from kvbridge.connector.offload.moves import BlockMover
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.kernels import ALGO_XXH3, block_digests, copy_blocks, new_key
-from kvbridge.proto import KVLayout, TransferError, preset_layout
+from kvbridge.proto import KVGroup, KVLayout, TransferError, preset_layout
 
 BLOCKS = 5
 
@@ -98,14 +98,14 @@ def test_a_big_store_is_written_in_pieces_on_the_helper_with_notify_on_the_last(
     ids, slots, key = [4, 0, 3, 1, 2], [0, 1, 2, 3, 4], new_key()
     algo, digests = mover.write(_Session(), ids, slots, b"stored", key)
     assert algo == ALGO_XXH3
-    assert digests == block_digests(local.layout, "self", ids, key)
+    assert digests == block_digests(local.layout, KVGroup.SELF, ids, key)
     assert [(op, blocks, note) for op, blocks, note, _ in pool.calls] == [
         ("write", [4, 0], None),
         ("write", [3, 1], None),
         ("write", [2], b"stored"),
     ]
     assert threading.get_ident() not in {thread for *_, thread in pool.calls}
-    for layer in local.layout.owning_layers("self"):
+    for layer in local.layout.owning_layers(KVGroup.SELF):
         assert torch.equal(
             _bits(pool.kv[layer.name])[:, slots], _bits(pool.local_kv[layer.name])[:, ids]
         )
@@ -117,8 +117,8 @@ def test_a_big_verified_load_checks_each_piece_and_names_the_bad_block(setup: An
     slots, ids = [4, 2, 0, 1, 3], [0, 1, 2, 3, 4]
     # what the writer recorded for each pool slot, then slot 1 (position 3) is overwritten
     pool_layout = preset_layout("tiny", num_blocks=BLOCKS).bind(pool.kv)
-    want = block_digests(pool_layout, "self", slots, key)
-    layer = local.layout.owning_layers("self")[0].name
+    want = block_digests(pool_layout, KVGroup.SELF, slots, key)
+    layer = local.layout.owning_layers(KVGroup.SELF)[0].name
     pool.kv[layer][:, 1].view(torch.uint8).bitwise_not_()
     digests = [(key, d, ALGO_XXH3) for d in want]
     bad, verify_s = mover.read(_Session(), ids, slots, digests)
@@ -128,7 +128,7 @@ def test_a_big_verified_load_checks_each_piece_and_names_the_bad_block(setup: An
         ("read", [2, 3]),
         ("read", [4]),
     ]
-    for x in local.layout.owning_layers("self"):
+    for x in local.layout.owning_layers(KVGroup.SELF):
         assert torch.equal(_bits(pool.local_kv[x.name])[:, ids], _bits(pool.kv[x.name])[:, slots])
 
 
@@ -143,7 +143,9 @@ def test_a_failed_read_piece_raises_and_nothing_is_left_running(setup: Any, fail
     mover, pool, local = setup
     pool.fail_on = fail_on
     key = new_key()
-    digests = [(key, d, ALGO_XXH3) for d in block_digests(local.layout, "self", range(5), key)]
+    digests = [
+        (key, d, ALGO_XXH3) for d in block_digests(local.layout, KVGroup.SELF, range(5), key)
+    ]
     with pytest.raises(TransferError, match="read failed"):
         mover.read(_Session(), [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], digests)
     # the piece after the failed one may have been posted; none after that, none still running

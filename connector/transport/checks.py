@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvbridge.connector.transport.base import LinkDownError, LocalMemory, PeerLink
 from kvbridge.proto.errors import IncompatibleLayoutError, LayoutError, TransferError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, negotiate
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ __all__ = [
 def check_transfer_ids(
     local: KVLayout,
     remote: KVLayout,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
 ) -> None:
@@ -56,7 +57,7 @@ def check_transfer_ids(
 
 def check_transfer_request(
     link: PeerLink,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     notify: bytes | None,
@@ -86,7 +87,7 @@ class BlockRequest:
 def checked_request(
     op: str,
     link: PeerLink,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     notify: bytes | None,

@@ -18,6 +18,7 @@ from typing import Any
 from kvbridge.connector.transport.base import PeerLink
 from kvbridge.connector.transport.nixl_descs import request_indices
 from kvbridge.proto.errors import TransferError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode
 
 __all__ = ["bare_move"]
@@ -29,7 +30,7 @@ def bare_move(
     op: str,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
-    group: str = "self",
+    group: KVGroup = KVGroup.SELF,
 ) -> float:
     """Seconds one bare NIXL READ or WRITE (``op``: ``read``/``write``) of these blocks takes."""
     state = transport._links[link.link_id]

@@ -2,13 +2,15 @@
 
 - ``gemma3``: a Gemma-3-style decoder with sliding-window and full-attention layers
   (``layer_types``), so that vLLM's hybrid KV cache manager makes one KV cache group per
-  attention kind. Weights are drawn like :mod:`.tiny_llama`'s; the embeddings are tied to
-  the output, so the post-norms scale the layers' outputs up and the attention is sharp
-  (``query_pre_attn_scalar`` 16): greedy output then depends on the first token of a
-  92-token prompt (without, it repeats the last prompt token).
+  attention kind. Weights are drawn like :mod:`kvbridge.worker.vllm.tiny_llama`'s; the
+  embeddings are tied to the output, so the post-norms scale the layers' outputs up and the
+  attention is sharp (``query_pre_attn_scalar`` 16): greedy output then depends on the first
+  token of a 92-token prompt (without, it repeats the last prompt token).
 - ``gemma4``: a Gemma-4-style decoder whose last layers share the KV of earlier ones
   (``num_kv_shared_layers``), made by ``transformers`` with its own random initialisation
   (greedy output still depends on the first token of a 92-token prompt).
+- ``gemma4-kv2``: ``gemma4`` with 2 KV heads, so that TP=2 splits them (one per rank)
+  instead of replicating one.
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
   is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
@@ -17,8 +19,9 @@
   it is only started, never asked for tokens (vLLM refuses KV connectors for
   encoder-decoder models).
 
-Run it in ``.venv-vllm``: ``python -m kvbridge.worker.vllm.tiny_models gemma3 DIR``
-(:func:`kvbridge.worker.vllm.write_model` takes ``kind=``). No tokenizer: start vLLM with
+Run it in ``.venv-vllm`` from the repository root:
+``python -m tests.harness.tiny_models gemma3 DIR`` (:func:`tests.harness.vllm.write_tiny_model`
+does). No tokenizer: start vLLM with
 ``skip_tokenizer_init=True`` and send token ids.
 """
 
@@ -156,12 +159,16 @@ Gemma-4's larger global head size vLLM 0.32 fails at startup whenever its hybrid
 manager is off (docs/VLLM.md, "KV-sharing layers")."""
 
 
-def _write_gemma4(path: Path, seed: int) -> None:
+def _write_gemma4(path: Path, seed: int, **overrides: Any) -> None:
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
-    Gemma4ForCausalLM(Gemma4TextConfig(**GEMMA4)).save_pretrained(str(path))
+    Gemma4ForCausalLM(Gemma4TextConfig(**{**GEMMA4, **overrides})).save_pretrained(str(path))
+
+
+def _write_gemma4_kv2(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, num_key_value_heads=2)
 
 
 MAMBA: dict[str, Any] = {
@@ -188,6 +195,7 @@ def _write_mamba(path: Path, seed: int) -> None:
 WRITERS = {
     "gemma3": _write_gemma3,
     "gemma4": _write_gemma4,
+    "gemma4-kv2": _write_gemma4_kv2,
     "mamba": _write_mamba,
     "whisper": _write_whisper,
 }
