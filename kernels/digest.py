@@ -42,7 +42,9 @@ __all__ = [
     "digest_algo",
     "DIGEST_BYTES",
     "block_digests",
+    "head_digest_parts",
     "new_key",
+    "page_slice_digests",
     "span_digest",
 ]
 
@@ -138,3 +140,66 @@ def block_digests(
     if not layout.regions:
         raise LayoutError("block_digests needs a bound layout (registered regions)")
     return [span_digest(layout.regions, layout.block_spans(group, b), key) for b in block_ids]
+
+
+def head_digest_parts(layout: KVLayout) -> int:
+    """How many head digests a writer of ``layout`` records per block for readers of a
+    bigger TP size (each reads a run of every page's heads): its heads per rank, when its
+    pages can be read in head slices (vLLM's packed head-major pages, one span each) and
+    hold more than one head; else 0 (no such reader can exist)."""
+    from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
+
+    sliceable = layout.model.name.endswith(HEAD_MAJOR_SUFFIX) and layout.order[2] == "KV"
+    return layout.num_heads if sliceable and layout.num_heads > 1 else 0
+
+
+def page_slice_digests(
+    layout: KVLayout,
+    group: str,
+    block_ids: Sequence[int],
+    key: int,
+    parts: int,
+    algo: str = ALGO_XXH3,
+) -> list[list[bytes]]:
+    """Per block, ``parts`` digests: digest ``i`` is XXH3-128 (seeded with ``key``) over
+    slice ``i`` of ``parts`` equal slices of each of the block's pages, owning layers in
+    layout order, for a *bound* layout whose pages are each one span (vLLM's packed
+    head-major pages, ``KV`` third in the order: what ``HEAD_SLICE`` moves).
+
+    A slice is a run of heads (heads are contiguous in such a page), so this is how one
+    TP size checks head slices another wrote: ``parts=1`` is :func:`block_digests`
+    (a page is its K and V spans, adjacent); ``parts`` = the heads per rank gives one
+    digest per head; a reader's slice ``j`` of ``k`` holds exactly the bytes of the
+    ``j``-th writer's whole pages. Computed in place (no copy). CPU memory and XXH3 only:
+    any other ``algo`` is a ValueError (the reader then recomputes).
+    """
+    if algo != ALGO_XXH3:
+        raise ValueError(f"head-slice digests are computed with {ALGO_XXH3!r} only, not {algo!r}")
+    if not layout.regions:
+        raise LayoutError("page_slice_digests needs a bound layout (registered regions)")
+    if parts < 1:
+        raise LayoutError(f"a page is cut into at least 1 slice, not {parts}")
+    page = 2 * layout.span_bytes
+    if page % parts:
+        raise LayoutError(f"a page of {page} bytes does not split into {parts} slices")
+    step = page // parts
+    seed = _check_key(key)
+    out = []
+    for b in block_ids:
+        hashers = [xxhash.xxh3_128(seed=seed) for _ in range(parts)]
+        for span in _pages(layout.block_spans(group, b), page):
+            view = _cpu_view(layout.regions[span.region], span)
+            for i, h in enumerate(hashers):
+                h.update(view[i * step : (i + 1) * step])
+        out.append([h.digest() for h in hashers])
+    return out
+
+
+def _pages(spans: Sequence[Span], page: int) -> Iterable[Span]:
+    """``spans`` (one block's) cut into its ``page``-byte pages, each one span; LayoutError
+    if a page is not one span (its K and V halves apart)."""
+    for run in _coalesced(spans):
+        if run.length % page:
+            raise LayoutError(f"a page of {page} bytes is not one span in this layout")
+        for off in range(0, run.length, page):
+            yield Span(run.region, run.offset + off, page)

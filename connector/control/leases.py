@@ -42,6 +42,7 @@ from kvbridge.connector.control.bounds import (
     check_ttl,
 )
 from kvbridge.connector.control.seal import SealTable, seal_digest
+from kvbridge.connector.control.types import HandOverDigests
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -88,15 +89,6 @@ class BlockOwner(ABC):
         """Drop one reference per block taken by :meth:`pin_hashes` (or by the owner itself
         when it created a lease for a finished request). Blocks whose last reference
         goes become evictable; they are not wiped."""
-
-
-@dataclass(frozen=True, slots=True)
-class HandOverDigests:
-    """What a hand-over lease's owner recorded of its blocks: ``algo`` (a
-    :mod:`kvbridge.kernels.digest` algorithm name) and, per group, one digest per leased block."""
-
-    algo: str
-    groups: Mapping[str, Sequence[bytes]]
 
 
 @dataclass(frozen=True, slots=True)

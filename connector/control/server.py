@@ -155,6 +155,10 @@ class ControlHandlers:
         return pb.DigestsResponse(
             algo=got.algo,
             groups=[pb.GroupHashes(group=g, hashes=list(d)) for g, d in got.groups.items()],
+            heads=got.heads,
+            head_groups=[
+                pb.GroupHashes(group=g, hashes=list(d)) for g, d in got.head_groups.items()
+            ],
         )
 
     def health(self, request: pb.HealthRequest) -> pb.HealthResponse:

@@ -30,13 +30,13 @@ from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, read_blocks
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
-from kvbridge.connector.load.verify import Checked, Expected, fetch_expected
+from kvbridge.connector.load.verify import Checked, Expected, fetch_expected, fetch_from_ranks
 from kvbridge.proto.errors import (
     KVBridgeError,
     LeaseError,
     WireError,
 )
-from kvbridge.proto.negotiate import TransferMode, source_ranks
+from kvbridge.proto.negotiate import TransferMode, head_slices, source_ranks
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class RemoteLoader:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
-        ranks = self._ranks(load)
+        ranks, ctl_timeout = self._ranks(load), self.config.control_timeout_s
         if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
             return load_from_ranks(
                 load,
@@ -150,15 +150,20 @@ class RemoteLoader:
                 self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
+                lambda peers: fetch_from_ranks(self._digest_fetches, peers, load, ctl_timeout),
+                self.memory.layout,
             )
         job = _Attempt(load)
         try:
             job.peer, job.cached = self._links.get(load, ranks[0])
-            if job.expected is not None and job.peer.link.mode is TransferMode.HEAD_SLICE:
-                return unverifiable(load)
+            sliced = job.peer.link.mode is TransferMode.HEAD_SLICE
+            if job.expected is not None and sliced and not load.digests_at_owner:
+                return unverifiable(load)  # whole-block digests in the params: no slices
             if job.expected is not None and load.digests_at_owner:
-                timeout = self.config.control_timeout_s
-                job.expected = fetch_expected(self._digest_fetches, job.peer, load, timeout)
+                remote = job.peer.link.remote_layout
+                part = head_slices(self.memory.layout, remote)[1] if sliced else None
+                fetches = self._digest_fetches
+                job.expected = fetch_expected(fetches, job.peer, load, ctl_timeout, part)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
@@ -315,7 +320,7 @@ class RemoteLoader:
     def _read_unchecked(
         self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
     ) -> ReadFigures:
-        """A READ across TP ranks (head slices): not checked yet (no per-slice digests)."""
+        """A READ across TP ranks (head slices), checked once every rank's slice landed."""
         job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
         return self._read(job, group, local, remote)[0]
 
