@@ -26,9 +26,14 @@ computes the same one on whatever device the bytes landed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import itertools
 import secrets
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 
 import xxhash
 
@@ -118,7 +123,12 @@ def digest_algo(layout: KVLayout, group: str) -> str:
 
 
 def block_digests(
-    layout: KVLayout, group: str, block_ids: Sequence[int], key: int, algo: str | None = None
+    layout: KVLayout,
+    group: str,
+    block_ids: Sequence[int],
+    key: int,
+    algo: str | None = None,
+    helper: Executor | None = None,
 ) -> list[bytes]:
     """One :data:`DIGEST_BYTES`-byte digest per block of ``group``, for a *bound* layout
     (its regions are the registered addresses).
@@ -127,6 +137,10 @@ def block_digests(
     device digest on CUDA memory, computed on the device). A reader passes the writer's
     algorithm: ``ALGO_DEVICE`` over CPU memory runs its CPU reference; XXH3 over CUDA
     memory is refused (it would need a host copy).
+
+    ``helper``: a thread pool that may take a share of the XXH3 blocks (the hash releases
+    the interpreter lock, so two threads hash two blocks at once on two cores); see
+    :func:`_shared`. Without it, or with a busy one, this thread hashes every block.
     """
     algo = digest_algo(layout, group) if algo is None else algo
     if algo == ALGO_DEVICE:
@@ -139,7 +153,44 @@ def block_digests(
         raise ValueError(f"unknown digest algorithm {algo!r}: use {ALGO_XXH3!r} or {ALGO_DEVICE!r}")
     if not layout.regions:
         raise LayoutError("block_digests needs a bound layout (registered regions)")
-    return [span_digest(layout.regions, layout.block_spans(group, b), key) for b in block_ids]
+    spans = [layout.block_spans(group, b) for b in block_ids]
+    if helper is None or len(spans) < 2:
+        return [span_digest(layout.regions, s, key) for s in spans]
+    jobs = [functools.partial(span_digest, layout.regions, s, key) for s in spans]
+    return _shared(helper, jobs)
+
+
+def _shared(helper: Executor, jobs: Sequence[Callable[[], bytes]]) -> list[bytes]:
+    """Run ``jobs`` in this thread and, once it starts, one thread of ``helper``: each takes
+    the next job not taken yet, last first (the blocks that landed last are the likeliest
+    still in the cache). Never slower than running them here, bar the one job the helper
+    is finishing at the end: a helper that is busy elsewhere and starts late finds nothing
+    left. An exception from any job is raised here."""
+    n = len(jobs)
+    out: list[bytes | None] = [None] * n
+    failed: list[BaseException] = []
+    taken = itertools.count()
+    done = threading.Condition()
+    left = [n]
+
+    def work() -> None:
+        while (i := next(taken)) < n:
+            try:
+                out[n - 1 - i] = jobs[n - 1 - i]()
+            except BaseException as exc:
+                failed.append(exc)
+            with done:
+                left[0] -= 1
+                done.notify_all()
+
+    with contextlib.suppress(RuntimeError):  # shut down: this thread does it all
+        helper.submit(work)
+    work()
+    with done:
+        done.wait_for(lambda: left[0] == 0)
+    if failed:
+        raise failed[0]
+    return [d for d in out if d is not None]
 
 
 def head_digest_parts(layout: KVLayout) -> int:

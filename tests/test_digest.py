@@ -132,3 +132,24 @@ def test_only_head_major_pages_of_several_heads_get_head_digests() -> None:
         page_slice_digests(layout.bind(_), "self", [0], 1, 2)
     one, _ = _packed("layer-nhd", heads=1)
     assert head_digest_parts(one) == 0  # one head: a reader of a bigger TP size cannot exist
+
+
+def test_a_helper_thread_hashes_a_share_of_the_blocks_and_changes_no_digest() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout, caches = _filled("block-nhd")
+    bound = layout.bind(caches)
+    key = new_key()
+    alone = block_digests(bound, "self", range(8), key)
+    with ThreadPoolExecutor(1) as helper:
+        assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+        # a helper busy elsewhere never starts in time: this thread hashes every block
+        gate = threading.Event()
+        helper.submit(gate.wait, 10)
+        assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+        gate.set()
+    # a helper already shut down: the same
+    assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+    with ThreadPoolExecutor(1) as helper, pytest.raises(ValueError, match="digest key"):
+        block_digests(bound, "self", range(8), -1, helper=helper)

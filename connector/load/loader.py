@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
@@ -141,6 +141,7 @@ class RemoteLoader:
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
         ranks, ctl_timeout = self._ranks(load), self.config.control_timeout_s
+        fetches = self._digest_fetches  # Digests calls; a thread also helps hash blocks
         if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
             return load_from_ranks(
                 load,
@@ -150,7 +151,7 @@ class RemoteLoader:
                 self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
-                lambda peers: fetch_from_ranks(self._digest_fetches, peers, load, ctl_timeout),
+                lambda peers: fetch_from_ranks(fetches, peers, load, ctl_timeout),
                 self.memory.layout,
             )
         job = _Attempt(load)
@@ -162,8 +163,8 @@ class RemoteLoader:
             if job.expected is not None and load.digests_at_owner:
                 remote = job.peer.link.remote_layout
                 part = head_slices(self.memory.layout, remote)[1] if sliced else None
-                fetches = self._digest_fetches
                 job.expected = fetch_expected(fetches, job.peer, load, ctl_timeout, part)
+            job.expected = job.expected and replace(job.expected, helper=fetches)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)

@@ -62,6 +62,9 @@ class Expected:
     ranks: tuple[Future[HandOverDigests], ...] = ()
     """The digests of each remote TP rank whose whole pages fill slice ``j`` of this
     reader's pages (a smaller TP size reading a bigger one), rank after rank."""
+    helper: Executor | None = None
+    """A thread that may hash a share of the blocks beside the checking thread
+    (:func:`kvbridge.kernels.block_digests`)."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -104,7 +107,7 @@ class Expected:
         if len(want) != len(ids):  # fail closed: a block without a digest is not used
             return Checked(0, len(ids))
         try:
-            got = block_digests(layout, group, list(ids), self.key, algo)
+            got = block_digests(layout, group, list(ids), self.key, algo, self.helper)
         except ValueError as exc:  # an algorithm this reader does not know
             raise WireError(f"cannot check the blocks: {exc}") from None
         bad = [

@@ -53,6 +53,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         action="store_false",
         help="leave out the verified sealed load (digest check of the blocks read)",
     )
+    p.add_argument(
+        "--no-digest-helper",
+        dest="digest_helper",
+        action="store_false",
+        help="hash every block of a verified load in the loading thread (no helper thread)",
+    )
     add_output_arguments(p, "load")
     p.set_defaults(func=run)
 
@@ -113,6 +119,8 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
 
 
 def run(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvbridge.connector.control import ControlClient, PeerInfo, Role
     from kvbridge.connector.control.seal import SealReader, seal_digest
     from kvbridge.connector.load.verify import Expected
@@ -137,7 +145,10 @@ def run(args: argparse.Namespace) -> int:
         address, made, raw_names, key, digests = out.get(timeout=300)
         names = [BlockHash(n) for n in raw_names]
         layout = preset_layout(args.preset, num_blocks=num_blocks)
-        with NixlTransport(NixlConfig("bench-reader")) as transport:
+        with (
+            NixlTransport(NixlConfig("bench-reader")) as transport,
+            ThreadPoolExecutor(1) as helper,
+        ):
             memory = transport.register(layout, layout.allocate("cpu"))
             reader = SealReader(transport, 1)
             client = ControlClient(address, timeout_s=10)
@@ -167,8 +178,11 @@ def run(args: argparse.Namespace) -> int:
                 _, (lease, ids) = next(leases)
                 read(ids[:n])
                 digest = seal_digest({"self": ids}, {"self": names})
-                expected = Expected(key, {"self": [digests[b] for b in ids[:n]]})
-                checked = []  # as a decode load does: digests while the seal READ is in flight
+                want = {"self": [digests[b] for b in ids[:n]]}
+                # as a decode load does: digests while the seal READ is in flight, a thread of
+                # the loader's pool hashing a share of the blocks
+                expected = Expected(key, want, helper=helper if args.digest_helper else None)
+                checked = []
 
                 def check() -> None:
                     checked.append(expected.check(memory.layout, "self", ids[:n]))
