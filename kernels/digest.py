@@ -31,7 +31,6 @@ import ctypes
 import functools
 import itertools
 import secrets
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 
@@ -163,34 +162,25 @@ def block_digests(
 def _shared(helper: Executor, jobs: Sequence[Callable[[], bytes]]) -> list[bytes]:
     """Run ``jobs`` in this thread and, once it starts, one thread of ``helper``: each takes
     the next job not taken yet, last first (the blocks that landed last are the likeliest
-    still in the cache). Never slower than running them here, bar the one job the helper
-    is finishing at the end: a helper that is busy elsewhere and starts late finds nothing
-    left. An exception from any job is raised here."""
+    still in the cache). This thread never waits for the helper: once nothing is left to
+    take, it runs itself any job the helper took and has not finished (a helper that is
+    preempted or busy elsewhere costs at most the work it would have saved). A job's
+    exception is raised here (the helper's own copy of it is dropped)."""
     n = len(jobs)
     out: list[bytes | None] = [None] * n
-    failed: list[BaseException] = []
     taken = itertools.count()
-    done = threading.Condition()
-    left = [n]
 
-    def work() -> None:
+    def help_out() -> None:
         while (i := next(taken)) < n:
-            try:
+            with contextlib.suppress(BaseException):  # this thread redoes a failed job
                 out[n - 1 - i] = jobs[n - 1 - i]()
-            except BaseException as exc:
-                failed.append(exc)
-            with done:
-                left[0] -= 1
-                done.notify_all()
 
     with contextlib.suppress(RuntimeError):  # shut down: this thread does it all
-        helper.submit(work)
-    work()
-    with done:
-        done.wait_for(lambda: left[0] == 0)
-    if failed:
-        raise failed[0]
-    return [d for d in out if d is not None]
+        helper.submit(help_out)
+    while (i := next(taken)) < n:
+        out[n - 1 - i] = jobs[n - 1 - i]()
+    # the helper's unfinished jobs: done here (the same bytes give the same digest)
+    return [d if d is not None else jobs[j]() for j, d in enumerate(out)]
 
 
 def head_digest_parts(layout: KVLayout) -> int:
