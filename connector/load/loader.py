@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
@@ -30,13 +30,14 @@ from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, read_blocks
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
-from kvbridge.connector.load.verify import Checked, Expected, fetch_expected, fetch_from_ranks
+from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
 from kvbridge.proto.errors import (
     KVBridgeError,
     LeaseError,
     WireError,
 )
-from kvbridge.proto.negotiate import TransferMode, head_slices, source_ranks
+from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -60,8 +61,8 @@ class _Attempt:
 
     load: BlockLoad
     t0: float = field(default_factory=time.perf_counter)
-    local: dict[str, list[BlockId]] = field(init=False)
-    remote: dict[str, list[BlockId]] = field(init=False)
+    local: dict[KVGroup, list[BlockId]] = field(init=False)
+    remote: dict[KVGroup, list[BlockId]] = field(init=False)
     peer: Peer | None = None
     cached: bool = False
     """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
@@ -74,7 +75,7 @@ class _Attempt:
     def __post_init__(self) -> None:
         load = self.load
         self.expected = Expected.of(load)
-        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+        groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
         self.local = {g: list(load.local_ids[g]) for g in groups}
         self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
@@ -140,8 +141,7 @@ class RemoteLoader:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
-        ranks, ctl_timeout = self._ranks(load), self.config.control_timeout_s
-        fetches = self._digest_fetches  # Digests calls; a thread also helps hash blocks
+        ranks, fetches = self._ranks(load), self._digest_fetches
         if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
             return load_from_ranks(
                 load,
@@ -151,20 +151,17 @@ class RemoteLoader:
                 self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
-                lambda peers: fetch_from_ranks(fetches, peers, load, ctl_timeout),
+                lambda peers: fetch_from_ranks(fetches, peers, load, self.config.control_timeout_s),
                 self.memory.layout,
             )
         job = _Attempt(load)
         try:
             job.peer, job.cached = self._links.get(load, ranks[0])
-            sliced = job.peer.link.mode is TransferMode.HEAD_SLICE
-            if job.expected is not None and sliced and not load.digests_at_owner:
-                return unverifiable(load)  # whole-block digests in the params: no slices
-            if job.expected is not None and load.digests_at_owner:
-                remote = job.peer.link.remote_layout
-                part = head_slices(self.memory.layout, remote)[1] if sliced else None
-                job.expected = fetch_expected(fetches, job.peer, load, ctl_timeout, part)
-            job.expected = job.expected and replace(job.expected, helper=fetches)
+            if job.expected is not None:
+                args = (load, job.peer, self.memory.layout, fetches, self.config.control_timeout_s)
+                job.expected = expect_from(job.expected, *args)
+                if job.expected is None:  # whole-block digests in the params: no slices
+                    return unverifiable(load)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
@@ -221,20 +218,20 @@ class RemoteLoader:
         assert peer is not None
         claimed = LeaseId(load.lease_id) if load.lease_id else None
         job.lease, remote = self._owner_blocks(peer, load, claimed, job.local)
-        local_self = job.local.get("self", [])
-        done: dict[str, tuple[ReadFigures, Checked]] = {}
-        n = len(remote.get("self", ()))
-        if n:
-            done["self"] = self._read(job, "self", local_self[:n], remote["self"][:n])
-        cross_gone = "cross" in job.local and len(remote["cross"]) != len(job.local["cross"])
-        if "cross" in job.local and not cross_gone:
-            done["cross"] = self._read(job, "cross", job.local["cross"], remote["cross"])
+        local_self, remote_self = job.local.get(KVGroup.SELF, []), remote.get(KVGroup.SELF, [])
+        done: dict[KVGroup, tuple[ReadFigures, Checked]] = {}
+        if n := len(remote_self):
+            done[KVGroup.SELF] = self._read(job, KVGroup.SELF, local_self[:n], remote_self[:n])
+        local_cross = job.local.get(KVGroup.CROSS)
+        cross_gone = local_cross is not None and len(remote[KVGroup.CROSS]) != len(local_cross)
+        if local_cross is not None and not cross_gone:
+            done[KVGroup.CROSS] = self._read(job, KVGroup.CROSS, local_cross, remote[KVGroup.CROSS])
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
             error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
-            bad = local_self + job.local.get("cross", [])
+            bad = local_self + (local_cross or [])
             reads = [r for r, _ in done.values()]
             return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
         if cross_gone:  # all or nothing: the engine recomputes the whole request
@@ -248,7 +245,7 @@ class RemoteLoader:
     def _verdict(
         self,
         job: _Attempt,
-        done: Mapping[str, tuple[ReadFigures, Checked]],
+        done: Mapping[KVGroup, tuple[ReadFigures, Checked]],
         path: str,
         error: str = "",
     ) -> LoadResult:
@@ -286,12 +283,14 @@ class RemoteLoader:
             return self.load(load, retry_stale=False)
         if peer is not None:
             self._forget(load.remote_engine, peer, job.lease)
-        return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
+        return load_result(
+            load, job.t0, bad=job.local.get(KVGroup.SELF, []), error=str(exc) or repr(exc)
+        )
 
     def _read(
         self,
         job: _Attempt,
-        group: str,
+        group: KVGroup,
         local: list[BlockId],
         remote: list[BlockId],
         check: bool = True,
@@ -312,14 +311,14 @@ class RemoteLoader:
             job.expected if check else None,
         )
 
-    def _check(self, job: _Attempt, group: str, local: list[BlockId]) -> Checked:
+    def _check(self, job: _Attempt, group: KVGroup, local: list[BlockId]) -> Checked:
         """Check blocks READ straight into the KV cache against the load's digests."""
         if job.expected is None:
             return Checked(len(local), 0)
         return job.expected.check(self.memory.layout, group, local)
 
     def _read_unchecked(
-        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
+        self, peer: Peer, group: KVGroup, local: list[BlockId], remote: list[BlockId]
     ) -> ReadFigures:
         """A READ across TP ranks (head slices), checked once every rank's slice landed."""
         job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
@@ -330,8 +329,8 @@ class RemoteLoader:
         peer: Peer,
         load: BlockLoad,
         lease: LeaseId | None,
-        local: Mapping[str, list[BlockId]],
-    ) -> tuple[LeaseId | None, dict[str, list[BlockId]]]:
+        local: Mapping[KVGroup, list[BlockId]],
+    ) -> tuple[LeaseId | None, dict[KVGroup, list[BlockId]]]:
         """The remote ids to read, as the blocks' owner names them: ``(lease, ids per group)``.
 
         Block ids in ``kv_transfer_params`` are a router's claim and never read.
@@ -349,9 +348,9 @@ class RemoteLoader:
             except LeaseError:
                 log.info("request %s: the owner's lease is gone", load.request_id)
         if pinned is not None and pinned.lease_id is not None:
-            remote: dict[str, list[BlockId]] = {}
+            remote: dict[KVGroup, list[BlockId]] = {}
             for g in groups:
-                first = load.first_block if g == "self" else 0
+                first = load.first_block if g == KVGroup.SELF else 0
                 want = tuple(load.remote_hashes.get(g, ()))
                 names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
                 ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]

@@ -31,6 +31,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.result import load_result, unverifiable, verdict
 from kvbridge.proto.errors import KVBridgeError, LeaseError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
@@ -43,7 +44,7 @@ __all__ = ["load_from_ranks"]
 
 log = logging.getLogger(__name__)
 
-ReadFn = Callable[["Peer", str, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
+ReadFn = Callable[["Peer", KVGroup, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
 
 
 def load_from_ranks(
@@ -63,7 +64,7 @@ def load_from_ranks(
     blocks landed in bound ``layout`` are checked."""
     if load.digest_key is not None and (not load.digests_at_owner or expect is None):
         return unverifiable(load)  # whole-block digests in the params cannot check slices
-    groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+    groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()
@@ -126,4 +127,4 @@ def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
         load.remote_engine,
         error,
     )
-    return load_result(load, t0, bad=load.local_ids.get("self", ()), error=error)
+    return load_result(load, t0, bad=load.local_ids.get(KVGroup.SELF, ()), error=error)

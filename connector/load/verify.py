@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvbridge.kernels import ALGO_XXH3, block_digests, page_slice_digests
 from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.negotiate import TransferMode, head_slices
 from kvbridge.proto.types import LeaseId
 
 if TYPE_CHECKING:
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
     from kvbridge.proto.types import BlockId
 
-__all__ = ["Checked", "Expected", "fetch_expected", "fetch_from_ranks"]
+__all__ = ["Checked", "Expected", "expect_from", "fetch_expected", "fetch_from_ranks"]
 
 
 class Checked(NamedTuple):
@@ -49,7 +51,7 @@ class Expected:
     :meth:`check` (the load fails closed: every block is recomputed)."""
 
     key: int
-    digests: Mapping[str, Sequence[bytes]]
+    digests: Mapping[KVGroup, Sequence[bytes]]
     algo: str | None = None
     pending: Future[HandOverDigests] | None = None
     first_block: int = 0
@@ -91,14 +93,14 @@ class Expected:
         assert load.digest_key is not None
         return cls(load.digest_key, {}, None, None, load.first_block, None, tuple(pending))
 
-    def _want(self, group: str, n: int) -> tuple[list[bytes], str | None]:
+    def _want(self, group: KVGroup, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
             return list(self.digests.get(group, ()))[:n], self.algo
         got = self.pending.result()  # the fetch has its own deadline; its error fails the load
-        first = self.first_block if group == "self" else 0
+        first = self.first_block if group == KVGroup.SELF else 0
         return list(got.groups.get(group, ()))[first : first + n], got.algo
 
-    def check(self, layout: KVLayout, group: str, ids: Sequence[BlockId]) -> Checked:
+    def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
         in order, with this group's first ``len(ids)`` digests."""
         if self.head_slice is not None or self.ranks:
@@ -117,10 +119,10 @@ class Expected:
         ]
         return Checked(bad[0] if bad else len(ids), len(bad))
 
-    def _check_slices(self, layout: KVLayout, group: str, ids: Sequence[BlockId]) -> Checked:
+    def _check_slices(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """:meth:`check` for head slices: each of a block's slices against the digest its
         writer recorded for exactly those bytes; a block is good if every slice matches."""
-        first = self.first_block if group == "self" else 0
+        first = self.first_block if group == KVGroup.SELF else 0
         n = len(ids)
         if self.ranks:  # slice j of each page: rank j's whole pages
             fetched = [f.result() for f in self.ranks]  # a failed fetch fails the load
@@ -151,6 +153,28 @@ class Expected:
             if not all(hmac.compare_digest(x, y) for x, y in zip(a, b, strict=True))
         ]
         return Checked(bad[0] if bad else n, len(bad))
+
+
+def expect_from(
+    expected: Expected,
+    load: BlockLoad,
+    peer: Peer,
+    layout: KVLayout,
+    pool: Executor,
+    timeout_s: float,
+) -> Expected | None:
+    """What ``load``'s blocks read from ``peer`` into bound ``layout`` must match:
+    ``expected`` (the params' digests) or, when the owner keeps them, the owner's, asked
+    for on ``pool`` now (its head digests, for a head-slice link); a thread of ``pool`` helps
+    hash the blocks. None: the link reads head slices but the digests in the params are of
+    whole blocks, so the load cannot be verified."""
+    sliced = peer.link.mode is TransferMode.HEAD_SLICE
+    if load.digests_at_owner:
+        part = head_slices(layout, peer.link.remote_layout)[1] if sliced else None
+        expected = fetch_expected(pool, peer, load, timeout_s, part)
+    elif sliced:
+        return None
+    return replace(expected, helper=pool)
 
 
 def fetch_expected(

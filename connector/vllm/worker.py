@@ -41,7 +41,7 @@ from kvbridge.connector.vllm.holds import HeldRequests, NamedLeases
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.errors import ConfigError, KVBridgeError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
@@ -218,18 +218,18 @@ class VllmWorker:
             page_slice_digests,
         )
 
-        layout, key = self.layout, order.digest_key
-        algo = digest_algo(layout, "self")
+        layout, key, group = self.layout, order.digest_key, KVGroup.SELF
+        algo = digest_algo(layout, group)
         ids = list(order.block_ids)
         try:
-            got = block_digests(layout, "self", ids, key)
+            got = block_digests(layout, group, ids, key)
             heads = head_digest_parts(layout) if algo == ALGO_XXH3 else 0
-            per_head = page_slice_digests(layout, "self", ids, key, heads) if heads else []
+            per_head = page_slice_digests(layout, group, ids, key, heads) if heads else []
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
         flat = tuple(d for block in per_head for d in block)
-        return HandOverDigests(algo, {"self": tuple(got)}, heads, {"self": flat} if heads else {})
+        return HandOverDigests(algo, {group: tuple(got)}, heads, {group: flat} if heads else {})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
