@@ -110,6 +110,9 @@ class KVBridgeWorker(WorkerConnector):
             self.memory,
             kv_caches,
         )
+        if self.config.consumes and self.config.allowed_peers:
+            # the peers the operator named: linked now, so no load waits for the first link
+            self._remote.connect_to(self.config.allowed_peers)
         if self.config.offload_address:
             from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
 

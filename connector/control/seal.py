@@ -43,6 +43,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -285,6 +286,29 @@ class SealReader:
         finally:
             with self._lock:
                 self._free.extend(mine)
+
+    def warm(self, link: PeerLink, timeout_s: float) -> float:
+        """READ one of the peer's seal slots and throw it away: a new link's first transfer
+        pays UCX's endpoint wireup (tens to hundreds of ms on a busy peer, which must
+        progress it), and this makes the handshake pay it instead of the first loads. The
+        KV link to the same peer shares the endpoint. Seconds it took; raises on failure."""
+        with self._lock:
+            if not self._free:
+                raise OutOfBlocksError("no free seal scratch slot for the link warm-up")
+            mine = self._free.pop()
+        t0 = time.perf_counter()
+        try:
+            handle = self.transport.read_blocks(
+                link, SEAL_GROUP, [mine], [BlockId(0)], timeout_s=timeout_s
+            )
+            try:
+                handle.wait(timeout_s)
+            finally:
+                handle.release()
+        finally:
+            with self._lock:
+                self._free.append(mine)
+        return time.perf_counter() - t0
 
     def release(self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1) -> None:
         """Give a lease back without a round trip (best effort: unsent, it expires); as

@@ -3,8 +3,10 @@
 :class:`LinkCache` belongs to :class:`~kvbridge.connector.load.RemoteLoader`
 and is used from its load threads. A link is made once per engine (handshake
 over gRPC, then ``Transport.connect`` to the peer's KV memory and, if it
-publishes one, to its lease seal table) and reused while the engine answers at
-the same address. The handshake runs on a small pool of its own (at most
+publishes one, to its lease seal table, warmed by one READ of a seal slot so that
+UCX's endpoint wireup is paid here, not by the first loads) and reused while the
+engine answers at the same address. Peers the operator named can be linked at
+start (:meth:`LinkCache.connect_address`). The handshake runs on a small pool of its own (at most
 ``max_handshakes`` at once), started by :meth:`LinkCache.connect_ahead` as soon
 as a step names a new engine; every load from that engine waits for that one
 handshake, and a slow engine never holds up loads from the others. An address
@@ -24,9 +26,10 @@ order (registered once per order) that blocks land in before conversion.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -42,7 +45,7 @@ from kvbridge.proto.errors import (
     TransferTimeoutError,
 )
 from kvbridge.proto.negotiate import TransferMode, source_ranks
-from kvbridge.proto.types import BlockId, EngineId
+from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +106,9 @@ class Peer:
     """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
     rank: int = 0
     """The peer's TP rank (its control port is the rank-0 address's port + ``rank``)."""
+    warm_ms: float | None = None
+    """How long the link's warm-up READ took while the link was made (None: not warmed,
+    the peer publishes no seal table to read from)."""
 
 
 class LinkCache:
@@ -119,6 +125,7 @@ class LinkCache:
         *,
         max_handshakes: int = 1,
         handshake_wait_s: float = 15.0,
+        warm_timeout_s: float = 5.0,
     ) -> None:
         self.transport = transport
         self._client_factory = client_factory
@@ -133,6 +140,7 @@ class LinkCache:
         """Handshakes in flight, by (engine, address): loads from it wait for this one."""
         self._handshakes = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kvb-handshake")
         self._wait_s = handshake_wait_s
+        self._warm_s = warm_timeout_s
         self._closed = False
         self._lock = threading.Lock()
 
@@ -145,6 +153,31 @@ class LinkCache:
         with self._lock:
             if not self._closed and self._cached(load, rank) is None:
                 self._start(load, rank)
+
+    def connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
+        """Link now, on the handshake pool, to the engine at ``address`` (a peer the operator
+        named): a handshake with its rank 0 names the engine and its TP size ``n``, then the
+        ranks ``ranks(n)`` this worker reads from are linked as :meth:`connect_ahead` links
+        them, so no load pays the first link. Best effort and never blocks: an engine that
+        does not answer yet is linked by its first load, as without this."""
+        with self._lock:
+            if not self._closed:
+                self._handshakes.submit(self._connect_address, address, ranks)
+
+    def _connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
+        try:
+            client = self._client_factory(address, 0)
+            try:
+                hs = client.handshake(self._local_info(self._memory.layout))
+            finally:
+                client.close()
+        except Exception as exc:  # not up yet, refused, ...: its first load links it
+            log.info("no early link to %s: %s", address, exc)
+            return
+        size = hs.peer.layout.tp_size
+        load = BlockLoad(RequestId(""), hs.peer.engine_id, address, {}, {}, remote_tp_size=size)
+        for rank in ranks(size):
+            self.connect_ahead(load, rank)
 
     def get(self, load: BlockLoad, rank: int = 0) -> tuple[Peer, bool]:
         """The link to ``load``'s engine and whether it was cached; handshakes (again) when
@@ -273,7 +306,9 @@ class LinkCache:
         return client, hs
 
     def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult, rank: int) -> Peer:
-        """Connect the transport to a handshaken peer (closes ``client`` on failure)."""
+        """Connect the transport to a handshaken peer and warm the link (a READ of one seal
+        slot); closes ``client`` and disconnects on failure."""
+        made: list[PeerLink] = []
         try:
             staging = None
             target = self._memory
@@ -283,6 +318,7 @@ class LinkCache:
             remote = hs.peer.layout
             agent = nixl_agent_name(hs.peer.engine_id, remote.tp_rank, remote.tp_size)
             link = self.transport.connect(agent, hs.peer.agent_metadata, remote, target)
+            made.append(link)
             seal_link = None
             if hs.peer.seal_layout is not None:
                 try:
@@ -291,17 +327,33 @@ class LinkCache:
                     )
                 except KVBridgeError as exc:  # no fast path with this peer, still correct
                     log.warning("no seal link to %s: %s", hs.peer.engine_id, exc)
+            warm_ms = None
+            if seal_link is not None:
+                made.append(seal_link)
+                # the endpoint's wireup: here, once, not inside the first loads' READs
+                warm_ms = self._seal_reader.warm(seal_link, self._warm_s) * 1e3
         except BaseException:
+            for made_link in made:
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.disconnect(made_link)
             client.close()
             raise
         log.info(
-            "connected to %s at %s (%s)",
+            "connected to %s at %s (%s, warm-up READ %s)",
             hs.peer.engine_id,
             client.address,  # a TP rank's own port, derived from the request's rank-0 address
             hs.negotiation.mode.value,
+            "none" if warm_ms is None else f"{warm_ms:.1f} ms",
         )
         return Peer(
-            client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link, rank
+            client,
+            link,
+            load.remote_address,
+            hs.peer.agent_metadata,
+            staging,
+            seal_link,
+            rank,
+            warm_ms,
         )
 
     def _staging_for(self, remote: KVLayout) -> Staging:

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
@@ -65,6 +65,8 @@ class _Attempt:
     peer: Peer | None = None
     cached: bool = False
     """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
+    link_ms: float = 0.0
+    """How long this load waited for a new link (handshake and warm-up); 0 when cached."""
     lease: LeaseId | None = None
     """The lease the owner named for this load: the only lease this load may release (the
     lease id in the params is a claim, maybe another request's)."""
@@ -105,6 +107,7 @@ class RemoteLoader:
             self._seal_reader,
             max_handshakes=config.max_concurrent_loads,
             handshake_wait_s=config.control_timeout_s + config.load_timeout_s,
+            warm_timeout_s=config.load_timeout_s,
         )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
@@ -123,6 +126,16 @@ class RemoteLoader:
         for load in loads:
             for rank in self._ranks(load):
                 self._links.connect_ahead(load, rank)
+
+    def connect_to(self, addresses: Sequence[str]) -> None:
+        """Link now to the engines at ``addresses`` (rank-0 control addresses the operator
+        allowed), each rank this worker will read from, so that not even the first load
+        from them waits for a handshake; best effort, never blocks."""
+        own = self.memory.layout
+        for address in addresses:
+            self._links.connect_address(
+                address, lambda size: source_ranks(own.tp_rank, own.tp_size, size)
+            )
 
     def _ranks(self, load: BlockLoad) -> list[int]:
         """The remote TP ranks holding this rank's heads (one unless the remote's TP size
@@ -152,8 +165,14 @@ class RemoteLoader:
                 lambda engine, peer: self._forget(engine, peer, None),
             )
         job = _Attempt(load)
+        result = self._load(job, ranks[0], retry_stale)
+        return replace(result, link_ms=job.link_ms) if job.link_ms else result
+
+    def _load(self, job: _Attempt, rank: int, retry_stale: bool) -> LoadResult:
+        load = job.load
         try:
-            job.peer, job.cached = self._links.get(load, ranks[0])
+            job.peer, job.cached = self._links.get(load, rank)
+            job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
             if job.expected is not None and job.peer.link.mode is TransferMode.HEAD_SLICE:
                 return unverifiable(load)
             if job.expected is not None and load.digests_at_owner:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
@@ -56,12 +57,16 @@ def load_from_ranks(
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()
     peers: list[Peer] = []
+    link_ms = 0.0
     try:
         if not load.lease_id or not load.seal:
             raise LeaseError("no lease seal in the params: a load across TP ranks needs one")
         if any(len(remote[g]) != len(local[g]) for g in groups):
             raise LeaseError("the params name fewer remote blocks than the load needs")
-        peers = [links.get(load, rank)[0] for rank in ranks]
+        got = [links.get(load, rank) for rank in ranks]
+        peers = [p for p, _ in got]
+        if not all(cached for _, cached in got):
+            link_ms = (time.perf_counter() - t0) * 1e3
         if any(p.seal_link is None for p in peers):
             raise LeaseError("a TP rank publishes no lease seal table")
         reads = [read(p, g, local[g], remote[g]) for p in peers for g in groups]
@@ -83,7 +88,8 @@ def load_from_ranks(
                 forget(load.remote_engine, peer)
         return _failed(load, t0, str(exc) or repr(exc))
     moved = {g: len(ids) for g, ids in local.items()}
-    return load_result(load, t0, moved=moved, path="sealed", reads=reads)
+    result = load_result(load, t0, moved=moved, path="sealed", reads=reads)
+    return replace(result, link_ms=link_ms) if link_ms else result
 
 
 def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:

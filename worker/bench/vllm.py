@@ -168,7 +168,7 @@ class _Loads:
             if len(new) != 1:
                 return None, False, f"{len(new)} new kvbridge load results"
             load = new[0]
-            keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms")
+            keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms", "link_ms")
             self.detail = {k: load.get(k) for k in keys}
             if load["error"] or not load["moved"]:
                 return load["transfer_ms"], False, load["error"] or "no block moved"
