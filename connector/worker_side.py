@@ -30,7 +30,8 @@ from kvbridge.connector.base import (
     WorkerConnector,
 )
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import ReleaseListener, SealTable
+from kvbridge.connector.control.releases import ReleaseListener
+from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
