@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvbridge.connector.load import ReadRequest, post_reads
+from kvbridge.connector.transport import TransferOp, Transport
 from kvbridge.proto import BlockId, TransferError
 
 
@@ -65,3 +66,39 @@ def test_a_failed_read_releases_every_handle_and_raises() -> None:
     with pytest.raises(TransferError, match="r0/cross failed"):
         post_reads(posts, _requests(), 1.0)  # type: ignore[arg-type]
     assert len(posts.handles) == 4 and all(h.released == 1 for h in posts.handles)
+
+
+class Ops(Transport):
+    """A transport that implements only the seam's abstract methods and records each op."""
+
+    def __init__(self) -> None:
+        self.ops: list[TransferOp] = []
+
+    def transfer(self, op: TransferOp) -> Any:
+        self.ops.append(op)
+        return op
+
+    register = unregister = metadata = connect = disconnect = None  # type: ignore[assignment]
+    send_notification = poll_notifications = close = None  # type: ignore[assignment]
+
+
+def test_the_transport_seam_is_one_transfer_op_plus_links_registration_and_notifications() -> None:
+    assert Transport.__abstractmethods__ == {
+        "register",
+        "unregister",
+        "metadata",
+        "connect",
+        "disconnect",
+        "transfer",
+        "send_notification",
+        "poll_notifications",
+        "close",
+    }
+    t = Ops()
+    ids = [BlockId(3)]
+    t.read_blocks("link", "self", ids, ids, timeout_s=2.0)  # type: ignore[arg-type]
+    t.write_blocks("link", "cross", ids, [BlockId(4)], notify=b"n", timeout_s=1.0)  # type: ignore[arg-type]
+    assert [(o.kind, o.group, o.remote_ids, o.notify, o.timeout_s) for o in t.ops] == [
+        ("READ", "self", ids, None, 2.0),
+        ("WRITE", "cross", [BlockId(4)], b"n", 1.0),
+    ]
