@@ -281,15 +281,16 @@ def test_an_allowed_peer_is_linked_at_start_so_its_first_load_finds_the_link(
     assert peer_a.address == a.server.address
 
 
-def test_an_allowed_peer_that_is_not_up_yet_is_linked_by_its_first_load(
+def test_an_allowed_peer_that_refuses_at_first_is_tried_again_and_linked_before_its_loads(
     links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
 ) -> None:
     cache, counter = links
     a = prefills["prefill-a"]
-    a.refuse = 1  # the early handshake fails; nothing is kept
+    a.refuse = 1  # e.g. still starting: the first early handshake fails
     cache.connect_address(a.server.address, lambda tp_size: [0])
     deadline = time.monotonic() + WAIT_S
-    while a.handshakes < 1 and time.monotonic() < deadline:
+    while not counter.connected and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert counter.connected == ["prefill-a"]
     _, cached = cache.get(a.load())
-    assert not cached and counter.connected == ["prefill-a"] and a.handshakes == 2
+    assert cached and a.handshakes == 3  # refused, then one to learn the engine, one to link

@@ -5,7 +5,7 @@ and is used from its load threads. A link is made once per engine (handshake
 over gRPC, then ``Transport.connect`` to the peer's KV memory and, if it
 publishes one, to its lease seal table, warmed by one READ of a seal slot so that
 UCX's endpoint wireup is paid here, not by the first loads) and reused while the
-engine answers at the same address. Peers the operator named can be linked at
+engine answers at the same address. Peers the operator named are linked at
 start (:meth:`LinkCache.connect_address`). The handshake runs on a small pool of its own (at most
 ``max_handshakes`` at once), started by :meth:`LinkCache.connect_ahead` as soon
 as a step names a new engine; every load from that engine waits for that one
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 ClientFactory = Callable[[str, int], "ControlClient"]
 """``(rank-0 address, remote TP rank)`` → a client for that rank's control port."""
 
+EARLY_LINK_TRIES = 20
+"""Handshakes tried with a peer named at start (pauses 0.5 s doubling to 5 s: ~1.5 min)."""
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
 
@@ -142,6 +144,9 @@ class LinkCache:
         self._wait_s = handshake_wait_s
         self._warm_s = warm_timeout_s
         self._closed = False
+        self._stop = threading.Event()
+        """Set at close: early links stop trying."""
+        self._early: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def connect_ahead(self, load: BlockLoad, rank: int = 0) -> None:
@@ -155,25 +160,34 @@ class LinkCache:
                 self._start(load, rank)
 
     def connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
-        """Link now, on the handshake pool, to the engine at ``address`` (a peer the operator
-        named): a handshake with its rank 0 names the engine and its TP size ``n``, then the
-        ranks ``ranks(n)`` this worker reads from are linked as :meth:`connect_ahead` links
-        them, so no load pays the first link. Best effort and never blocks: an engine that
-        does not answer yet is linked by its first load, as without this."""
+        """Link soon (own thread) to the engine at ``address``, a peer the operator named: its
+        rank 0's handshake names the engine and TP size ``n``, then the ranks ``ranks(n)`` are
+        linked as :meth:`connect_ahead` does. One not up yet is tried again (a load from it
+        meanwhile links it as usual). Never blocks."""
         with self._lock:
-            if not self._closed:
-                self._handshakes.submit(self._connect_address, address, ranks)
+            if self._closed:
+                return
+            thread = threading.Thread(
+                target=self._connect_address, args=(address, ranks), name="kvb-early-link"
+            )
+            self._early.append(thread)
+        thread.start()
 
     def _connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
-        try:
-            client = self._client_factory(address, 0)
+        pause = 0.5
+        for attempt in range(1, EARLY_LINK_TRIES + 1):
             try:
-                hs = client.handshake(self._local_info(self._memory.layout))
-            finally:
-                client.close()
-        except Exception as exc:  # not up yet, refused, ...: its first load links it
-            log.info("no early link to %s: %s", address, exc)
-            return
+                client = self._client_factory(address, 0)
+                try:
+                    hs = client.handshake(self._local_info(self._memory.layout))
+                finally:
+                    client.close()
+                break
+            except Exception as exc:  # not up yet, refused, ...
+                log.info("no early link to %s yet (try %d): %s", address, attempt, exc)
+                if attempt == EARLY_LINK_TRIES or self._stop.wait(pause):
+                    return
+                pause = min(2 * pause, 5.0)
         size = hs.peer.layout.tp_size
         load = BlockLoad(RequestId(""), hs.peer.engine_id, address, {}, {}, remote_tp_size=size)
         for rank in ranks(size):
@@ -278,6 +292,9 @@ class LinkCache:
         caches."""
         with self._lock:
             self._closed = True
+        self._stop.set()
+        for thread in self._early:
+            thread.join()  # its handshake is under the control deadline
         self._handshakes.shutdown(wait=True, cancel_futures=True)  # each under its deadline
         with self._lock:
             peers, self._peers = self._peers, {}
@@ -345,16 +362,8 @@ class LinkCache:
             hs.negotiation.mode.value,
             "none" if warm_ms is None else f"{warm_ms:.1f} ms",
         )
-        return Peer(
-            client,
-            link,
-            load.remote_address,
-            hs.peer.agent_metadata,
-            staging,
-            seal_link,
-            rank,
-            warm_ms,
-        )
+        md = hs.peer.agent_metadata
+        return Peer(client, link, load.remote_address, md, staging, seal_link, rank, warm_ms)
 
     def _staging_for(self, remote: KVLayout) -> Staging:
         """The staging cache in ``remote``'s order (made and registered once per order)."""
