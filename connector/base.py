@@ -83,7 +83,7 @@ class BlockLoad:
     lease_id: str = ""
     remote_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
     """The names this engine computed for the blocks it loads (a partial last block named by
-    :func:`~kvbridge.connector.scheduler.tail_name`): the owner must answer with exactly these
+    :func:`~kvbridge.connector.planner.tail_name`): the owner must answer with exactly these
     names for the ids it reads, and re-pinning by name uses them if the lease expired."""
     offload_hashes: Sequence[BlockHash] = ()
     """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon

@@ -1,7 +1,7 @@
 """What a prefill hands over: the lease seam and the name of a prompt's partial last block.
 
 :class:`LeaseIssuer` is implemented by whoever owns an engine's blocks and called by the
-planner (:mod:`kvbridge.connector.scheduler`) when a prefill request finishes;
+planner (:mod:`kvbridge.connector.planner`) when a prefill request finishes;
 :func:`tail_name` is computed alike by prefill and decode from their own prompts.
 """
 

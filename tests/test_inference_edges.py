@@ -12,8 +12,9 @@ from kvbridge.connector import ConnectorConfig
 from kvbridge.connector.params import MAX_ID_CHARS
 from kvbridge.proto import ConfigError, WireError
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.serving import EngineClient, make_workload
+from kvbridge.worker.serving import EngineClient
 from kvbridge.worker.serving.inference import check_request_id
+from kvbridge.worker.tools import make_workload
 
 
 def test_the_demo_workload_exists_for_one_token_blocks() -> None:

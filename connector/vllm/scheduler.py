@@ -2,7 +2,7 @@
 
 Runs in vLLM's scheduler (the EngineCore process). Every decision (which blocks
 load from where, what prefill hands over, what is stored) is made by
-:class:`~kvbridge.connector.scheduler.KVBridgeScheduler`, the same planner
+:class:`~kvbridge.connector.planner.KVBridgePlanner`, the same planner
 kvbridge's reference engine uses; this module only translates. It imports no
 vLLM: the adapter (:mod:`kvbridge.connector.vllm.connector`) unpacks vLLM's
 objects into plain values. What differs in vLLM:
@@ -30,7 +30,7 @@ from typing import Any
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
-from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -180,7 +180,7 @@ class VllmScheduler:
     ) -> None:
         self.hasher = hasher
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgeScheduler(config, block_size, tp_size)
+        self.planner = KVBridgePlanner(config, block_size, tp_size)
         self.planner.attach(self.holds, offload_lookup)
 
     @property

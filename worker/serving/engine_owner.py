@@ -1,7 +1,7 @@
 """The reference engine's KV memory as the control plane sees it.
 
 :class:`EngineBlockOwner` is the :class:`~kvbridge.connector.control.leases.BlockOwner`
-and the :class:`~kvbridge.connector.scheduler.LeaseIssuer` of a serving
+and the :class:`~kvbridge.connector.planner.LeaseIssuer` of a serving
 engine. Leases hold references of their own on the engine's pool blocks
 (``touch`` to pin, ``free`` to unpin), so a finished prefill request's blocks
 stay put while decode reads them, and become evictable — not wiped — when the
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.control.seal import SealTable
-from kvbridge.connector.scheduler import LeaseIssuer
+from kvbridge.connector.planner import LeaseIssuer
 from kvbridge.kernels import block_digests, digest_algo
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine

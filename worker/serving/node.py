@@ -30,7 +30,7 @@ from kvbridge.connector.control.server import ControlServer, ControlServerConfig
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.events import MEDIUM_GPU, KVEventsConfig, ZmqEventPublisher
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
-from kvbridge.connector.scheduler import KVBridgeScheduler
+from kvbridge.connector.planner import KVBridgePlanner
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.connector.worker_side import KVBridgeWorker
 from kvbridge.proto import engine_pb2 as epb
@@ -128,7 +128,7 @@ class Node(Closing):
         with ExitStack() as built:
             self.transport = NixlTransport(NixlConfig(name=cc.engine_id))
             built.callback(self.transport.close)
-            self.scheduler_connector = KVBridgeScheduler(cc, config.engine.block_size)
+            self.scheduler_connector = KVBridgePlanner(cc, config.engine.block_size)
             self.worker_connector = KVBridgeWorker(
                 cc, self.transport, self._client, self._peer_info
             )

@@ -1,6 +1,6 @@
 """The one planner: which blocks a request loads, what a prefill hands over, what is stored.
 
-Both engines use :class:`KVBridgeScheduler`: kvbridge's reference engine calls
+Both engines use :class:`KVBridgePlanner`: kvbridge's reference engine calls
 it directly (it is that engine's :class:`SchedulerConnector`), and vLLM's
 adapter (:mod:`kvbridge.connector.vllm.scheduler`) translates vLLM's calls
 into :class:`RequestView` s and calls the same methods. Runs in the engine's
@@ -59,7 +59,7 @@ from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
-__all__ = ["KVBridgeScheduler", "LeaseIssuer", "tail_name"]
+__all__ = ["KVBridgePlanner", "LeaseIssuer", "tail_name"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class _Pending:
     """Names of the blocks from ``first_block`` on that the offload daemon holds."""
 
 
-class KVBridgeScheduler(SchedulerConnector):
+class KVBridgePlanner(SchedulerConnector):
     """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
     def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
-from kvbridge.worker.serving.chaos import ChaosEvent, Deployment, chaos_schedule
 from kvbridge.worker.serving.node_cmd import add_engine_arguments, engine_config_from_args
+from kvbridge.worker.tools.chaos import ChaosEvent, Deployment, chaos_schedule
 
 __all__ = ["add_parser", "run", "SoakConfig", "soak"]
 
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
 def soak(config: SoakConfig, engine_args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     """Run one soak; returns the summary (``ok`` is the verdict)."""
-    from kvbridge.worker.serving.demo import make_workload, reference_outputs
+    from kvbridge.worker.tools.demo import make_workload, reference_outputs
 
     engine_args.max_tokens = config.max_tokens
     vocab = engine_config_from_args(engine_args).vocab_size  # type: ignore[attr-defined]
