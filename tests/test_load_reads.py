@@ -9,7 +9,7 @@ import pytest
 
 from kvbridge.connector.load import ReadRequest, post_reads
 from kvbridge.connector.transport import TransferOp, Transport
-from kvbridge.proto import BlockId, TransferError
+from kvbridge.proto import BlockId, KVGroup, TransferError
 
 
 class Handle:
@@ -50,7 +50,8 @@ class Posts:
 
 def _requests() -> list[ReadRequest]:
     ids = [BlockId(1), BlockId(2)]
-    return [ReadRequest(link, g, ids, ids) for link in ("r0", "r1") for g in ("self", "cross")]  # type: ignore[arg-type]
+    links: list[Any] = ["r0", "r1"]
+    return [ReadRequest(link, g, ids, ids) for link in links for g in KVGroup]
 
 
 def test_every_read_of_a_load_is_posted_before_the_first_wait() -> None:
@@ -96,8 +97,8 @@ def test_the_transport_seam_is_one_transfer_op_plus_links_registration_and_notif
     }
     t = Ops()
     ids = [BlockId(3)]
-    t.read_blocks("link", "self", ids, ids, timeout_s=2.0)  # type: ignore[arg-type]
-    t.write_blocks("link", "cross", ids, [BlockId(4)], notify=b"n", timeout_s=1.0)  # type: ignore[arg-type]
+    t.read_blocks("link", KVGroup.SELF, ids, ids, timeout_s=2.0)  # type: ignore[arg-type]
+    t.write_blocks("link", KVGroup.CROSS, ids, [BlockId(4)], notify=b"n", timeout_s=1.0)  # type: ignore[arg-type]
     assert [(o.kind, o.group, o.remote_ids, o.notify, o.timeout_s) for o in t.ops] == [
         ("READ", "self", ids, None, 2.0),
         ("WRITE", "cross", [BlockId(4)], b"n", 1.0),

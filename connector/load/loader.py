@@ -35,6 +35,7 @@ from kvbridge.connector.load.verify import Checked, Expected, fetch_expected
 from kvbridge.proto.errors import (
     KVBridgeError,
 )
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
 
@@ -59,8 +60,8 @@ class _Attempt:
 
     load: BlockLoad
     t0: float = field(default_factory=time.perf_counter)
-    local: dict[str, list[BlockId]] = field(init=False)
-    remote: dict[str, list[BlockId]] = field(init=False)
+    local: dict[KVGroup, list[BlockId]] = field(init=False)
+    remote: dict[KVGroup, list[BlockId]] = field(init=False)
     peer: Peer | None = None
     cached: bool = False
     """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
@@ -75,7 +76,7 @@ class _Attempt:
     def __post_init__(self) -> None:
         load = self.load
         self.expected = Expected.of(load)
-        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+        groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
         self.local = {g: list(load.local_ids[g]) for g in groups}
         self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
@@ -236,21 +237,21 @@ class RemoteLoader:
         claimed = LeaseId(load.lease_id) if load.lease_id else None
         ttl = self.config.lease_ttl_s
         job.lease, remote = owner_blocks(peer, load, claimed, job.local, ttl)
-        local_self = job.local.get("self", [])
-        wanted: dict[str, tuple[list[BlockId], list[BlockId]]] = {}
-        n = len(remote.get("self", ()))
-        if n:
-            wanted["self"] = (local_self[:n], remote["self"][:n])
-        cross_gone = "cross" in job.local and len(remote["cross"]) != len(job.local["cross"])
-        if "cross" in job.local and not cross_gone:
-            wanted["cross"] = (job.local["cross"], remote["cross"])
+        local_self, remote_self = job.local.get(KVGroup.SELF, []), remote.get(KVGroup.SELF, [])
+        wanted: dict[KVGroup, tuple[list[BlockId], list[BlockId]]] = {}
+        if n := len(remote_self):
+            wanted[KVGroup.SELF] = (local_self[:n], remote_self[:n])
+        local_cross = job.local.get(KVGroup.CROSS)
+        cross_gone = local_cross is not None and len(remote[KVGroup.CROSS]) != len(local_cross)
+        if local_cross is not None and not cross_gone:
+            wanted[KVGroup.CROSS] = (local_cross, remote[KVGroup.CROSS])
         done = self._read(job, wanted) if wanted else {}
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
             error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
-            bad = local_self + job.local.get("cross", [])
+            bad = local_self + (local_cross or [])
             reads = [r for r, _ in done.values()]
             return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
         if cross_gone:  # all or nothing: the engine recomputes the whole request
@@ -264,7 +265,7 @@ class RemoteLoader:
     def _verdict(
         self,
         job: _Attempt,
-        done: Mapping[str, tuple[ReadFigures, Checked]],
+        done: Mapping[KVGroup, tuple[ReadFigures, Checked]],
         path: str,
         error: str = "",
     ) -> LoadResult:
@@ -302,14 +303,16 @@ class RemoteLoader:
             return self.load(load, retry_stale=False)
         if peer is not None:
             self._forget(load.remote_engine, peer, job.lease)
-        return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
+        return load_result(
+            load, job.t0, bad=job.local.get(KVGroup.SELF, []), error=str(exc) or repr(exc)
+        )
 
     def _read(
         self,
         job: _Attempt,
-        groups: Mapping[str, tuple[list[BlockId], list[BlockId]]],
+        groups: Mapping[KVGroup, tuple[list[BlockId], list[BlockId]]],
         check: bool = True,
-    ) -> dict[str, tuple[ReadFigures, Checked]]:
+    ) -> dict[KVGroup, tuple[ReadFigures, Checked]]:
         """READ each group's ``(local, remote)`` blocks, posted together (through the
         staging cache if the orders differ), checked against the load's digests before the
         engine may use the blocks (unless ``check`` is False: the caller then checks them
@@ -325,7 +328,7 @@ class RemoteLoader:
             job.expected if check else None,
         )
 
-    def _check(self, job: _Attempt, group: str, local: list[BlockId]) -> Checked:
+    def _check(self, job: _Attempt, group: KVGroup, local: list[BlockId]) -> Checked:
         """Check blocks READ straight into the KV cache against the load's digests."""
         if job.expected is None:
             return Checked(len(local), 0)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvbridge.proto.errors import LeaseError, WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -26,9 +27,9 @@ def owner_blocks(
     peer: Peer,
     load: BlockLoad,
     lease: LeaseId | None,
-    local: Mapping[str, list[BlockId]],
+    local: Mapping[KVGroup, list[BlockId]],
     ttl: float,
-) -> tuple[LeaseId | None, dict[str, list[BlockId]]]:
+) -> tuple[LeaseId | None, dict[KVGroup, list[BlockId]]]:
     """The remote ids to read, as the blocks' owner names them: ``(lease, ids per group)``.
 
     Block ids in ``kv_transfer_params`` are a router's claim and never read.
@@ -45,9 +46,9 @@ def owner_blocks(
         except LeaseError:
             log.info("request %s: the owner's lease is gone", load.request_id)
     if pinned is not None and pinned.lease_id is not None:
-        remote: dict[str, list[BlockId]] = {}
+        remote: dict[KVGroup, list[BlockId]] = {}
         for g in groups:
-            first = load.first_block if g == "self" else 0
+            first = load.first_block if g == KVGroup.SELF else 0
             want = tuple(load.remote_hashes.get(g, ()))
             names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
             ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbridge.connector.load.verify import Checked
 from kvbridge.kernels import BlockMapping, convert_blocks
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class ReadRequest(NamedTuple):
     """One READ of ``remote`` blocks over ``link`` into ``local`` blocks of ``group``."""
 
     link: PeerLink
-    group: str
+    group: KVGroup
     local: list[BlockId]
     remote: list[BlockId]
 
@@ -92,18 +93,18 @@ def post_reads(
 def read_groups(
     transport: Transport,
     peer: Peer,
-    groups: Mapping[str, tuple[list[BlockId], list[BlockId]]],
+    groups: Mapping[KVGroup, tuple[list[BlockId], list[BlockId]]],
     timeout_s: float,
     memory: LocalMemory,
     kv_caches: Mapping[str, torch.Tensor],
     expected: Expected | None = None,
-) -> dict[str, tuple[ReadFigures, Checked]]:
+) -> dict[KVGroup, tuple[ReadFigures, Checked]]:
     """READ each group's ``(local, remote)`` blocks, posted together (through the peer's
     staging cache if the inner orders differ), and check the blocks as they landed against
     ``expected``: only the leading blocks that match are converted out of the staging
     cache. Without ``expected`` every block counts as good."""
     staging = peer.staging
-    slots: dict[str, list[BlockId]] = {}
+    slots: dict[KVGroup, list[BlockId]] = {}
     try:
         if staging is not None:  # OutOfBlocksError: the request recomputes
             for g, (_, remote) in groups.items():
@@ -113,7 +114,7 @@ def read_groups(
             for g, (local, remote) in groups.items()
         ]
         figures = post_reads(transport, requests, timeout_s)
-        out: dict[str, tuple[ReadFigures, Checked]] = {}
+        out: dict[KVGroup, tuple[ReadFigures, Checked]] = {}
         for (g, (local, _)), read in zip(groups.items(), figures, strict=True):
             if staging is None:
                 out[g] = read, _check(expected, memory.layout, g, local)
@@ -136,5 +137,5 @@ def read_groups(
                 staging.give_back(g, taken)
 
 
-def _check(expected: Expected | None, layout: Any, group: str, ids: list[BlockId]) -> Checked:
+def _check(expected: Expected | None, layout: Any, group: KVGroup, ids: list[BlockId]) -> Checked:
     return Checked(len(ids), 0) if expected is None else expected.check(layout, group, ids)

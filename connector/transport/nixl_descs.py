@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 
 __all__ = [
     "device_id",
@@ -61,13 +61,13 @@ def mem_type(device: str) -> str:
     return "VRAM" if device.startswith("cuda") else "DRAM"
 
 
-def descriptors_per_block(layout: KVLayout, group: str, per_span: bool) -> int:
+def descriptors_per_block(layout: KVLayout, group: KVGroup, per_span: bool) -> int:
     """1 whole-block descriptor, or one per (owning layer, K/V) span when ``per_span``."""
     return 2 * len(layout.owning_layers(group)) if per_span else 1
 
 
 def _span_starts(
-    layout: KVLayout, group: str, per_span: bool
+    layout: KVLayout, group: KVGroup, per_span: bool
 ) -> tuple[npt.NDArray[np.uint64], int, int, int, int]:
     """Start of block 0's spans (span order), span length, block stride, block count, device."""
     if not layout.regions:
@@ -102,7 +102,7 @@ def _span_starts(
     return starts, layout.span_bytes, st["B"], nblocks, dev
 
 
-def descriptor_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[np.uint64]:
+def descriptor_table(layout: KVLayout, group: KVGroup, per_span: bool) -> npt.NDArray[np.uint64]:
     """Nx3 rows for every block of ``group``: one per block, or one per span if ``per_span``.
 
     Block-major: row ``b * per_block + s`` is span ``s`` of block ``b``.
@@ -117,7 +117,7 @@ def descriptor_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArra
     return table
 
 
-def strided_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[np.uint64]:
+def strided_table(layout: KVLayout, group: KVGroup, per_span: bool) -> npt.NDArray[np.uint64]:
     """Nx5 NIXL strided rows for every block of ``group``, in physical (address) order.
 
     Every layout is a dense array of spans in its own outer order
@@ -144,7 +144,7 @@ def strided_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[n
     return table
 
 
-def slice_table(layout: KVLayout, group: str, part: int, parts: int) -> npt.NDArray[np.uint64]:
+def slice_table(layout: KVLayout, group: KVGroup, part: int, parts: int) -> npt.NDArray[np.uint64]:
     """Nx3 rows, one per (block, owning layer) page: slice ``part`` of ``parts`` equal spans
     of each page (``HEAD_SLICE``; :func:`kvbridge.proto.negotiate.head_slices`).
 
@@ -172,7 +172,7 @@ def slice_table(layout: KVLayout, group: str, part: int, parts: int) -> npt.NDAr
 
 
 def slice_indices(
-    layout: KVLayout, group: str, local_ids: Sequence[int], remote_ids: Sequence[int]
+    layout: KVLayout, group: KVGroup, local_ids: Sequence[int], remote_ids: Sequence[int]
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Rows of both sides' :func:`slice_table` for one request, paired page for page and
     sorted by local row (both sides have the same owning layers)."""
@@ -197,7 +197,7 @@ def descriptor_indices(block_ids: Sequence[int], per_block: int) -> npt.NDArray[
 
 
 def strided_indices(
-    layout: KVLayout, group: str, block_ids: Sequence[int], per_span: bool
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], per_span: bool
 ) -> npt.NDArray[np.int32]:
     """Descriptors of :func:`strided_table` for ``block_ids``: block-major, in the ids' order.
 
@@ -222,7 +222,7 @@ def strided_indices(
 def request_indices(
     local: KVLayout,
     remote: KVLayout,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     *,

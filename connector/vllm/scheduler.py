@@ -16,7 +16,11 @@ objects into plain values. What differs in vLLM:
   hex strings on that side (:func:`to_json_params` / :func:`from_json_params`);
 - block names are kvbridge's own (:class:`~kvbridge.proto.hashing.BlockHasher`
   over the prompt's full blocks, computed only when the planner asks for
-  them), not vLLM's ``request.block_hashes``: see ``docs/VLLM.md`` ("Hashing").
+  them), not vLLM's ``request.block_hashes``: see ``docs/VLLM.md`` ("Hashing");
+- a finished request is named over every token whose KV it computed, its
+  generated tokens included, so the offload store takes the full blocks decode
+  completed too (a hand-over still names the prompt's blocks only: the names are
+  one chain, so the prompt's are a prefix of them).
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 from kvbridge.proto.hashing import BlockHasher
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["HoldIssuer", "HoldOrder", "VllmScheduler", "to_json_params", "from_json_params"]
+__all__ = [
+    "HoldIssuer",
+    "HoldOrder",
+    "VllmScheduler",
+    "from_json_params",
+    "kv_tokens",
+    "to_json_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +105,12 @@ def from_json_params(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def kv_tokens(all_tokens: Sequence[int], num_computed: int) -> list[int]:
+    """The tokens whose KV a finished request's blocks hold: its prompt and every generated
+    token but the last (sampled, never fed back), or fewer if vLLM computed fewer."""
+    return list(all_tokens[: max(0, min(num_computed, len(all_tokens) - 1))])
+
+
 class HoldIssuer(LeaseIssuer):
     """The planner's lease issuer inside vLLM: a lease is an order to the worker.
 
@@ -107,9 +125,9 @@ class HoldIssuer(LeaseIssuer):
         self._orders: list[HoldOrder] = []
 
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
-        return min(len(block_ids), len(hashes)) if group == "self" else 0
+        return min(len(block_ids), len(hashes)) if group == KVGroup.SELF else 0
 
     def lease_request(
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
@@ -118,8 +136,8 @@ class HoldIssuer(LeaseIssuer):
         order = HoldOrder(
             request_id,
             lease_id,
-            tuple(blocks["self"]),
-            tuple(hashes.get("self", ())),
+            tuple(blocks[KVGroup.SELF]),
+            tuple(hashes.get(KVGroup.SELF, ())),
             self.ttl_s,
         )
         self._orders.append(order)
@@ -127,10 +145,10 @@ class HoldIssuer(LeaseIssuer):
 
     digests_at_owner = True
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Send ``key`` with the request's hold order: the worker, where the KV lives, digests
         the held blocks when it makes the lease (called right after :meth:`lease_request`)."""
-        if not self._orders or tuple(blocks.get("self", ())) != self._orders[-1].block_ids:
+        if not self._orders or tuple(blocks.get(KVGroup.SELF, ())) != self._orders[-1].block_ids:
             return None
         self._orders[-1] = replace(self._orders[-1], digest_key=key)
         return {}
@@ -144,24 +162,25 @@ class HoldIssuer(LeaseIssuer):
         return orders
 
 
-class _PromptNames(Mapping[str, Sequence[BlockHash]]):
-    """``RequestView.block_hashes`` for a vLLM request: the prompt's full-block names,
-    hashed on first use only (most requests are never asked for them)."""
+class _PromptNames(Mapping[KVGroup, Sequence[BlockHash]]):
+    """``RequestView.block_hashes`` for a vLLM request: the full-block names of ``tokens``
+    (the prompt, or at the end every token with computed KV), hashed on first use only
+    (most requests are never asked for them)."""
 
-    def __init__(self, hasher: BlockHasher, prompt: Sequence[int]) -> None:
+    def __init__(self, hasher: BlockHasher, tokens: Sequence[int]) -> None:
         self._hasher = hasher
-        self._prompt = prompt
+        self._prompt = tokens
         self._names: tuple[BlockHash, ...] | None = None
 
-    def __getitem__(self, group: str) -> Sequence[BlockHash]:
-        if group != "self":
+    def __getitem__(self, group: KVGroup) -> Sequence[BlockHash]:
+        if group != KVGroup.SELF:
             raise KeyError(group)
         if self._names is None:
             self._names = tuple(self._hasher.hash_blocks(list(self._prompt)))
         return self._names
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(("self",))
+    def __iter__(self) -> Iterator[KVGroup]:
+        return iter((KVGroup.SELF,))
 
     def __len__(self) -> int:
         return 1
@@ -198,11 +217,13 @@ class VllmScheduler:
         prompt: Sequence[int],
         raw_params: Mapping[str, Any] | None,
         prompt_computed: bool = True,
+        named: Sequence[int] | None = None,
     ) -> RequestView:
+        """``named``: the tokens whose full blocks are named (default: the prompt)."""
         return RequestView(
             request_id=request_id,
             prompt_token_ids=prompt,
-            block_hashes=_PromptNames(self.hasher, prompt),
+            block_hashes=_PromptNames(self.hasher, prompt if named is None else named),
             kv_transfer_params=from_json_params(raw_params),
             prompt_computed=prompt_computed,
         )
@@ -228,7 +249,7 @@ class VllmScheduler:
         """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
         :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
         view = self._view(request_id, prompt, None)
-        self.planner.update_state_after_alloc(view, {"self": block_ids}, num_external_tokens)
+        self.planner.update_state_after_alloc(view, {KVGroup.SELF: block_ids}, num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
         """This step's loads, offload stores and hold orders; resets them."""
@@ -241,11 +262,18 @@ class VllmScheduler:
         raw_params: Mapping[str, Any] | None,
         block_ids: Sequence[BlockId],
         prompt_done: bool,
+        computed: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished or aborted request;
-        ``prompt_done``: it finished normally with its whole prompt computed."""
-        view = self._view(request_id, prompt, raw_params, prompt_done)
-        delay_free, params = self.planner.request_finished(view, {"self": block_ids})
+        ``prompt_done``: it finished normally with its whole prompt computed; ``computed``:
+        the tokens whose KV its blocks hold, the prompt followed by generated tokens
+        (default: the prompt). Their full blocks are what an offload store takes."""
+        n = len(prompt)
+        if computed is not None and (len(computed) < n or list(computed[:n]) != list(prompt)):
+            log.warning("request %s: its computed tokens do not extend its prompt", request_id)
+            computed = None
+        view = self._view(request_id, prompt, raw_params, prompt_done, computed)
+        delay_free, params = self.planner.request_finished(view, {KVGroup.SELF: block_ids})
         # a request put under a hold must keep its blocks until the worker reports the
         # lease over (done_sending): vLLM frees them at once otherwise
         delay_free = delay_free or self.holds.ordered(request_id)

@@ -18,12 +18,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvbridge.worker.serving.inference import GenerateResult
     from kvbridge.worker.serving.launch import (
         OffloadDaemonProcess,
         start_node,
         start_offload_daemon,
     )
-    from kvbridge.worker.serving.node import GenerateResult, Node, NodeConfig
+    from kvbridge.worker.serving.node import Node, NodeConfig
     from kvbridge.worker.serving.placement import EventPlacement
     from kvbridge.worker.serving.router import (
         EngineClient,
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 _HOME = {
     "EngineClient": "router",
     "EventPlacement": "placement",
-    "GenerateResult": "node",
+    "GenerateResult": "inference",
     "Node": "node",
     "NodeConfig": "node",
     "NodeDownError": "router",

@@ -1,8 +1,8 @@
 """Tools that drive serving nodes from outside, as a user would: not part of a deployment.
 
 ``demo`` (a prefill and a decode node on loopback, checked token for token) and
-``soak`` with ``chaos`` (many nodes under random kills and stops, checked the same
-way). The workload and checks below are the demo's; tests use them too.
+``soak`` with ``chaos`` and ``soak_config`` (many nodes under random kills and stops,
+checked the same way). The workload and checks below are the demo's; tests use them too.
 
 The names below load on first use, so the CLI can build its parser without
 importing torch or gRPC.

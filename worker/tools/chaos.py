@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.proto.errors import KVBridgeError
+from kvbridge.worker.tools.soak_config import SoakConfig
 
 if TYPE_CHECKING:
     from kvbridge.worker.child import ChildProcess
     from kvbridge.worker.serving.router import EngineClient
-    from kvbridge.worker.tools.soak import SoakConfig
 
 __all__ = ["ChaosEvent", "chaos_schedule", "Deployment"]
 

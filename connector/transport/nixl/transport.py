@@ -57,6 +57,7 @@ from kvbridge.connector.transport.nixl_descs import (
     strided_table,
 )
 from kvbridge.proto.errors import LayoutError, TransferError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, head_slices
 
 if TYPE_CHECKING:
@@ -204,9 +205,9 @@ class NixlTransport(Transport):
                 remote_layout=remote_layout,
                 mode=mode,
                 descriptors_per_block=(
-                    len(local.layout.owning_layers("self"))
+                    len(local.layout.owning_layers(KVGroup.SELF))
                     if mode is TransferMode.HEAD_SLICE
-                    else descriptors_per_block(local.layout, "self", per_span)
+                    else descriptors_per_block(local.layout, KVGroup.SELF, per_span)
                 ),
                 prep_s=prep_s,
             )
@@ -240,7 +241,7 @@ class NixlTransport(Transport):
         self,
         op: str,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         notify: bytes | None,
