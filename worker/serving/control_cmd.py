@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_float, positive_int
 from kvbridge.worker.server_auth import read_auth
 
 __all__ = ["add_parser", "run", "main"]
@@ -65,8 +65,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     add_plaintext_argument(p)
-    p.add_argument("--default-ttl", type=float, default=30.0, help="lease TTL in s (default 30)")
-    p.add_argument("--max-ttl", type=float, default=600.0, help="longest lease TTL in s")
+    p.add_argument(
+        "--default-ttl", type=positive_float, default=30.0, help="lease TTL in s (default 30)"
+    )
+    p.add_argument("--max-ttl", type=positive_float, default=600.0, help="longest lease TTL in s")
     p.set_defaults(func=run)
 
 
