@@ -20,6 +20,7 @@ from typing import Any
 
 from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES
 from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
 __all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS", "MAX_TP_SIZE"]
@@ -42,8 +43,8 @@ class KVTransferParams:
     remote_address: str
     request_id: RequestId
     num_tokens: int
-    block_ids: Mapping[str, tuple[BlockId, ...]]
-    block_hashes: Mapping[str, tuple[BlockHash, ...]]
+    block_ids: Mapping[KVGroup, tuple[BlockId, ...]]
+    block_hashes: Mapping[KVGroup, tuple[BlockHash, ...]]
     lease_id: LeaseId
     lease_ttl_s: float
     tp_size: int = 1
@@ -52,7 +53,7 @@ class KVTransferParams:
     digest_key: int | None = None
     """The hand-over's secret digest key (:func:`kvbridge.kernels.new_key`); None: the
     prefill recorded no digests and the load is not verified."""
-    digests: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)
+    digests: Mapping[KVGroup, tuple[bytes, ...]] = field(default_factory=dict)
     """Per group, one digest per entry of ``block_ids`` (:func:`kvbridge.kernels.block_digests`
     of the bytes at hand-over, keyed with ``digest_key``)."""
     digest_algo: str = ALGO_XXH3
@@ -121,19 +122,21 @@ class KVTransferParams:
         if out.tp_size > MAX_TP_SIZE:
             raise WireError(f"kv_transfer_params: 'tp_size' {out.tp_size} is above {MAX_TP_SIZE}")
         need_blocks = -(-out.num_tokens // block_size)
-        got = len(out.block_ids.get("self", ()))
+        got = len(out.block_ids.get(KVGroup.SELF, ()))
         if got != need_blocks:
             raise WireError(
                 f"kv_transfer_params: {out.num_tokens} tokens need {need_blocks} blocks of "
                 f"{block_size}, got {got} block ids"
             )
-        if len(out.block_hashes.get("self", ())) != out.num_tokens // block_size:
+        if len(out.block_hashes.get(KVGroup.SELF, ())) != out.num_tokens // block_size:
             raise WireError("kv_transfer_params: one hash per full block expected")
-        if len(out.block_ids.get("cross", ())) != len(out.block_hashes.get("cross", ())):
+        if len(out.block_ids.get(KVGroup.CROSS, ())) != len(
+            out.block_hashes.get(KVGroup.CROSS, ())
+        ):
             raise WireError(
                 "kv_transfer_params: 'cross' needs one hash per block id, got "
-                f"{len(out.block_ids.get('cross', ()))} ids and "
-                f"{len(out.block_hashes.get('cross', ()))} hashes"
+                f"{len(out.block_ids.get(KVGroup.CROSS, ()))} ids and "
+                f"{len(out.block_hashes.get(KVGroup.CROSS, ()))} hashes"
             )
         for group, digests in out.digests.items():
             if len(digests) != len(out.block_ids.get(group, ())):
@@ -209,15 +212,15 @@ def _hash(value: object) -> BlockHash:
     return BlockHash(value)
 
 
-def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[str, tuple[Any, ...]]:
+def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[KVGroup, tuple[Any, ...]]:
     value = params.get(key)
     if not isinstance(value, Mapping) or not 0 < len(value) <= 2:
         raise WireError(f"kv_transfer_params: {key!r} must map group names to lists")
-    out: dict[str, tuple[Any, ...]] = {}
-    for group, items in value.items():
-        if group not in ("self", "cross") or not isinstance(items, list | tuple):
-            raise WireError(f"kv_transfer_params: {key!r} has a bad group {group!r}")
+    out: dict[KVGroup, tuple[Any, ...]] = {}
+    for name, items in value.items():
+        if name not in tuple(KVGroup) or not isinstance(items, list | tuple):
+            raise WireError(f"kv_transfer_params: {key!r} has a bad group {name!r}")
         if len(items) > MAX_BLOCKS_PER_REQUEST:
             raise WireError(f"kv_transfer_params: {key!r} lists {len(items)} items, too many")
-        out[group] = tuple(item(x) for x in items)
+        out[KVGroup(name)] = tuple(item(x) for x in items)
     return out

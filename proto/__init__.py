@@ -25,11 +25,13 @@ from kvbridge.proto.layout import (
     DIMS,
     ORDERS,
     GroupSpec,
+    KVGroup,
     KVLayout,
     LayerSpec,
     ModelSpec,
     Region,
     Span,
+    parse_group,
     parse_order,
 )
 from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
@@ -50,6 +52,7 @@ __all__ = [
     "ExtraKeys",
     "GroupSpec",
     "HashConfig",
+    "KVGroup",
     "IncompatibleLayoutError",
     "KVBridgeError",
     "KVLayout",
@@ -76,6 +79,7 @@ __all__ = [
     "__version__",
     "make_layout",
     "negotiate",
+    "parse_group",
     "parse_order",
     "preset_layout",
 ]

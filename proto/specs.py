@@ -1,9 +1,10 @@
 """The parts a :class:`~kvbridge.proto.layout.KVLayout` is made of, and their checks.
 
-Dimension names, dtypes and order presets; the frozen spec dataclasses
-(model, layer, group, region, span); :func:`parse_order` and the checks that
-a set of groups and layers is consistent. Used by :mod:`kvbridge.proto.layout`
-(which re-exports every public name here), by :mod:`kvbridge.proto.tensors`,
+Dimension names, dtypes and order presets; :class:`KVGroup` (which KV-cache group
+a block belongs to); the frozen spec dataclasses (model, layer, group, region, span);
+:func:`parse_order` and the checks that a set of groups and layers is consistent. Used by
+:mod:`kvbridge.proto.layout` (which re-exports every public name here), by
+:mod:`kvbridge.proto.tensors`,
 :mod:`kvbridge.proto.presets` and the layout's wire form
 (:mod:`kvbridge.proto.layout_wire`). Pure Python: no torch, no numpy.
 """
@@ -12,21 +13,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvbridge.proto.errors import LayoutError
 
 __all__ = [
     "DIMS",
     "DTYPE_BYTES",
-    "GROUP_KINDS",
     "ORDERS",
     "GroupSpec",
+    "KVGroup",
     "LayerSpec",
     "ModelSpec",
     "Region",
     "Span",
     "check_groups_and_layers",
     "check_order",
+    "parse_group",
     "parse_order",
 ]
 
@@ -52,7 +55,34 @@ ORDERS: Mapping[str, tuple[str, ...]] = {
     "layer-kv-nhd": ("L", "KV", "B", "N", "H", "C"),
 }
 
-GROUP_KINDS = ("self", "cross")
+
+class KVGroup(StrEnum):
+    """A KV-cache group: blocks with their own ids and names.
+
+    ``SELF``: the decoder's self-attention (every model); ``CROSS``: cross-attention over
+    an encoder input (encoder-decoder models). A ``str`` enum: a member equals, hashes and
+    encodes (msgpack, protobuf, JSON) exactly as its value, so the wire carries ``"self"``
+    and ``"cross"``; a string from a peer becomes a member only through
+    :func:`parse_group`. ``repr`` is the value's, so messages read as before.
+    """
+
+    SELF = "self"
+    CROSS = "cross"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def parse_group(value: object, error: type[Exception] = LayoutError) -> KVGroup:
+    """``value`` (a peer's or a config's group name) as a :class:`KVGroup`; ``error`` (a
+    typed kvbridge error) naming the value and the known groups if it is none of them."""
+    if isinstance(value, str):
+        try:
+            return KVGroup(value)
+        except ValueError:
+            pass
+    shown = value[:64] if isinstance(value, str) else value
+    raise error(f"unknown group {shown!r}; groups are {tuple(g.value for g in KVGroup)}")
 
 
 def parse_order(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -108,7 +138,7 @@ class LayerSpec:
     """One attention layer: its KV-cache group and, if it owns no memory, whose KV it reuses."""
 
     name: str
-    group: str = "self"
+    group: KVGroup = KVGroup.SELF
     kv_source: str | None = None
 
 
@@ -116,7 +146,7 @@ class LayerSpec:
 class GroupSpec:
     """A KV-cache group with its own block ids: ``self`` or ``cross`` attention."""
 
-    name: str
+    name: KVGroup
     num_blocks: int
 
 
@@ -149,11 +179,10 @@ def check_groups_and_layers(
     least one owning layer in every group.
     """
     names = [g.name for g in groups]
-    if not names or names[0] != "self" or len(set(names)) != len(names):
+    if not names or names[0] != KVGroup.SELF or len(set(names)) != len(names):
         raise LayoutError(f"groups must be 'self' first, then optionally 'cross'; got {names}")
     for g in groups:
-        if g.name not in GROUP_KINDS:
-            raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS}")
+        parse_group(g.name)
         if g.num_blocks < 1:
             raise LayoutError(f"group {g.name!r} needs >= 1 block, got {g.num_blocks}")
     seen: dict[str, LayerSpec] = {}

@@ -1,4 +1,4 @@
-"""Building and describing KV tensors for a :class:`KVLayout` (imports torch).
+"""Building and describing KV tensors for a layout (imports torch).
 
 Every layer is handed a view of logical shape ``(2, num_blocks, block_size,
 H, C)`` — K/V, block, token, head, channel — whose strides follow the
@@ -11,20 +11,25 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import (
+from kvbridge.proto.layout_core import LayoutCore
+from kvbridge.proto.specs import (
     DTYPE_BYTES,
     GroupSpec,
-    KVLayout,
+    KVGroup,
     LayerSpec,
     ModelSpec,
     Region,
+    parse_group,
 )
 
 __all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
+
+L = TypeVar("L", bound=LayoutCore)
 
 LOGICAL = ("KV", "B", "N", "H", "C")
 
@@ -45,7 +50,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+def allocate(layout: LayoutCore, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed KV tensors for ``layout``: per-layer views, one allocation per region.
 
     Block-outermost (and any single-region) groups are one allocation in which
@@ -79,7 +84,7 @@ def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {x.name: out[x.name] for x in layout.layers}
 
 
-def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
+def _regions(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
     regions = []
     for g in layout.groups:
         owners = layout.owning_layers(g.name)
@@ -107,9 +112,10 @@ def _check_disjoint(regions: list[Region]) -> None:
             )
 
 
-def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+def bind(layout: L, kv_caches: Mapping[str, torch.Tensor]) -> L:
     """``layout`` with its regions read from ``kv_caches``, after checking they match it."""
     described = from_tensors(
+        type(layout),
         kv_caches,
         model_name=layout.model.name,
         block_size=layout.block_size,
@@ -121,7 +127,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
     same_without_l = [d for d in described.order if d != "L"] == [
         d for d in layout.order if d != "L"
     ]
-    if len(layout.owning_layers("self")) == 1 and same_without_l:
+    if len(layout.owning_layers(KVGroup.SELF)) == 1 and same_without_l:
         described = layout.with_regions(_regions(layout, kv_caches))
     if described.one_region and layout.layer_separate and described.order == layout.order:
         # layers in one allocation may still be registered one region per layer
@@ -141,6 +147,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
 
 
 def from_tensors(
+    cls: type[L],
     kv_caches: Mapping[str, torch.Tensor],
     *,
     model_name: str,
@@ -148,8 +155,8 @@ def from_tensors(
     layer_groups: Mapping[str, str] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> KVLayout:
-    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``.
+) -> L:
+    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``, as a ``cls``.
 
     The physical order is inferred from the views' strides and, for the
     ``L`` dimension, from the distance between consecutive layers' data
@@ -164,11 +171,11 @@ def from_tensors(
     dtype = _dtype_name(first.dtype)
     elem = DTYPE_BYTES[dtype]
     layers: list[LayerSpec] = []
-    owner_at: dict[tuple[int, str], str] = {}
-    num_blocks: dict[str, int] = {}
+    owner_at: dict[tuple[int, KVGroup], str] = {}
+    num_blocks: dict[KVGroup, int] = {}
     order: tuple[str, ...] | None = None
     for name, t in kv_caches.items():
-        group = groups_of.get(name, "self")
+        group = parse_group(groups_of.get(name, KVGroup.SELF))
         if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != block_size:
             raise LayoutError(
                 f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size), "
@@ -196,7 +203,7 @@ def from_tensors(
         elif order != inner:
             raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
     assert order is not None
-    group_names = ["self"] + [g for g in ("cross",) if g in num_blocks]
+    group_names = [KVGroup.SELF] + [g for g in (KVGroup.CROSS,) if g in num_blocks]
     if set(num_blocks) - set(group_names):
         raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}
@@ -207,11 +214,11 @@ def from_tensors(
     model = ModelSpec(
         name=model_name,
         dtype=dtype,
-        num_layers=per_group["self"],
+        num_layers=per_group[KVGroup.SELF],
         num_kv_heads=first.shape[3] * tp_size,
         head_size=first.shape[4],
     )
-    layout = KVLayout(
+    layout = cls(
         model=model,
         block_size=block_size,
         groups=tuple(GroupSpec(g, num_blocks[g]) for g in group_names),
@@ -226,7 +233,7 @@ def from_tensors(
     return layout.with_regions(_regions(layout, kv_caches))
 
 
-def _one_allocation(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> bool:
+def _one_allocation(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> bool:
     """Whether every group's owning layers share one storage at the dense layer step
     (then a layer-outermost group is one region, not one per layer)."""
     for g in layout.groups:
@@ -269,7 +276,7 @@ def _place_layer_dim(
     order: tuple[str, ...],
     elem: int,
 ) -> tuple[str, ...]:
-    owners = [x for x in layers if x.kv_source is None and x.group == "self"]
+    owners = [x for x in layers if x.kv_source is None and x.group == KVGroup.SELF]
     ptrs = [kv_caches[x.name].data_ptr() for x in owners]
     steps = {b - a for a, b in itertools.pairwise(ptrs)}
     t = kv_caches[owners[0].name]
@@ -282,7 +289,7 @@ def _place_layer_dim(
     return ("L", *order)
 
 
-def _check_dense(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> None:
+def _check_dense(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> None:
     elem = layout.model.dtype_bytes
     for g in layout.groups:
         st = layout.strides(g.name)

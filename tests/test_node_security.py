@@ -26,7 +26,8 @@ from kvbridge.connector.control import ControlClient
 from kvbridge.connector.params import MAX_ID_CHARS
 from kvbridge.proto import AuthError, KVBridgeError, codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload, start_node
+from kvbridge.worker.serving import EngineClient, Router, start_node
+from kvbridge.worker.tools import check_no_leaks, make_workload
 from tests.harness.grpc_fakes import HoldingProxy, RecordingServer
 
 TOKEN = "n0de-t0ken"
@@ -208,6 +209,7 @@ def test_a_release_the_peer_never_answers_does_not_delay_the_answer(nodes: Nodes
 
 HALF_BUILT_NODE = """
 import json, socket, sys, threading, time
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.worker.engine import EngineConfig
 from kvbridge.worker.serving.node import Node, NodeConfig
@@ -225,7 +227,7 @@ with socket.socket() as taken:
     config = NodeConfig(
         engine=EngineConfig.preset("tiny", num_blocks=32),
         connector=ConnectorConfig("half-built", role="prefill"),
-        port=taken.getsockname()[1],
+        listen=ServerOptions(port=taken.getsockname()[1]),
         control_port=control_port,
     )
     try:

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from kvbridge.connector import BlockLoad, KVTransferParams, StepMetadata
-from kvbridge.connector.control import ControlClient, PeerInfo, Role
+from kvbridge.connector.control import ControlClient, LeaseTable, PeerInfo, Role
 from kvbridge.connector.control.leases import HandOverDigests
 from kvbridge.connector.control.server import DIGESTS_WAIT_S, ControlServerConfig, serve
 from kvbridge.connector.load.verify import Expected
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, from_json_params
-from kvbridge.connector.vllm.worker import NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.worker import HeldRequests, VllmWorker, WorkerSettings
 from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, block_digests, new_key
 from kvbridge.proto import (
     BlockId,
@@ -102,8 +102,8 @@ def _worker() -> tuple[VllmWorker, dict[str, torch.Tensor]]:
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     worker.layout = layout.bind(caches)
-    worker.held.blocks_per_group = {"self": 32}
-    worker.leases = NamedLeases(worker.held)
+    worker.held = HeldRequests({"self": 32})
+    worker.leases = LeaseTable(worker.held)
     return worker, caches
 
 
@@ -141,7 +141,7 @@ def test_the_digests_rpc_answers_a_reader_and_waits_for_a_late_hold_order() -> N
     assert worker.leases is not None and worker.layout is not None
     info = PeerInfo(EngineId("engine-a"), Role.PREFILL, preset_layout("tiny", num_blocks=32))
     key = new_key()
-    server = serve(info, worker.leases, ControlServerConfig(port=0))
+    server = serve(info, worker.leases, ControlServerConfig())
     with server, ControlClient(server.address) as client:
         # the hold order reaches the worker while the reader already waits for it
         late = threading.Timer(0.1, worker.start_step, (_empty_step(), [_order(key)]))
@@ -198,7 +198,7 @@ def test_fetched_digests_are_checked_from_the_loads_first_block_with_the_owners_
 
 
 def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> None:
-    from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+    from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 
     layout = preset_layout("tiny", num_blocks=8, order="layer-nhd")
     caches = layout.allocate()
@@ -225,7 +225,7 @@ def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> N
             }
 
     cfg = VllmConnectorConfig.from_vllm("kv_producer", "e", {"control_port": 7600}, model="tiny")
-    planner = KVBridgeScheduler(cfg.connector, layout.block_size)
+    planner = KVBridgePlanner(cfg.connector, layout.block_size)
     planner.attach(DeviceIssuer(), None)
     sched = _scheduler("kv_producer")
     prompt = list(range(1, 3 * layout.block_size))

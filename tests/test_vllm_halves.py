@@ -15,10 +15,11 @@ import pytest
 
 from kvbridge.connector import KVTransferParams
 from kvbridge.connector.base import BlockLoad, BlockStore, LoadResult, StepMetadata
+from kvbridge.connector.control import LeaseTable
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
-from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.worker import RESULTS_KEPT, HeldRequests, VllmWorker, WorkerSettings
 from kvbridge.proto import BlockHash, BlockId, ConfigError, LeaseId, RequestId
 
 BS = 4
@@ -223,8 +224,8 @@ def _producer_worker() -> tuple[VllmWorker, FakeLoader]:
     worker = VllmWorker(cfg.connector, WorkerSettings(model_name="tiny", block_size=BS))
     loader = FakeLoader()
     worker.loader = loader  # type: ignore[assignment]
-    worker.held.blocks_per_group = {"self": 16}
-    worker.leases = NamedLeases(worker.held)
+    worker.held = HeldRequests({"self": 16})
+    worker.leases = LeaseTable(worker.held)
     return worker, loader
 
 

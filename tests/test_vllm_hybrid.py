@@ -2,7 +2,7 @@
 KVBridgeConnector against one plain engine.
 
 The model is a tiny Gemma-3-style decoder with seeded random weights
-(:mod:`kvbridge.worker.vllm.tiny_models`: one sliding-window layer, window 32 tokens, one
+(:mod:`tests.harness.tiny_models`: one sliding-window layer, window 32 tokens, one
 full-attention layer). A plain vLLM engine keeps its hybrid KV cache manager: one KV cache
 group per attention kind. KVBridgeConnector does not declare vLLM's ``SupportsHMA`` yet, so
 vLLM turns the hybrid manager off on its engines (one full-attention group, the sliding
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio
+from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
 
 # three engines of a second model (~1.5 min): out of the default CI run, like the other long runs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(900)]
@@ -34,7 +34,7 @@ HYBRID = ["FullAttentionSpec", "SlidingWindowSpec"]
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
     model_or_skip(tmp)  # the venv
-    model = harness.write_tiny_model("gemma3", tmp / "gemma3")
+    model = write_tiny_model("gemma3", tmp / "gemma3")
     port = 19000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = pd_trio(model, tmp, port, **common)
@@ -93,7 +93,7 @@ def test_nixl_connector_keeps_the_groups_and_moves_in_window_blocks_only(
     keeps vLLM's hybrid groups on both engines, equals the plain engine, and moves the
     full-attention group's 3 blocks but only the sliding group's in-window blocks."""
     model_or_skip(tmp_path)
-    model = harness.write_tiny_model("gemma3", tmp_path / "gemma3")
+    model = write_tiny_model("gemma3", tmp_path / "gemma3")
     port = 21000 + (hash(str(tmp_path)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = {

@@ -1,6 +1,6 @@
 """KV-sharing layers inside real vLLM (CPU): each physical block moves once.
 
-A tiny Gemma-4-style model (:mod:`kvbridge.worker.vllm.tiny_models` ``gemma4``: sliding,
+A tiny Gemma-4-style model (:mod:`tests.harness.tiny_models` ``gemma4``: sliding,
 full, sliding, full attention; the last two layers share the first two's KV). vLLM hands
 ``register_kv_caches`` the target layer's tensor under a sharing layer's name; kvbridge
 counts a tensor once, so a block is 2 layers' pages, not 4. P/D through KVBridgeConnector
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio
+from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -31,7 +31,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (an engine on a copy elsewhere names its blocks differently, and decode recomputes)."""
     tmp = tmp_path_factory.mktemp("gemma4")
     model_or_skip(tmp)  # the venv
-    return harness.write_tiny_model("gemma4", tmp / "gemma4")
+    return write_tiny_model("gemma4", tmp / "gemma4")
 
 
 @pytest.fixture(scope="module")

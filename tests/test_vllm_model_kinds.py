@@ -18,7 +18,7 @@ from kvbridge.connector.vllm.kinds import ENCODER_DECODER_REFUSAL, check_model_k
 from kvbridge.proto import ConfigError
 from kvbridge.worker import LaunchError
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import model_or_skip, write_tiny_model
 
 
 def test_an_encoder_decoder_model_is_refused_by_kind() -> None:
@@ -37,7 +37,7 @@ def test_a_model_with_mamba_layers_is_refused_by_kind() -> None:
 @pytest.mark.timeout(600)
 def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None:
     model_or_skip(tmp_path)  # the venv
-    model = harness.write_tiny_model("whisper", tmp_path / "whisper")
+    model = write_tiny_model("whisper", tmp_path / "whisper")
     kv = harness.kv_config("kvbridge", "kv_consumer")
     with pytest.raises(LaunchError) as info:
         harness.Engine(
@@ -55,7 +55,7 @@ def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None
 @pytest.mark.timeout(600)
 def test_real_vllm_refuses_mamba_with_kvbridge_by_name(tmp_path: Path) -> None:
     model_or_skip(tmp_path)  # the venv
-    model = harness.write_tiny_model("mamba", tmp_path / "mamba")
+    model = write_tiny_model("mamba", tmp_path / "mamba")
     kv = harness.kv_config("kvbridge", "kv_consumer")
     with pytest.raises(LaunchError):
         harness.Engine(model, core=1, kv=kv, log=tmp_path / "mamba.log", max_model_len=256).close()

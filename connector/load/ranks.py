@@ -25,6 +25,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.result import load_result, unverifiable
 from kvbridge.proto.errors import KVBridgeError, LeaseError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
@@ -35,7 +36,7 @@ __all__ = ["load_from_ranks"]
 
 log = logging.getLogger(__name__)
 
-ReadFn = Callable[["Peer", str, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
+ReadFn = Callable[["Peer", KVGroup, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
 
 
 def load_from_ranks(
@@ -51,7 +52,7 @@ def load_from_ranks(
     seal; never raises (fail closed: every block bad)."""
     if load.digest_key is not None:  # whole-block digests cannot check head slices
         return unverifiable(load)
-    groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+    groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()
@@ -93,4 +94,4 @@ def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
         load.remote_engine,
         error,
     )
-    return load_result(load, t0, bad=load.local_ids.get("self", ()), error=error)
+    return load_result(load, t0, bad=load.local_ids.get(KVGroup.SELF, ()), error=error)

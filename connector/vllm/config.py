@@ -73,6 +73,7 @@ from typing import Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.connector.control.peers import refuse_plaintext_token
+from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
@@ -156,12 +157,9 @@ class VllmConnectorConfig:
     tls_key: bytes | None = None
 
     def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                "kv_connector_extra_config.tls_cert and tls_key go together: give both or neither"
-            )
-        if not 0 <= self.control_port <= 65535:
-            raise ConfigError(f"control_port {self.control_port} is outside 0..65535")
+        knobs = "kv_connector_extra_config.tls_cert and tls_key"
+        check_tls_pair(self.tls_cert, self.tls_key, knobs)
+        check_port(self.control_port, "control_port")
         if self.connector.produces and self.control_port == 0:
             raise ConfigError(
                 "kv_connector_extra_config.control_port is required for kv_producer/kv_both: "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed import kv_events
@@ -280,10 +280,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
             head_size=self._head_size,
             block_size=self._block_size,
         )
-        if interior is not None:
-            name = self.worker.settings.model_name + packed_suffix(interior)
-            self.worker.settings = replace(self.worker.settings, model_name=name)
-        self.worker.register(views)
+        self.worker.register(views, "" if interior is None else packed_suffix(interior))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

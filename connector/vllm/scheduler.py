@@ -2,7 +2,7 @@
 
 Runs in vLLM's scheduler (the EngineCore process). Every decision (which blocks
 load from where, what prefill hands over, what is stored) is made by
-:class:`~kvbridge.connector.scheduler.KVBridgeScheduler`, the same planner
+:class:`~kvbridge.connector.planner.KVBridgePlanner`, the same planner
 kvbridge's reference engine uses; this module only translates. It imports no
 vLLM: the adapter (:mod:`kvbridge.connector.vllm.connector`) unpacks vLLM's
 objects into plain values. What differs in vLLM:
@@ -30,8 +30,9 @@ from typing import Any
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
-from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 from kvbridge.proto.hashing import BlockHasher
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = ["HoldIssuer", "HoldOrder", "VllmScheduler", "to_json_params", "from_json_params"]
@@ -107,9 +108,9 @@ class HoldIssuer(LeaseIssuer):
         self._orders: list[HoldOrder] = []
 
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
-        return min(len(block_ids), len(hashes)) if group == "self" else 0
+        return min(len(block_ids), len(hashes)) if group == KVGroup.SELF else 0
 
     def lease_request(
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
@@ -118,8 +119,8 @@ class HoldIssuer(LeaseIssuer):
         order = HoldOrder(
             request_id,
             lease_id,
-            tuple(blocks["self"]),
-            tuple(hashes.get("self", ())),
+            tuple(blocks[KVGroup.SELF]),
+            tuple(hashes.get(KVGroup.SELF, ())),
             self.ttl_s,
         )
         self._orders.append(order)
@@ -127,10 +128,10 @@ class HoldIssuer(LeaseIssuer):
 
     digests_at_owner = True
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Send ``key`` with the request's hold order: the worker, where the KV lives, digests
         the held blocks when it makes the lease (called right after :meth:`lease_request`)."""
-        if not self._orders or tuple(blocks.get("self", ())) != self._orders[-1].block_ids:
+        if not self._orders or tuple(blocks.get(KVGroup.SELF, ())) != self._orders[-1].block_ids:
             return None
         self._orders[-1] = replace(self._orders[-1], digest_key=key)
         return {}
@@ -144,7 +145,7 @@ class HoldIssuer(LeaseIssuer):
         return orders
 
 
-class _PromptNames(Mapping[str, Sequence[BlockHash]]):
+class _PromptNames(Mapping[KVGroup, Sequence[BlockHash]]):
     """``RequestView.block_hashes`` for a vLLM request: the prompt's full-block names,
     hashed on first use only (most requests are never asked for them)."""
 
@@ -153,15 +154,15 @@ class _PromptNames(Mapping[str, Sequence[BlockHash]]):
         self._prompt = prompt
         self._names: tuple[BlockHash, ...] | None = None
 
-    def __getitem__(self, group: str) -> Sequence[BlockHash]:
-        if group != "self":
+    def __getitem__(self, group: KVGroup) -> Sequence[BlockHash]:
+        if group != KVGroup.SELF:
             raise KeyError(group)
         if self._names is None:
             self._names = tuple(self._hasher.hash_blocks(list(self._prompt)))
         return self._names
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(("self",))
+    def __iter__(self) -> Iterator[KVGroup]:
+        return iter((KVGroup.SELF,))
 
     def __len__(self) -> int:
         return 1
@@ -180,7 +181,7 @@ class VllmScheduler:
     ) -> None:
         self.hasher = hasher
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgeScheduler(config, block_size, tp_size)
+        self.planner = KVBridgePlanner(config, block_size, tp_size)
         self.planner.attach(self.holds, offload_lookup)
 
     @property
@@ -228,7 +229,7 @@ class VllmScheduler:
         """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
         :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
         view = self._view(request_id, prompt, None)
-        self.planner.update_state_after_alloc(view, {"self": block_ids}, num_external_tokens)
+        self.planner.update_state_after_alloc(view, {KVGroup.SELF: block_ids}, num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
         """This step's loads, offload stores and hold orders; resets them."""
@@ -245,7 +246,7 @@ class VllmScheduler:
         """``(delay_free, kv_transfer_params)`` for a finished or aborted request;
         ``prompt_done``: it finished normally with its whole prompt computed."""
         view = self._view(request_id, prompt, raw_params, prompt_done)
-        delay_free, params = self.planner.request_finished(view, {"self": block_ids})
+        delay_free, params = self.planner.request_finished(view, {KVGroup.SELF: block_ids})
         # a request put under a hold must keep its blocks until the worker reports the
         # lease over (done_sending): vLLM frees them at once otherwise
         delay_free = delay_free or self.holds.ordered(request_id)

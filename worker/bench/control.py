@@ -18,6 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.presets import PRESETS
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
@@ -62,20 +63,21 @@ def _start_server(preset: str, blocks: int, token: str | None) -> Any:
     """Build a prefill-like control server whose pool caches ``bench_hashes(blocks)``."""
     from kvbridge.connector.control.server import ControlServerConfig, serve
     from kvbridge.connector.control.types import PeerInfo, Role
+    from kvbridge.connector.server_options import ServerOptions
     from kvbridge.proto.presets import preset_layout
     from kvbridge.proto.types import EngineId
     from kvbridge.worker.block_pool import BlockPool
     from kvbridge.worker.pool_owner import PoolBlockOwner
 
     layout = preset_layout(preset, num_blocks=max(1024, 2 * blocks))
-    pool = BlockPool(layout.group("self").num_blocks)
+    pool = BlockPool(layout.group(KVGroup.SELF).num_blocks)
     ids = pool.allocate(blocks)
     for block_id, block_hash in zip(ids, bench_hashes(blocks), strict=True):
         pool.cache_block(block_id, block_hash)
     pool.free(ids)
-    owner = PoolBlockOwner({"self": pool})
+    owner = PoolBlockOwner({KVGroup.SELF: pool})
     local = PeerInfo(EngineId("bench-prefill"), Role.PREFILL, layout, agent_metadata=b"x" * 512)
-    return serve(local, owner, ControlServerConfig(token=token))
+    return serve(local, owner, ControlServerConfig(listen=ServerOptions(token=token)))
 
 
 def _child(conn: Connection, preset: str, blocks: int, token: str | None) -> None:
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         layout = preset_layout(args.preset, num_blocks=1024, order="layer-nhd")
         local = PeerInfo(EngineId("bench-decode"), Role.DECODE, layout, agent_metadata=b"y" * 512)
-        hashes = {"self": bench_hashes(args.blocks)}
+        hashes = {KVGroup.SELF: bench_hashes(args.blocks)}
         with ControlClient(f"127.0.0.1:{port}", token=args.token) as client:
             client.handshake(local)
 

@@ -24,17 +24,12 @@ from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.request import Request
 
 __all__ = [
-    "CROSS",
-    "GROUP",
     "allocate_cross",
     "blocks_needed",
     "cache_cross",
     "cross_fits",
     "fits",
 ]
-
-GROUP = "self"
-CROSS = "cross"
 
 
 def blocks_needed(num_prompt: int, max_tokens: int, block_size: int) -> int:

@@ -3,8 +3,8 @@
 vLLM's CPU build lives in its own virtual environment (:mod:`.venv`); the main
 environment drives it through :class:`Engine` (:mod:`.engine`), which starts
 :mod:`.instance` there and speaks JSON lines to it. :mod:`.tiny_llama` writes a
-seeded random Llama small enough to run on a CPU in seconds, :mod:`.tiny_models`
-other kinds (a sliding-window hybrid, an encoder-decoder). kvbridge's connector
+seeded random Llama small enough to run on a CPU in seconds (the tests' tiny models of
+other kinds are in ``tests/harness/tiny_models.py``). kvbridge's connector
 that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
 """
 
@@ -16,7 +16,6 @@ from kvbridge.worker.vllm.venv import (
     VenvError,
     ensure_venv,
     write_model,
-    write_tiny_model,
 )
 
 __all__ = [
@@ -30,5 +29,4 @@ __all__ = [
     "running",
     "tokens",
     "write_model",
-    "write_tiny_model",
 ]

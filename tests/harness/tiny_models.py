@@ -2,10 +2,10 @@
 
 - ``gemma3``: a Gemma-3-style decoder with sliding-window and full-attention layers
   (``layer_types``), so that vLLM's hybrid KV cache manager makes one KV cache group per
-  attention kind. Weights are drawn like :mod:`.tiny_llama`'s; the embeddings are tied to
-  the output, so the post-norms scale the layers' outputs up and the attention is sharp
-  (``query_pre_attn_scalar`` 16): greedy output then depends on the first token of a
-  92-token prompt (without, it repeats the last prompt token).
+  attention kind. Weights are drawn like :mod:`kvbridge.worker.vllm.tiny_llama`'s; the
+  embeddings are tied to the output, so the post-norms scale the layers' outputs up and the
+  attention is sharp (``query_pre_attn_scalar`` 16): greedy output then depends on the first
+  token of a 92-token prompt (without, it repeats the last prompt token).
 - ``gemma4``: a Gemma-4-style decoder whose last layers share the KV of earlier ones
   (``num_kv_shared_layers``), made by ``transformers`` with its own random initialisation
   (greedy output still depends on the first token of a 92-token prompt).
@@ -17,8 +17,9 @@
   it is only started, never asked for tokens (vLLM refuses KV connectors for
   encoder-decoder models).
 
-Run it in ``.venv-vllm``: ``python -m kvbridge.worker.vllm.tiny_models gemma3 DIR``
-(:func:`kvbridge.worker.vllm.write_model` takes ``kind=``). No tokenizer: start vLLM with
+Run it in ``.venv-vllm`` from the repository root:
+``python -m tests.harness.tiny_models gemma3 DIR`` (:func:`tests.harness.vllm.write_tiny_model`
+does). No tokenizer: start vLLM with
 ``skip_tokenizer_init=True`` and send token ids.
 """
 
