@@ -160,7 +160,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "(default: the whole pool)",
     )
     p.add_argument(
-        "--max-sessions", type=positive_int, default=256, help="worker sessions kept (default 256)"
+        "--max-sessions",
+        type=positive_int,
+        default=256,
+        help="handshake sessions kept, all peers together (a worker opens one per NIXL "
+        "agent); past it the least recently used goes and its worker handshakes again "
+        "(default 256)",
     )
     p.add_argument(
         "--idle-timeout",
