@@ -34,7 +34,8 @@ keeps both lists equal to ``_KNOWN``):
                          is a ConfigError
 ``allowed_peers``        list of prefill control addresses (``host:port``) decode may dial;
                          default: loopback addresses only. A request naming another address
-                         is recomputed and the token is never sent there
+                         is recomputed and the token is never sent there; decode links
+                         to each at start
 ``lease_ttl_s``          how long prefill holds blocks for decode (default 30)
 ``max_lease_ttl_s``      longest lease a decode peer may ask for; longer asks are clamped
                          (default 600, at least ``lease_ttl_s``)
@@ -69,7 +70,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.connector.control.peers import refuse_plaintext_token
@@ -77,6 +78,9 @@ from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+
+if TYPE_CHECKING:
+    from kvbridge.connector.offload.lookup import OffloadLookup
 
 __all__ = [
     "DEFAULT_CONTROL_PORT",
@@ -251,6 +255,16 @@ class VllmConnectorConfig:
         }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
+
+    def offload_lookup(self, tp_size: int) -> OffloadLookup | None:
+        """The scheduler's lookup of the offload daemon (None without one). Each TP rank
+        stores and loads its own heads, so it asks for the blocks of all ``tp_size`` ranks."""
+        from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+
+        address, token = self.connector.offload_address, self.connector.token
+        return (
+            OffloadLookup(OffloadLookupConfig(address, tp_size, token=token)) if address else None
+        )
 
 
 def _events(extra: Mapping[str, Any]) -> tuple[str, str | None] | None:

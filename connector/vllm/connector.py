@@ -45,13 +45,13 @@ from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.events import BlockRemoved, BlockStored
-from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.offload.lookup import OffloadLookup
 from kvbridge.connector.vllm import stats
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
 from kvbridge.connector.vllm.kinds import check_vllm_model
 from kvbridge.connector.vllm.logs import follow_vllm_logging
-from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import ConfigError
@@ -241,7 +241,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
                 head_size=self._head_size,
                 block_size=self._block_size,
             )
-            self._lookup = self._offload_lookup()
+            self._lookup = self._cfg.offload_lookup(tp_size)
             self._relay = _offload_relay(self._cfg, vllm_config)
             self._scheduler = VllmScheduler(
                 self._cfg.connector, self._block_size, hasher, self._lookup, tp_size
@@ -261,11 +261,6 @@ class KVBridgeConnector(KVConnectorBase_V1):
                     tls_key=self._cfg.tls_key,
                 ),
             )
-
-    def _offload_lookup(self) -> OffloadLookup | None:
-        cc = self._cfg.connector
-        address = cc.offload_address
-        return OffloadLookup(OffloadLookupConfig(address, token=cc.token)) if address else None
 
     # ----- worker side ---------------------------------------------------------------------
     @property
@@ -394,4 +389,5 @@ class KVBridgeConnector(KVConnectorBase_V1):
             request.kv_transfer_params,
             [BlockId(b) for b in block_ids],
             done,
+            kv_tokens(request.all_token_ids, request.num_computed_tokens) if done else None,
         )
