@@ -30,6 +30,7 @@ from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
+from kvbridge.worker.cli_checks import positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -46,8 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=sorted(PRESETS),
         help="layout preset (default tiny)",
     )
-    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
-    p.add_argument("--requests", type=int, default=200, help="loads per protocol and size")
+    p.add_argument("--blocks", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    p.add_argument("--requests", type=positive_int, default=200, help="loads per protocol and size")
     p.add_argument(
         "--no-verify",
         dest="verify",

@@ -32,6 +32,7 @@ from typing import Any
 from kvbridge.proto.errors import ConfigError
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import print_table, write_json
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 
 __all__ = ["MODELS", "add_parser", "run"]
 
@@ -62,8 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "figures: the JSON records the load average before and after each round. Exits 1 "
         "when a request was recomputed instead of loaded (the figures are then flagged).",
     )
-    p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
-    p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="engine pairs per model and connector"
+    )
+    p.add_argument("--requests", type=positive_int, default=4, help="prompts per length per round")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
@@ -74,11 +77,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
         help="prompt lengths to run (default both)",
     )  # fmt: skip
-    p.add_argument("--short", type=int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"))
-    p.add_argument("--long", type=int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0, help="prompt and weight seed")
     p.add_argument(
-        "--port", type=int, default=18600,
+        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX")
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="prompt and weight seed")
+    p.add_argument(
+        "--port", type=port, default=18600,
         help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
     )  # fmt: skip
     p.add_argument(
