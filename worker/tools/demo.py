@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                 args.decode_order or args.order,
                 work,
                 d_core,
-                extra,
+                # the decode names its prefill (as a deployment that limits dialing does):
+                # it links to it at start, so not even request 0 waits for the first link
+                [*extra, "--allow-peer", pinfo["control"]],
                 role="decode",
                 token=token,
             ) as (_, dinfo):
