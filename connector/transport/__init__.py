@@ -10,6 +10,7 @@ from kvbridge.connector.transport.base import (
     LocalMemory,
     PeerLink,
     TransferHandle,
+    TransferOp,
     TransferState,
     Transport,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "NixlTransport",
     "PeerLink",
     "TransferHandle",
+    "TransferOp",
     "TransferState",
     "Transport",
 ]
