@@ -46,7 +46,7 @@ from kvbridge.connector.control.peers import (
     rank_address,
     rank_port,
 )
-from kvbridge.connector.control.seal import ReleaseListener, parse_release, release_message
+from kvbridge.connector.control.releases import ReleaseListener, parse_release, release_message
 from kvbridge.connector.load import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
@@ -424,9 +424,14 @@ class FakeSeals:
     def __init__(self, holds: dict[int, bool]) -> None:
         self._holds = holds
         self.released: list[int] = []
+        self.calls: list[list[int]] = []
+        """The seal links of each holds_all call."""
 
-    def holds(self, link: int, lease_id: str, digest: bytes, timeout_s: float) -> bool:
-        return self._holds[link]
+    def holds_all(
+        self, links: list[int], lease_id: str, digest: bytes, timeout_s: float
+    ) -> list[bool]:
+        self.calls.append(list(links))
+        return [self._holds[link] for link in links]
 
     def release(self, link: int, lease_id: str, reader: int = 0, readers: int = 1) -> None:
         self.released.append(link)
@@ -436,7 +441,8 @@ class FakeLinks:
     """Stands in for LinkCache: a peer per rank whose seal link is the rank."""
 
     def get(self, load: BlockLoad, rank: int) -> tuple[object, bool]:
-        return dataclasses.make_dataclass("P", ["rank", "seal_link"])(rank, rank), True
+        peer = dataclasses.make_dataclass("P", ["rank", "link", "seal_link"])
+        return peer(rank, rank, rank), True
 
 
 @pytest.mark.parametrize(
@@ -456,9 +462,9 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
     seals, reads = FakeSeals(holds), []
 
-    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
-        reads.append(peer.rank)
-        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+    def read(requests: list[Any]) -> list[ReadFigures]:
+        reads.append([r.link for r in requests])
+        return [ReadFigures(len(r.local) * 8, len(r.local), len(r.local), 0.001) for r in requests]
 
     result = load_from_ranks(
         load,
@@ -471,11 +477,11 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     )
     assert result.blocks_moved == moved and seals.released == released
     assert result.bad_block_ids == (() if moved else ids["self"])
-    if seal:
-        assert reads == [0, 1]  # every rank's blocks before any seal
+    if seal:  # every rank's slices posted in one go, then every rank's seal in one go
+        assert reads == [[0, 1]] and seals.calls == [[0, 1]]
 
 
-def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unverified() -> None:
+def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unverified() -> None:
     from kvbridge.connector.load import ReadFigures, load_from_ranks
 
     ids = {"self": (BlockId(4), BlockId(5))}
@@ -489,13 +495,13 @@ def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unver
         seal=b"s" * 32,
         remote_tp_size=2,
         digest_key=7,
-        digests_at_owner=True,
+        digests={"self": (b"d" * 16, b"e" * 16)},
     )
     seals, reads = FakeSeals({0: True, 1: True}), []
 
-    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
-        reads.append(peer.rank)
-        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+    def read(requests: list[Any]) -> list[ReadFigures]:
+        reads.append([r.link for r in requests])
+        return [ReadFigures(len(r.local) * 8, len(r.local), len(r.local), 0.001) for r in requests]
 
     result = load_from_ranks(
         load,
@@ -506,6 +512,39 @@ def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unver
         1.0,
         lambda e, p: None,  # type: ignore[arg-type]
     )
-    # whole-block digests cannot check head slices: nothing is read, every block recomputed
+    # one rank's whole-block digests cannot check slices of several: nothing is read, every
+    # block recomputed (a vLLM owner keeps per-rank and per-head digests instead)
     assert result.blocks_moved == 0 and result.bad_block_ids == ids["self"] and reads == []
     assert "cannot be verified" in result.error
+
+
+# ----- heterogeneous TP, verified: real NIXL, one process per side -------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """A vLLM-like prefill of one TP size hands a request over with verification on (the
+    default); a decode of the other reads its head slices and checks them against the
+    digests each prefill rank recorded: per head (decode TP bigger) or each rank's whole
+    pages (decode TP smaller). Every block loads, byte for byte."""
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
+    from tests.harness.tp_pair import Prefill, run_decode
+
+    prefill = Prefill(prefill_tp)
+    try:
+        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
+        ranks = run_decode(decode_tp, prefill.params)
+    finally:
+        prefill.close()
+    assert len(ranks) == decode_tp
+    for got in ranks:
+        assert got == {
+            "moved": 4,
+            "bad": [],
+            "mismatches": 0,
+            "verified": True,
+            "error": "",
+            "wrong": [],
+        }, ranks

@@ -32,6 +32,7 @@ from typing import Any
 from kvbridge.proto.errors import ConfigError
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import print_table, write_json
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 
 __all__ = ["MODELS", "add_parser", "run"]
 
@@ -62,8 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "figures: the JSON records the load average before and after each round. Exits 1 "
         "when a request was recomputed instead of loaded (the figures are then flagged).",
     )
-    p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
-    p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
+    p.add_argument(
+        "--rounds", type=positive_int, default=3, help="engine pairs per model and connector"
+    )
+    p.add_argument("--requests", type=positive_int, default=4, help="prompts per length per round")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
@@ -74,12 +77,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
         help="prompt lengths to run (default both)",
     )  # fmt: skip
-    p.add_argument("--short", type=int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"))
-    p.add_argument("--long", type=int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0, help="prompt and weight seed")
     p.add_argument(
-        "--port", type=int, default=18600,
+        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX")
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="prompt and weight seed")
+    p.add_argument(
+        "--port", type=port, default=18600,
         help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
+    )  # fmt: skip
+    p.add_argument(
+        "--burst", type=int, default=0, metavar="N",
+        help="first, before the warm-up, send N short prompts at once to the fresh pair (rows "
+        "'burst': the first loads from a new peer, as a burst of traffic to new engines sees)",
     )  # fmt: skip
     p.add_argument("--work", type=Path, help="models and engine logs here (default: a temp dir)")
     add_output_arguments(p, "vllm")
@@ -87,6 +99,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.burst <= 64:
+        raise ConfigError(f"--burst must be 0-64 prompts, got {args.burst}")
     if args.rounds < 1 or args.requests < 1:
         raise ConfigError(
             f"--rounds and --requests must be >= 1, got {args.rounds}, {args.requests}"
@@ -104,9 +118,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def make_prompts(
     args: argparse.Namespace,
-) -> tuple[list[tuple[str, list[int]]], list[int]]:
-    """The measured prompts as (length name, ids), short and long interleaved, and the
-    warm-up prompt: seeded, each with its own random first block (no prefix-cache hits)."""
+) -> tuple[list[tuple[str, list[int]]], list[int], list[list[int]]]:
+    """The measured prompts as (length name, ids), short and long interleaved, the warm-up
+    prompt and the ``--burst`` prompts (short): seeded, each with its own random first
+    block (no prefix-cache hits)."""
     rng = random.Random(args.seed)
 
     def prompt(lo: int, hi: int) -> list[int]:
@@ -117,7 +132,8 @@ def make_prompts(
     for _ in range(args.requests):
         for name in args.lengths:
             out.append((name, prompt(*getattr(args, name))))
-    return out, warm
+    burst = [prompt(*args.short) for _ in range(args.burst)]
+    return out, warm, burst
 
 
 def _say(text: str) -> None:
@@ -133,7 +149,9 @@ def _engines(
     if connector.startswith("kvbridge"):
         shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
         p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port)
-        d_kv = harness.kv_config("kvbridge", "kv_consumer")
+        # the decode names its prefill, as a deployment that limits dialing does: it links
+        # to it at start (kvbridge's early link), not at its first load
+        d_kv = harness.kv_config("kvbridge", "kv_consumer", allowed_peers=[f"127.0.0.1:{port}"])
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
     else:
@@ -167,12 +185,8 @@ class _Loads:
             self.seen.update(stats["loads"])
             if len(new) != 1:
                 return None, False, f"{len(new)} new kvbridge load results"
-            load = new[0]
-            keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms")
-            self.detail = {k: load.get(k) for k in keys}
-            if load["error"] or not load["moved"]:
-                return load["transfer_ms"], False, load["error"] or "no block moved"
-            return float(load["transfer_ms"]), True, None
+            self.detail, transfer, loaded, error = self.one(new[0])
+            return transfer, loaded, error
         durations = stats.get("nixl_transfer_s") or []
         # NixlConnector's figures are NIXL's telemetry: descriptors after merging, the READ
         merged = sum(stats.get("nixl_descriptors") or [])
@@ -186,6 +200,64 @@ class _Loads:
         if not durations:
             return None, False, "no NixlConnector transfer reported"
         return 1e3 * sum(durations), True, None
+
+    @staticmethod
+    def one(load: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool, str | None]:
+        """``(detail, transfer figure, loaded, error)`` of one kvbridge load result."""
+        keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms", "link_ms")
+        detail = {k: load.get(k) for k in keys}
+        if load["error"] or not load["moved"]:
+            return detail, load["transfer_ms"], False, load["error"] or "no block moved"
+        return detail, float(load["transfer_ms"]), True, None
+
+    def take_all(self, stats: dict[str, Any], n: int) -> list[dict[str, Any]]:
+        """The ``n`` loads of a burst (in the order the connector reports them, which need
+        not be the prompts' order): their figures, as rows' fields."""
+        if "loads" in stats:
+            new = [v for k, v in stats["loads"].items() if k not in self.seen]
+            self.seen.update(stats["loads"])
+            if len(new) != n:
+                error = f"{len(new)} new kvbridge load results for {n} prompts"
+                return [{"transfer_ms": None, "loaded": False, "error": error}] * n
+            out = []
+            for load in new:
+                detail, transfer, loaded, why = self.one(load)
+                out.append(detail | {"transfer_ms": transfer, "loaded": loaded, "error": why})
+            return out
+        durations = stats.get("nixl_transfer_s") or []
+        if stats.get("nixl_failed") or len(durations) != n:
+            error = f"{len(durations)} NixlConnector transfers, {stats.get('nixl_failed')} failed"
+            return [{"transfer_ms": None, "loaded": False, "error": error}] * n
+        return [
+            {"transfer_ms": 1e3 * d, "read_ms": 1e3 * d, "loaded": True, "error": None}
+            for d in durations
+        ]
+
+
+def _burst(prefill: Any, decode: Any, prompts: list[list[int]], loads: _Loads) -> list[Any]:
+    """``prompts`` at once (one ``generate`` each side): one row per load; decode TTFT and
+    end to end are the whole batch's."""
+    t0 = time.perf_counter()
+    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    t1 = time.perf_counter()
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    dec = decode.generate(prompts, 1, params)
+    t2 = time.perf_counter()
+    figures = loads.take_all(decode.call(cmd="stats"), len(prompts))
+    rows = []
+    for i, prompt in enumerate(prompts):
+        same = dec["outputs"][i]["tokens"][:1] == pre["outputs"][i]["tokens"][:1]
+        rows.append(
+            {
+                "prompt_tokens": len(prompt),
+                "prefill_ms": (t1 - t0) * 1e3,
+                "decode_ttft_ms": float(dec["wall_ms"]),
+                "e2e_ms": (t2 - t0) * 1e3,
+                "same_first_token": same and bool(params[i]),
+            }
+            | figures[i]
+        )
+    return rows
 
 
 def _request(prefill: Any, decode: Any, prompt: list[int], loads: _Loads) -> dict[str, Any]:
@@ -215,6 +287,7 @@ def run_pair(
     model: Path,
     prompts: list[tuple[str, list[int]]],
     warm: list[int],
+    burst: list[list[int]],
     port: int,
     logs: Path,
     max_model_len: int,
@@ -232,6 +305,8 @@ def run_pair(
         startup_s = time.perf_counter() - t0
         _say(f"  engines ready in {startup_s:.1f} s; warm-up, then {len(prompts)} requests")
         loads = _Loads()
+        for i, row in enumerate(_burst(prefill, decode, burst, loads) if burst else []):
+            rows.append(where | {"index": i, "prompts": "burst"} | row)
         _request(prefill, decode, warm, loads)
         for i, (name, prompt) in enumerate(prompts):
             rows.append(
@@ -261,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     harness.ensure_venv()
     work = args.work or Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-"))
-    prompts, warm = make_prompts(args)
+    prompts, warm, burst = make_prompts(args)
     longest = max(len(p) for _, p in prompts)
     max_model_len = min(2048, -(-(max(longest, len(warm)) + 8) // BLOCK) * BLOCK)
     models = {}
@@ -282,7 +357,14 @@ def run(args: argparse.Namespace) -> int:
         )
         logs = work / f"r{where['round']}-{where['model']}-{where['connector']}"
         round_row, rows = run_pair(
-            where, models[where["model"]], prompts, warm, args.port + 2 * k, logs, max_model_len
+            where,
+            models[where["model"]],
+            prompts,
+            warm,
+            burst,
+            args.port + 2 * k,
+            logs,
+            max_model_len,
         )
         rounds.append(round_row)
         requests.extend(rows)
