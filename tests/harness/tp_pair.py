@@ -45,6 +45,8 @@ PROMPT = list(range(1, 3 * BS + 6))  # 3 full blocks and a partial one
 PREFILL_IDS = [BlockId(b) for b in (5, 2, 7, 0)]
 DECODE_IDS = [BlockId(b) for b in (1, 3, 4, 6)]
 MODEL = "tiny-tp"
+PRODUCER = {"lease_ttl_s": 300}
+"""A lease outlives the decode process's start-up on a loaded machine (30 s by default)."""
 
 
 def every_head() -> torch.Tensor:
@@ -54,7 +56,7 @@ def every_head() -> torch.Tensor:
 
 
 def _worker(role: str, rank: int, size: int, port: int, buf: torch.Tensor) -> VllmWorker:
-    extra: dict[str, Any] = {"control_port": port} if role == "kv_producer" else {}
+    extra: dict[str, Any] = {"control_port": port, **PRODUCER} if role == "kv_producer" else {}
     cfg = VllmConnectorConfig.from_vllm(role, f"{role}-tp{size}", extra, model=MODEL)
     settings = WorkerSettings(MODEL, BS, control_port=port, tp_rank=rank, tp_size=size)
     worker = VllmWorker(cfg.connector, settings)
@@ -90,7 +92,7 @@ def claimed_layout(rank: int, size: int) -> KVLayout:
 
 
 def _scheduler(role: str, size: int, port: int) -> VllmScheduler:
-    extra: dict[str, Any] = {"control_port": port} if role == "kv_producer" else {}
+    extra: dict[str, Any] = {"control_port": port, **PRODUCER} if role == "kv_producer" else {}
     cfg = VllmConnectorConfig.from_vllm(role, f"{role}-tp{size}", extra, model=MODEL)
     hasher = cfg.hasher(
         dtype="float32", num_layers=LAYERS, num_kv_heads=HEADS, head_size=HEAD_SIZE, block_size=BS
