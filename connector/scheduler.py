@@ -26,6 +26,9 @@ blocks only when the engine names them in ``update_state_after_alloc`` (it
 does not when its own cache already holds that encoder input's blocks) and
 prefill's cross hashes equal the request's.
 
+*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks,
+a sliding window's in-window blocks only (:mod:`kvbridge.connector.windows`).
+
 *Prefill* (``do_remote_decode``): when a request whose prompt was computed
 finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
 reference engine pins them itself; vLLM's adapter orders its worker to hold
@@ -55,6 +58,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import LeaseIssuer, tail_name
 from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.windows import AttentionGroups
 from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
@@ -79,9 +83,18 @@ class _Pending:
 class KVBridgeScheduler(SchedulerConnector):
     """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        tp_size: int = 1,
+        windows: Mapping[str, int | None] | None = None,
+        null_block: BlockId | None = None,
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.groups = AttentionGroups(block_size, dict(windows or {}), null_block)
+        """A hybrid model's further attention groups (``g<i>``) and their windows."""
         self.tp_size = tp_size
         """The engine's tensor-parallel size: a prefill whose size divides it or is a
         multiple of it is loaded by head slices (heterogeneous TP); any other size
@@ -155,7 +168,8 @@ class KVBridgeScheduler(SchedulerConnector):
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
-        if self.offload_lookup is None or last <= first:
+        # the daemon keeps ``self`` blocks only: a hybrid model's other groups would be missing
+        if self.offload_lookup is None or last <= first or self.groups:
             return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
         names = tuple(request.block_hashes.get("self", ())[first:last])
         hits = self._lookup(names)
@@ -183,6 +197,8 @@ class KVBridgeScheduler(SchedulerConnector):
                 "prefill's block hashes do not match this prompt (other tokens, or another "
                 "hash seed/model on the prefill side?)"
             )
+        if self.groups:
+            self.groups.check(params, self._names(request, params.num_tokens))
 
     def update_state_after_alloc(
         self,
@@ -216,6 +232,11 @@ class KVBridgeScheduler(SchedulerConnector):
         hashes = {"self": names[first:]}
         verify = self.config.verify_loads and params.digest_key is not None
         digests = {"self": params.digests.get("self", ())[first:end]} if verify else {}
+        groups = self.groups.plan_load(block_ids, params, names, first, verify)
+        local.update(groups.local)
+        remote.update(groups.remote)
+        hashes.update(groups.hashes)
+        digests.update(groups.digests)
         if self._load_cross(request, block_ids, params):
             local["cross"] = tuple(block_ids["cross"])
             remote["cross"] = params.block_ids["cross"]
@@ -240,6 +261,7 @@ class KVBridgeScheduler(SchedulerConnector):
                 digests=digests,
                 digest_algo=params.digest_algo,
                 digests_at_owner=verify and params.digests_at_owner,
+                lease_offsets=groups.offsets,
             )
         )
 
@@ -248,6 +270,9 @@ class KVBridgeScheduler(SchedulerConnector):
         """The seal prefill's lease carries if its claimed ids hold this prompt's blocks
         (``names``: the prompt's names of the leased ``self`` blocks)."""
         groups = {"self": names}
+        for g, hashes in params.block_hashes.items():
+            if g not in ("self", "cross"):  # checked to be this prompt's names
+                groups[g] = hashes
         if "cross" in params.block_ids:
             groups["cross"] = tuple(request.block_hashes.get("cross", ()))
         return seal_digest(params.block_ids, groups)
@@ -314,6 +339,9 @@ class KVBridgeScheduler(SchedulerConnector):
         hashes = {
             "self": list(request.block_hashes.get("self", ()))[: num_tokens // self.block_size]
         }
+        if not self.groups.hand_over(ids, hashes, self._names(request, num_tokens), num_tokens):
+            log.warning("request %s: a KV cache group lacks blocks", request.request_id)
+            return delay_free, None
         cross_hashes = list(request.block_hashes.get("cross", ()))
         if ids.get("cross") and len(ids["cross"]) == len(cross_hashes):
             hashes["cross"] = cross_hashes

@@ -19,6 +19,10 @@ __all__ = [
     "DIMS",
     "DTYPE_BYTES",
     "GROUP_KINDS",
+    "MAX_ATTENTION_GROUPS",
+    "attention_group",
+    "is_attention_group",
+    "group_rank",
     "ORDERS",
     "GroupSpec",
     "LayerSpec",
@@ -53,6 +57,36 @@ ORDERS: Mapping[str, tuple[str, ...]] = {
 }
 
 GROUP_KINDS = ("self", "cross")
+
+MAX_ATTENTION_GROUPS = 64
+"""Attention groups beside ``self`` a layout may have (``g0`` .. ``g63``)."""
+
+
+def attention_group(index: int) -> str:
+    """The name of an engine's further self-attention KV cache group ``index`` (vLLM's
+    hybrid KV cache manager: one group per attention kind, e.g. sliding window). Such a
+    group has its own block ids; its blocks are named and moved like ``self``'s."""
+    if not 0 <= index < MAX_ATTENTION_GROUPS:
+        raise LayoutError(f"KV cache group index {index} is outside 0..{MAX_ATTENTION_GROUPS - 1}")
+    return f"g{index}"
+
+
+def is_attention_group(name: str) -> bool:
+    """Whether ``name`` is an :func:`attention_group` name."""
+    return (
+        len(name) in (2, 3)
+        and name[0] == "g"
+        and name[1:].isdigit()
+        and str(int(name[1:])) == name[1:]
+        and int(name[1:]) < MAX_ATTENTION_GROUPS
+    )
+
+
+def group_rank(name: str) -> tuple[int, int]:
+    """Canonical group order: ``self``, the attention groups by index, ``cross``."""
+    if name == "self":
+        return (0, 0)
+    return (1, int(name[1:])) if is_attention_group(name) else (2, 0)
 
 
 def parse_order(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -114,7 +148,8 @@ class LayerSpec:
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention."""
+    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention, or a
+    further self-attention group (:func:`attention_group`)."""
 
     name: str
     num_blocks: int
@@ -149,11 +184,19 @@ def check_groups_and_layers(
     least one owning layer in every group.
     """
     names = [g.name for g in groups]
-    if not names or names[0] != "self" or len(set(names)) != len(names):
-        raise LayoutError(f"groups must be 'self' first, then optionally 'cross'; got {names}")
+    if (
+        not names
+        or names[0] != "self"
+        or len(set(names)) != len(names)
+        or names != sorted(names, key=group_rank)
+    ):
+        raise LayoutError(
+            f"groups must be 'self' first, then attention groups g0..g63 in order, then "
+            f"optionally 'cross'; got {names}"
+        )
     for g in groups:
-        if g.name not in GROUP_KINDS:
-            raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS}")
+        if g.name not in GROUP_KINDS and not is_attention_group(g.name):
+            raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS} and g0..g63")
         if g.num_blocks < 1:
             raise LayoutError(f"group {g.name!r} needs >= 1 block, got {g.num_blocks}")
     seen: dict[str, LayerSpec] = {}

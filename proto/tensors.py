@@ -23,6 +23,7 @@ from kvbridge.proto.layout import (
     ModelSpec,
     Region,
 )
+from kvbridge.proto.specs import group_rank, is_attention_group
 
 __all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
 
@@ -97,8 +98,11 @@ def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Re
 
 def _check_disjoint(regions: list[Region]) -> None:
     """LayoutError if two regions share bytes: a load into one would overwrite the other
-    (layers that really share KV alias one tensor and own no region)."""
-    spans = sorted((r.device, r.addr, r.addr + r.length) for r in regions)
+    (layers that really share KV alias one tensor and own no region). Regions that are
+    the same bytes exactly are one region seen by two groups: vLLM's hybrid KV cache groups
+    share their pages (a block id belongs to one group at a time), and each group describes
+    the pages with its own layers."""
+    spans = sorted({(r.device, r.addr, r.addr + r.length) for r in regions})
     for (dev_a, a0, a1), (dev_b, b0, _) in itertools.pairwise(spans):
         if dev_a == dev_b and b0 < a1:
             raise LayoutError(
@@ -196,7 +200,8 @@ def from_tensors(
         elif order != inner:
             raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
     assert order is not None
-    group_names = ["self"] + [g for g in ("cross",) if g in num_blocks]
+    known = [g for g in num_blocks if g in ("self", "cross") or is_attention_group(g)]
+    group_names = sorted({"self", *known}, key=group_rank)
     if set(num_blocks) - set(group_names):
         raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}

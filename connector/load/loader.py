@@ -74,7 +74,7 @@ class _Attempt:
     def __post_init__(self) -> None:
         load = self.load
         self.expected = Expected.of(load)
-        groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+        groups = [g for g, ids in load.local_ids.items() if ids]
         self.local = {g: list(load.local_ids[g]) for g in groups}
         self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
@@ -220,9 +220,13 @@ class RemoteLoader:
         n = len(remote.get("self", ()))
         if n:
             done["self"] = self._read(job, "self", local_self[:n], remote["self"][:n])
-        cross_gone = "cross" in job.local and len(remote["cross"]) != len(job.local["cross"])
-        if "cross" in job.local and not cross_gone:
-            done["cross"] = self._read(job, "cross", job.local["cross"], remote["cross"])
+        # every other group (cross attention, a hybrid model's further attention groups)
+        # is all or nothing
+        whole = [g for g in job.local if g != "self"]
+        gone = [g for g in whole if len(remote[g]) != len(job.local[g])]
+        for g in whole:
+            if not gone:
+                done[g] = self._read(job, g, job.local[g], remote[g])
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
@@ -231,8 +235,9 @@ class RemoteLoader:
             bad = local_self + job.local.get("cross", [])
             reads = [r for r, _ in done.values()]
             return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
-        if cross_gone:  # all or nothing: the engine recomputes the whole request
-            return self._verdict(job, done, "owner", "cross blocks no longer held by the peer")
+        if gone:  # all or nothing: the engine recomputes the whole request
+            why = f"{gone[0]} blocks no longer held by the peer"
+            return self._verdict(job, done, "owner", why)
         if n < len(local_self):
             return self._verdict(
                 job, done, "owner", "lease gone (expired or released): partial prefix"
@@ -345,7 +350,7 @@ class RemoteLoader:
         if pinned is not None and pinned.lease_id is not None:
             remote: dict[str, list[BlockId]] = {}
             for g in groups:
-                first = load.first_block if g == "self" else 0
+                first = load.lease_offset(g)
                 want = tuple(load.remote_hashes.get(g, ()))
                 names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
                 ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]

@@ -51,7 +51,7 @@ def load_from_ranks(
     seal; never raises (fail closed: every block bad)."""
     if load.digest_key is not None:  # whole-block digests cannot check head slices
         return unverifiable(load)
-    groups = [g for g in ("self", "cross") if load.local_ids.get(g)]
+    groups = [g for g, ids in load.local_ids.items() if ids]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()

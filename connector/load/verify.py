@@ -52,9 +52,9 @@ class Expected:
     digests: Mapping[str, Sequence[bytes]]
     algo: str | None = None
     pending: Future[HandOverDigests] | None = None
-    first_block: int = 0
-    """Where the load's ``self`` blocks start in the owner's lease (fetched digests cover it
-    all)."""
+    offsets: Mapping[str, int] | None = None
+    """Per group, where the load's blocks start in the owner's lease (fetched digests cover
+    it all): :meth:`BlockLoad.lease_offset`."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -67,13 +67,14 @@ class Expected:
     def fetching(cls, load: BlockLoad, pending: Future[HandOverDigests]) -> Expected:
         """The load's key, with the digests the owner will send (``pending``)."""
         assert load.digest_key is not None
-        return cls(load.digest_key, {}, None, pending, load.first_block)
+        offsets = {g: load.lease_offset(g) for g in load.local_ids}
+        return cls(load.digest_key, {}, None, pending, offsets)
 
     def _want(self, group: str, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
             return list(self.digests.get(group, ()))[:n], self.algo
         got = self.pending.result()  # the fetch has its own deadline; its error fails the load
-        first = self.first_block if group == "self" else 0
+        first = (self.offsets or {}).get(group, 0)
         return list(got.groups.get(group, ()))[first : first + n], got.algo
 
     def check(self, layout: KVLayout, group: str, ids: Sequence[BlockId]) -> Checked:

@@ -107,9 +107,9 @@ class NamedLeases(LeaseTable):
 
     def create_named(self, order: HoldOrder, digests: HandOverDigests | None = None) -> Lease:
         lease = self.create(
-            {"self": order.block_ids},
+            order.blocks(),
             ttl_s=order.ttl_s,
-            hashes={"self": order.block_hashes},
+            hashes=order.hashes(),
             request_id=order.request_id,
             seal_as=order.lease_id,
         )

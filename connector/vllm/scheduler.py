@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
@@ -39,6 +40,10 @@ __all__ = ["HoldIssuer", "HoldOrder", "VllmScheduler", "to_json_params", "from_j
 log = logging.getLogger(__name__)
 
 _HASH_KEY = "block_hashes"
+
+VLLM_NULL_BLOCK = BlockId(0)
+"""vLLM's null block: the id its block tables hold where a group keeps no block (a sliding
+window's blocks that fell out of it). Never handed over, never loaded into."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +63,18 @@ class HoldOrder:
     digest_key: int | None = None
     """The hand-over's digest key (the scheduler drew it; it goes to the decode only in the
     kv_transfer_params): the worker digests the blocks under it when it makes the lease."""
+    group_blocks: Mapping[str, tuple[BlockId, ...]] = field(default_factory=dict)
+    """A hybrid model's further attention groups (``g<i>``): the blocks held with ``self``'s
+    (those a decode attends to), leased, sealed and digested with them."""
+    group_hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
+    """The names of ``group_blocks``."""
+
+    def blocks(self) -> dict[str, tuple[BlockId, ...]]:
+        """Every group's held blocks, ``self`` first."""
+        return {"self": self.block_ids, **self.group_blocks}
+
+    def hashes(self) -> dict[str, tuple[BlockHash, ...]]:
+        return {"self": self.block_hashes, **self.group_hashes}
 
 
 def to_json_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,12 +132,15 @@ class HoldIssuer(LeaseIssuer):
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         lease_id = LeaseId(secrets.token_hex(16))
+        others = [g for g in blocks if g != "self"]
         order = HoldOrder(
             request_id,
             lease_id,
             tuple(blocks["self"]),
             tuple(hashes.get("self", ())),
             self.ttl_s,
+            group_blocks={g: tuple(blocks[g]) for g in others},
+            group_hashes={g: tuple(hashes.get(g, ())) for g in others},
         )
         self._orders.append(order)
         return lease_id, self.ttl_s
@@ -177,10 +197,16 @@ class VllmScheduler:
         hasher: BlockHasher,
         offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
         tp_size: int = 1,
+        groups: Sequence[str] = ("self",),
+        windows: Mapping[str, int | None] | None = None,
     ) -> None:
         self.hasher = hasher
+        self.groups = tuple(groups)
+        """kvbridge's name of each of vLLM's KV cache groups, by vLLM's group index."""
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgeScheduler(config, block_size, tp_size)
+        self.planner = KVBridgeScheduler(
+            config, block_size, tp_size, windows=windows, null_block=VLLM_NULL_BLOCK
+        )
         self.planner.attach(self.holds, offload_lookup)
 
     @property
@@ -218,17 +244,35 @@ class VllmScheduler:
         view = self._view(request_id, prompt, raw_params)
         return self.planner.get_num_new_matched_tokens(view, num_computed_tokens)
 
+    def by_group(
+        self, block_ids: Sequence[Sequence[int]] | Sequence[int]
+    ) -> dict[str, list[BlockId]]:
+        """vLLM's block ids per KV cache group (a tuple by group index; one group's list
+        alone for a model with one group) by kvbridge's group names."""
+        groups: list[Sequence[int]] = (
+            [block_ids]  # type: ignore[list-item]
+            if not block_ids or isinstance(block_ids[0], int)
+            else list(block_ids)  # type: ignore[arg-type]
+        )
+        if len(groups) != len(self.groups):
+            raise KVBridgeError(
+                f"vLLM passed block ids of {len(groups)} KV cache groups, kvbridge was "
+                f"started with {len(self.groups)}"
+            )
+        return {g: [BlockId(b) for b in ids] for g, ids in zip(self.groups, groups, strict=True)}
+
     def after_alloc(
         self,
         request_id: RequestId,
         prompt: Sequence[int],
-        block_ids: Sequence[BlockId],
+        block_ids: Sequence[Sequence[int]] | Sequence[int],
         num_external_tokens: int,
     ) -> None:
-        """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
-        :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
+        """vLLM allocated ``block_ids`` (the request's whole block table per KV cache group).
+        The plan was made in :meth:`num_matched`; the load's names and seal are computed here
+        from ``prompt``."""
         view = self._view(request_id, prompt, None)
-        self.planner.update_state_after_alloc(view, {"self": block_ids}, num_external_tokens)
+        self.planner.update_state_after_alloc(view, self.by_group(block_ids), num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
         """This step's loads, offload stores and hold orders; resets them."""
@@ -239,13 +283,14 @@ class VllmScheduler:
         request_id: RequestId,
         prompt: Sequence[int],
         raw_params: Mapping[str, Any] | None,
-        block_ids: Sequence[BlockId],
+        block_ids: Sequence[Sequence[int]] | Sequence[int],
         prompt_done: bool,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``(delay_free, kv_transfer_params)`` for a finished or aborted request;
-        ``prompt_done``: it finished normally with its whole prompt computed."""
+        """``(delay_free, kv_transfer_params)`` for a finished or aborted request (its block
+        ids per KV cache group); ``prompt_done``: it finished normally with its whole prompt
+        computed."""
         view = self._view(request_id, prompt, raw_params, prompt_done)
-        delay_free, params = self.planner.request_finished(view, {"self": block_ids})
+        delay_free, params = self.planner.request_finished(view, self.by_group(block_ids))
         # a request put under a hold must keep its blocks until the worker reports the
         # lease over (done_sending): vLLM frees them at once otherwise
         delay_free = delay_free or self.holds.ordered(request_id)

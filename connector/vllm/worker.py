@@ -111,8 +111,13 @@ class VllmWorker:
         self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
-        """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C)."""
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layer_groups: Mapping[str, str] | None = None,
+    ) -> KVLayout:
+        """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C);
+        ``layer_groups``: each layer's kvbridge group (a hybrid model's; default ``self``)."""
         from kvbridge.connector.control.peers import nixl_agent_name, rank_port
         from kvbridge.connector.control.server import ControlServerConfig, serve
         from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
@@ -123,6 +128,7 @@ class VllmWorker:
             kv_caches,
             model_name=s.model_name,
             block_size=s.block_size,
+            layer_groups=layer_groups,
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
         )
@@ -208,13 +214,14 @@ class VllmWorker:
             return None
         from kvbridge.kernels import block_digests, digest_algo
 
+        got: dict[str, tuple[bytes, ...]] = {}
         try:
-            ids = list(order.block_ids)
-            got = block_digests(self.layout, "self", ids, order.digest_key)
+            for group, ids in order.blocks().items():
+                got[group] = tuple(block_digests(self.layout, group, list(ids), order.digest_key))
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        return HandOverDigests(digest_algo(self.layout, "self"), {"self": tuple(got)})
+        return HandOverDigests(digest_algo(self.layout, "self"), got)
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
