@@ -10,6 +10,7 @@ inside real vLLM are ``test_vllm_hybrid.py`` and ``test_vllm_kv_sharing.py``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from kvbridge.connector import KVTransferParams
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.connector.vllm.kinds import GroupKind, plan_groups
+from kvbridge.connector.vllm.kinds import GroupKind, layer_groups, plan_groups
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
 from kvbridge.proto import BlockId, ConfigError, KVLayout, LayoutError, RequestId, WireError
 
@@ -27,7 +28,7 @@ BS = 4
 WINDOW = 6  # tokens: after 18 tokens vLLM keeps tokens 13.. of the window (blocks 3 and 4)
 PROMPT = list(range(1, 19))  # 18 tokens: 4 full blocks and 2 tokens
 RID = RequestId("r1")
-SHAPE = (2, 8, "float32")
+SHAPE = (2, 8, "float32", BS)
 GROUPS = ("g0", "self")  # vLLM's group 0 is the sliding one here, group 1 the full one
 FULL = [BlockId(b) for b in (20, 21, 22, 23, 24)]
 SLIDING = [BlockId(b) for b in (0, 0, 30, 31, 32)]  # vLLM freed blocks 0 and 1 (null block)
@@ -170,9 +171,12 @@ def test_groups_of_other_page_shapes_are_refused_and_the_full_group_is_main() ->
         GroupKind("FullAttentionSpec", None, SHAPE),
     )
     assert plan_groups([sliding, full, sliding], "M") == (1, {0: 32, 2: 32})
-    wide = GroupKind("FullAttentionSpec", None, (2, 16, "float32"))
+    wide = GroupKind("FullAttentionSpec", None, (2, 16, "float32", BS))
     with pytest.raises(ConfigError, match="2 KV heads x 16"):
         plan_groups([sliding, wide], "M")
+    longer = GroupKind("FullAttentionSpec", None, (2, 8, "float32", 4 * BS))
+    with pytest.raises(ConfigError, match="16-token blocks"):
+        plan_groups([sliding, longer], "M")
 
 
 def test_groups_that_share_their_pages_are_described_each_with_its_own_layers() -> None:
@@ -195,3 +199,23 @@ def test_groups_that_share_their_pages_are_described_each_with_its_own_layers() 
             block_size=BS,
             layer_groups={"a": "self", "b": "g1"},
         )
+
+
+def test_layers_go_to_their_vllm_groups_and_kv_sharing_layers_to_their_targets() -> None:
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=["l0"]),  # sliding
+            SimpleNamespace(layer_names=["l1"]),  # full
+        ]
+    )
+    layers = ["l0", "l1", "l2", "l3"]
+    shares = {"l2": "l0", "l3": "l1"}  # vLLM lists the targets only
+    assert layer_groups(config, GROUPS, layers, shares) == {
+        "l0": "g0",
+        "l1": "self",
+        "l2": "g0",
+        "l3": "self",
+    }
+    assert layer_groups(config, ("self",), layers) is None  # one group: nothing to map
+    with pytest.raises(LayoutError, match="l2"):
+        layer_groups(config, GROUPS, layers, {"l3": "l1"})

@@ -241,7 +241,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if interior is not None:
             name = self.worker.settings.model_name + packed_suffix(interior)
             self.worker.settings = replace(self.worker.settings, model_name=name)
-        self.worker.register(views, layer_groups(self._kv_cache_config, self._groups, kv_caches))
+        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, self._shares())
+        self.worker.register(views, groups)
+
+    def _shares(self) -> dict[str, str]:
+        """Each KV-sharing layer's target (``kv_sharing_target_layer_name``), from vLLM's
+        attention layers (the model is loaded by the time the caches are registered)."""
+        layers = self._vllm_config.compilation_config.static_forward_context
+        return {
+            name: str(target)
+            for name, layer in layers.items()
+            if (target := getattr(layer, "kv_sharing_target_layer_name", None))
+        }
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -8,7 +8,7 @@ fails later with a message about its own internals (``docs/VLLM.md``, "Model kin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,11 +84,16 @@ _GROUP_REFUSALS = {
 class GroupKind:
     """One of vLLM's KV cache groups, as plain values: its spec's class name (the inner
     specs' for ``UniformTypeKVCacheSpecs``), its sliding window in tokens (None: none), and
-    the shape of its pages (KV heads, head size, dtype name)."""
+    the shape of its pages (KV heads, head size, dtype name, block size in tokens)."""
 
     spec: str
     window: int | None
-    shape: tuple[int, int, str]
+    shape: tuple[int, int, str, int]
+
+
+def _shape(g: GroupKind) -> str:
+    heads, size, dtype, block = g.shape
+    return f"{heads} KV heads x {size} ({dtype}, {block}-token blocks)"
 
 
 def plan_groups(
@@ -111,9 +116,8 @@ def plan_groups(
         if g.shape != groups[0].shape:
             raise ConfigError(
                 f"kvbridge's vLLM connector cannot serve {architecture}: its KV cache group "
-                f"{i} ({g.spec}) has pages of {g.shape[0]} KV heads x {g.shape[1]} ({g.shape[2]})"
-                f", group 0 ({groups[0].spec}) of {groups[0].shape[0]} x {groups[0].shape[1]} "
-                f"({groups[0].shape[2]}); kvbridge moves groups of one page shape only"
+                f"{i} ({g.spec}) has pages of {_shape(g)}, group 0 ({groups[0].spec}) of "
+                f"{_shape(groups[0])}; kvbridge moves groups of one page shape only"
             )
     if not groups:
         raise ConfigError(f"vLLM gave kvbridge no KV cache groups for {architecture}")
@@ -137,6 +141,7 @@ def vllm_group_kinds(kv_cache_config: Any) -> list[GroupKind]:
             int(getattr(spec, "num_kv_heads", 0) or 0),
             int(getattr(spec, "head_size", 0) or 0),
             str(getattr(spec, "dtype", "")).removeprefix("torch."),
+            int(getattr(spec, "block_size", 0) or 0),
         )
         window = getattr(spec, "sliding_window", None)
         out.append(GroupKind(type(spec).__name__, int(window) if window else None, shape))
@@ -158,11 +163,15 @@ def vllm_groups(
 
 
 def layer_groups(
-    kv_cache_config: Any, names: Sequence[str], layers: Iterable[str]
+    kv_cache_config: Any,
+    names: Sequence[str],
+    layers: Iterable[str],
+    shares: Mapping[str, str] | None = None,
 ) -> dict[str, str] | None:
     """Each layer's kvbridge group (``names``: :func:`vllm_groups`'s) when vLLM keeps several
     KV cache groups (their layers share pages: a block id belongs to one group at a time);
-    None for one group."""
+    None for one group. ``shares``: a KV-sharing layer's target layer (vLLM lists only the
+    targets in the connector's groups); it is in its target's group."""
     if len(names) == 1 or kv_cache_config is None:
         return None
     out = {
@@ -170,6 +179,9 @@ def layer_groups(
         for i, group in enumerate(kv_cache_config.kv_cache_groups)
         for layer in group.layer_names
     }
+    for layer, target in (shares or {}).items():
+        if layer not in out and target in out:
+            out[layer] = out[target]
     missing = sorted(set(layers) - set(out))
     if missing:
         raise LayoutError(f"vLLM put layers {missing} in none of its KV cache groups")

@@ -1,17 +1,18 @@
 """``kvbridge bench vllm``: the same vLLM P/D workload through kvbridge and NixlConnector.
 
 Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas
-(:mod:`kvbridge.worker.vllm.tiny_llama`). A *round* is, for each model and each
-connector in turn (kvbridge, NixlConnector, kvbridge, ...), a fresh prefill engine
-on core 0 and decode engine on core 1 that serve one uncounted warm-up request
-(it pays the peer handshake) and then the same seeded random prompts, short and
-long interleaved, one at a time: prefill with ``max_tokens=1`` and
-``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and
-``max_tokens=1``. Prompts differ from their first token on, so decode never hits
-its prefix cache. Per request it records decode TTFT (decode's ``generate``, timed
-in the engine: transfer + first token), NIXL's own timing of the KV READ (telemetry,
-post to completion: the same span for both connectors), the connector's own transfer
-figure (kvbridge: the whole load's ``transfer_ms``; NixlConnector: that telemetry, its
+(:mod:`kvbridge.worker.vllm.tiny_llama`) and a tiny hybrid Gemma-3-style model
+(:data:`HYBRID_MODELS`: vLLM keeps its hybrid KV cache groups with both connectors). A
+*round* is, for each model and each connector in turn (kvbridge, NixlConnector, kvbridge,
+...), a fresh prefill engine on core 0 and decode engine on core 1 that serve one
+uncounted warm-up request (it pays the peer handshake) and then the same seeded random
+prompts, short and long interleaved, one at a time: prefill with ``max_tokens=1`` and
+``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and ``max_tokens=1``.
+Prompts differ from their first token on, so decode never hits its prefix cache. Per
+request it records the KV bytes decode read, decode TTFT (decode's ``generate``, timed in
+the engine: transfer + first token), NIXL's own timing of the KV READ (telemetry, post to
+completion: the same span for both connectors), the connector's own transfer figure
+(kvbridge: the whole load's ``transfer_ms``; NixlConnector: that telemetry, its
 ``transfer_duration``) and end to end (prefill + decode, client side); it checks that
 decode's first token is prefill's and that the KV came over the connector (a recompute
 is flagged, not measured).
@@ -41,6 +42,12 @@ MODELS: dict[str, dict[str, int]] = {
 }
 """Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
 8 layers x 8 KV heads of 128 (2 MiB per block)."""
+HYBRID_MODELS = ("gemma3",)
+"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_models`): ``gemma3``, one sliding-window
+layer (32 tokens) and one full-attention layer, 2 KV heads of 64; vLLM keeps one KV cache
+group per attention kind (32 KiB per block and group), and both connectors move a long
+prompt's full-attention blocks but only the sliding group's last 1-2 blocks."""
+DEFAULT_MODELS = ("4L", "8L", "gemma3")
 CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc")
 """``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
 ``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
@@ -64,7 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
     p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    p.add_argument(
+        "--models", nargs="+", choices=[*sorted(MODELS), *HYBRID_MODELS],
+        default=list(DEFAULT_MODELS),
+        help="tiny Llamas 4L, 8L and the hybrid gemma3 (sliding window + full attention)",
+    )  # fmt: skip
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
         help="connectors to alternate (default kvbridge nixl; kvbridge-blhnc adds kvbridge on "
@@ -181,6 +192,8 @@ class _Loads:
             "wire_descriptors": merged,
             "read_ms": 1e3 * sum(durations) if durations else None,
         }
+        if stats.get("nixl_bytes"):
+            self.detail["bytes"] = sum(stats["nixl_bytes"])
         if stats.get("nixl_failed"):
             return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
         if not durations:
@@ -266,6 +279,10 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = min(2048, -(-(max(longest, len(warm)) + 8) // BLOCK) * BLOCK)
     models = {}
     for name in args.models:
+        if name in HYBRID_MODELS:
+            _say(f"writing the {name} tiny hybrid model under {work}")
+            models[name] = harness.write_tiny_model(name, work / f"model-{name}", args.seed)
+            continue
         _say(f"writing the {name} tiny Llama ({MODELS[name]}) under {work}")
         models[name] = harness.write_model(work / f"model-{name}", args.seed, **MODELS[name])
     pairs = [
@@ -292,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         "work": str(work),
         "max_model_len": max_model_len,
         "block_size": BLOCK,
-        "model_shapes": {m: MODELS[m] for m in args.models},
+        "model_shapes": {m: MODELS.get(m, m) for m in args.models},
         "nproc": len(os.sched_getaffinity(0)),
     }
     payload = assemble(settings, rounds, requests)
