@@ -1,6 +1,6 @@
 """The engine-side connector: everything kvbridge runs inside an inference engine.
 
-``base`` (the two seams), ``scheduler`` (the one planner both engines use),
+``base`` (the two seams), ``planner`` (the one planner both engines use),
 ``worker_side`` and ``load`` (the worker half and its loads), ``control`` (leases,
 lease seals and the peer control plane),
 ``transport`` (the data plane), ``offload`` (clients of the offload daemon)

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ class RequestView:
 
     request_id: RequestId
     prompt_token_ids: Sequence[int]
-    block_hashes: Mapping[str, Sequence[BlockHash]]
+    block_hashes: Mapping[KVGroup, Sequence[BlockHash]]
     """Names of the request's full blocks per group (``self``; ``cross`` if encoder-decoder)."""
     kv_transfer_params: Mapping[str, Any] | None = None
     """Set by the router: ``do_remote_decode`` on prefill; the prefill's answer on decode."""
@@ -78,12 +79,12 @@ class BlockLoad:
     request_id: RequestId
     remote_engine: str
     remote_address: str
-    local_ids: Mapping[str, Sequence[BlockId]]
-    remote_ids: Mapping[str, Sequence[BlockId]]
+    local_ids: Mapping[KVGroup, Sequence[BlockId]]
+    remote_ids: Mapping[KVGroup, Sequence[BlockId]]
     lease_id: str = ""
-    remote_hashes: Mapping[str, Sequence[BlockHash]] = field(default_factory=dict)
+    remote_hashes: Mapping[KVGroup, Sequence[BlockHash]] = field(default_factory=dict)
     """The names this engine computed for the blocks it loads (a partial last block named by
-    :func:`~kvbridge.connector.scheduler.tail_name`): the owner must answer with exactly these
+    :func:`~kvbridge.connector.planner.tail_name`): the owner must answer with exactly these
     names for the ids it reads, and re-pinning by name uses them if the lease expired."""
     offload_hashes: Sequence[BlockHash] = ()
     """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon
@@ -102,7 +103,7 @@ class BlockLoad:
     digest_key: int | None = None
     """The hand-over's digest key; None: the load is not verified (no digests recorded, or
     verification is off on this engine)."""
-    digests: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
+    digests: Mapping[KVGroup, Sequence[bytes]] = field(default_factory=dict)
     """Per group, the digest of each block of ``remote_ids`` as its owner recorded it at
     hand-over: the bytes read must match before the engine may use them."""
     digest_algo: str | None = None
@@ -110,13 +111,13 @@ class BlockLoad:
     digests_at_owner: bool = False
     """``digests`` are empty: the reader asks the owner's control server for the lease's
     digests (``Digests``), concurrently with its READ; the key stays the one here."""
-    lease_offsets: Mapping[str, int] = field(default_factory=dict)
+    lease_offsets: Mapping[KVGroup, int] = field(default_factory=dict)
     """Per attention group (``g<i>``): where ``local_ids[group][0]`` sits in the owner's
     lease of that group (its blocks of the prompt's last positions); absent: 0."""
 
-    def lease_offset(self, group: str) -> int:
+    def lease_offset(self, group: KVGroup) -> int:
         """Where this load's first ``group`` block sits in the owner's lease of the group."""
-        return self.first_block if group == "self" else self.lease_offsets.get(group, 0)
+        return self.first_block if group == KVGroup.SELF else self.lease_offsets.get(group, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ class LoadResult:
     bad_block_ids: tuple[BlockId, ...]
     transfer_ms: float
     error: str = ""
-    moved_by_group: Mapping[str, int] = field(default_factory=dict)
+    moved_by_group: Mapping[KVGroup, int] = field(default_factory=dict)
     """Blocks read per group (``self``, ``cross``)."""
     bytes_moved: int = 0
     """Bytes the transport read: only layers that own KV ever move."""
@@ -189,7 +190,7 @@ class SchedulerConnector(ABC):
     def update_state_after_alloc(
         self,
         request: RequestView,
-        block_ids: Mapping[str, Sequence[BlockId]],
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
         num_external_tokens: int,
     ) -> None:
         """The engine allocated ``block_ids`` (the request's whole block table per group)."""
@@ -200,7 +201,7 @@ class SchedulerConnector(ABC):
 
     @abstractmethod
     def request_finished(
-        self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]
+        self, request: RequestView, block_ids: Mapping[KVGroup, Sequence[BlockId]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished (or aborted) request."""
 

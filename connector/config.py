@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbridge.connector.control.peers import parse_allowed_peers
+from kvbridge.connector.addresses import parse_allowed_peers
 from kvbridge.proto.errors import ConfigError
 
 __all__ = ["ConnectorConfig", "DEFAULT_MAX_CONCURRENT_LOADS", "ROLES", "LOAD_ERROR_POLICIES"]

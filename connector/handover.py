@@ -1,7 +1,7 @@
 """What a prefill hands over: the lease seam and the name of a prompt's partial last block.
 
 :class:`LeaseIssuer` is implemented by whoever owns an engine's blocks and called by the
-planner (:mod:`kvbridge.connector.scheduler`) when a prefill request finishes;
+planner (:mod:`kvbridge.connector.planner`) when a prefill request finishes;
 :func:`tail_name` is computed alike by prefill and decode from their own prompts.
 """
 
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.kernels.digest import ALGO_XXH3
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = ["LeaseIssuer", "group_name", "tail_name"]
@@ -29,7 +30,7 @@ class LeaseIssuer(ABC):
 
     @abstractmethod
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
         """How many leading ``block_ids`` hold exactly the KV named by ``hashes``."""
 
@@ -49,7 +50,7 @@ class LeaseIssuer(ABC):
         a reader on another device computes the same one)."""
         return ALGO_XXH3
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Each leased block's :func:`~kvbridge.kernels.block_digests` under ``key``, for the
         kv_transfer_params; None: not digested (the hand-over goes unverified). With
         :attr:`digests_at_owner`: ``{}`` once the key is on its way to the owner."""

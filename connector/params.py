@@ -23,7 +23,8 @@ from typing import Any
 
 from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES
 from kvbridge.proto.errors import WireError
-from kvbridge.proto.specs import MAX_ATTENTION_GROUPS, is_attention_group
+from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.specs import MAX_ATTENTION_GROUPS
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
 __all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS", "MAX_TP_SIZE"]
@@ -46,8 +47,8 @@ class KVTransferParams:
     remote_address: str
     request_id: RequestId
     num_tokens: int
-    block_ids: Mapping[str, tuple[BlockId, ...]]
-    block_hashes: Mapping[str, tuple[BlockHash, ...]]
+    block_ids: Mapping[KVGroup, tuple[BlockId, ...]]
+    block_hashes: Mapping[KVGroup, tuple[BlockHash, ...]]
     lease_id: LeaseId
     lease_ttl_s: float
     tp_size: int = 1
@@ -56,7 +57,7 @@ class KVTransferParams:
     digest_key: int | None = None
     """The hand-over's secret digest key (:func:`kvbridge.kernels.new_key`); None: the
     prefill recorded no digests and the load is not verified."""
-    digests: Mapping[str, tuple[bytes, ...]] = field(default_factory=dict)
+    digests: Mapping[KVGroup, tuple[bytes, ...]] = field(default_factory=dict)
     """Per group, one digest per entry of ``block_ids`` (:func:`kvbridge.kernels.block_digests`
     of the bytes at hand-over, keyed with ``digest_key``)."""
     digest_algo: str = ALGO_XXH3
@@ -125,16 +126,16 @@ class KVTransferParams:
         if out.tp_size > MAX_TP_SIZE:
             raise WireError(f"kv_transfer_params: 'tp_size' {out.tp_size} is above {MAX_TP_SIZE}")
         need_blocks = -(-out.num_tokens // block_size)
-        got = len(out.block_ids.get("self", ()))
+        got = len(out.block_ids.get(KVGroup.SELF, ()))
         if got != need_blocks:
             raise WireError(
                 f"kv_transfer_params: {out.num_tokens} tokens need {need_blocks} blocks of "
                 f"{block_size}, got {got} block ids"
             )
-        if len(out.block_hashes.get("self", ())) != out.num_tokens // block_size:
+        if len(out.block_hashes.get(KVGroup.SELF, ())) != out.num_tokens // block_size:
             raise WireError("kv_transfer_params: one hash per full block expected")
         for group in set(out.block_ids) | set(out.block_hashes):
-            if group == "self":
+            if group == KVGroup.SELF:
                 continue
             ids, hashes = out.block_ids.get(group, ()), out.block_hashes.get(group, ())
             if len(ids) != len(hashes):
@@ -142,7 +143,7 @@ class KVTransferParams:
                     f"kv_transfer_params: {group!r} needs one hash per block id, got "
                     f"{len(ids)} ids and {len(hashes)} hashes"
                 )
-            if group != "cross" and len(ids) > need_blocks:
+            if group != KVGroup.CROSS and len(ids) > need_blocks:
                 raise WireError(
                     f"kv_transfer_params: {group!r} lists {len(ids)} blocks, more than the "
                     f"{need_blocks} of {out.num_tokens} tokens"
@@ -221,16 +222,15 @@ def _hash(value: object) -> BlockHash:
     return BlockHash(value)
 
 
-def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[str, tuple[Any, ...]]:
+def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[KVGroup, tuple[Any, ...]]:
     value = params.get(key)
     if not isinstance(value, Mapping) or not 0 < len(value) <= 2 + MAX_ATTENTION_GROUPS:
         raise WireError(f"kv_transfer_params: {key!r} must map group names to lists")
-    out: dict[str, tuple[Any, ...]] = {}
-    for group, items in value.items():
-        known = group in ("self", "cross") or (isinstance(group, str) and is_attention_group(group))
-        if not known or not isinstance(items, list | tuple):
-            raise WireError(f"kv_transfer_params: {key!r} has a bad group {group!r}")
+    out: dict[KVGroup, tuple[Any, ...]] = {}
+    for name, items in value.items():
+        if name not in tuple(KVGroup) or not isinstance(items, list | tuple):
+            raise WireError(f"kv_transfer_params: {key!r} has a bad group {name!r}")
         if len(items) > MAX_BLOCKS_PER_REQUEST:
             raise WireError(f"kv_transfer_params: {key!r} lists {len(items)} items, too many")
-        out[group] = tuple(item(x) for x in items)
+        out[KVGroup(name)] = tuple(item(x) for x in items)
     return out

@@ -14,7 +14,7 @@ tagged with the group (:func:`~kvbridge.connector.handover.group_name`); they tr
 ``kv_transfer_params`` (``block_ids[g]``, ``block_hashes[g]``), are leased, sealed, digested
 and verified like ``self``'s, and a group not read whole makes the whole request recompute.
 The engine's placeholder for a block it does not hold (vLLM's null block) is never handed
-over or loaded into. Used by the planner (:mod:`kvbridge.connector.scheduler`) only.
+over or loaded into. Used by the planner (:mod:`kvbridge.connector.planner`) only.
 """
 
 from __future__ import annotations
@@ -25,21 +25,11 @@ from dataclasses import dataclass, field
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.params import KVTransferParams
 from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.specs import is_attention_group
 from kvbridge.proto.types import BlockHash, BlockId
 
-__all__ = ["AttentionGroups", "GroupLoad"]
-
-
-@dataclass(slots=True)
-class GroupLoad:
-    """The further groups' part of one load, per group."""
-
-    local: dict[str, tuple[BlockId, ...]] = field(default_factory=dict)
-    remote: dict[str, tuple[BlockId, ...]] = field(default_factory=dict)
-    hashes: dict[str, tuple[BlockHash, ...]] = field(default_factory=dict)
-    digests: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
-    offsets: dict[str, int] = field(default_factory=dict)
-    """Where each group's first loaded block sits in the owner's lease of the group."""
+__all__ = ["AttentionGroups", "Groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,22 +37,22 @@ class AttentionGroups:
     """An engine's further attention groups and their windows (empty: not hybrid)."""
 
     block_size: int
-    windows: Mapping[str, int | None] = field(default_factory=dict)
+    windows: Mapping[KVGroup, int | None] = field(default_factory=dict)
     null_block: BlockId | None = None
     """The id the engine puts where a group holds no block (vLLM: 0, its null block)."""
 
     def __bool__(self) -> bool:
         return bool(self.windows)
 
-    def start(self, group: str, num_tokens: int) -> int:
+    def start(self, group: KVGroup, num_tokens: int) -> int:
         """The first block of ``group`` an engine keeps once ``num_tokens`` are computed."""
         window = self.windows.get(group)
         return max(0, num_tokens - window + 1) // self.block_size if window else 0
 
     def hand_over(
         self,
-        ids: dict[str, list[BlockId]],
-        hashes: dict[str, list[BlockHash]],
+        ids: dict[KVGroup, list[BlockId]],
+        hashes: dict[KVGroup, list[BlockHash]],
         names: Sequence[BlockHash],
         num_tokens: int,
     ) -> bool:
@@ -70,7 +60,7 @@ class AttentionGroups:
         ``hashes`` (groups not known here are dropped from ``ids``), for a prompt of
         ``num_tokens`` whose blocks (a partial last one included) are named ``names``. False
         when a group lacks one of its blocks (no hand-over: decode recomputes)."""
-        for g in [g for g in ids if g not in ("self", "cross") and g not in self.windows]:
+        for g in [g for g in ids if is_attention_group(g) and g not in self.windows]:
             del ids[g]
         end = len(names)
         for g in self.windows:
@@ -97,15 +87,18 @@ class AttentionGroups:
 
     def plan_load(
         self,
-        block_ids: Mapping[str, Sequence[BlockId]],
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
         params: KVTransferParams,
         names: Sequence[BlockHash],
         first: int,
-        verify: bool,
-    ) -> GroupLoad:
-        """Decode: each group's blocks from ``first`` (the local prefix hit) or its window
-        start on, skipping the engine's null blocks, checked by :meth:`check` before."""
-        out = GroupLoad()
+        into: tuple[_Ids, _Ids, _Names, dict[KVGroup, tuple[bytes, ...]] | None],
+    ) -> dict[KVGroup, int]:
+        """Decode: put each group's local and remote ids, names and (``into[3]`` not None)
+        digests into ``into``: its blocks from ``first`` (the local prefix hit) or its window
+        start on, skipping the engine's null blocks (checked by :meth:`check` before).
+        Returns where each group's first loaded block sits in the owner's lease."""
+        local, remote, hashes, digests = into
+        offsets = {}
         end = len(names)
         for g in self.windows:
             theirs = params.block_ids[g]
@@ -118,11 +111,21 @@ class AttentionGroups:
                 continue
             # a prefill window starting later than the blocks decode keeps cannot fill them:
             # the names then differ from the lease's and the load fails closed (recompute)
-            offset = max(0, start - lo)
-            out.local[g] = tuple(mine[start:end])
-            out.remote[g] = theirs[offset:]
-            out.hashes[g] = tuple(group_name(g, n) for n in names[start:end])
-            out.offsets[g] = offset
-            if verify:
-                out.digests[g] = params.digests.get(g, ())[offset:]
-        return out
+            offsets[g] = offset = max(0, start - lo)
+            local[g] = tuple(mine[start:end])
+            remote[g] = theirs[offset:]
+            hashes[g] = tuple(group_name(g, n) for n in names[start:end])
+            if digests is not None:
+                digests[g] = params.digests.get(g, ())[offset:]
+        return offsets
+
+    @staticmethod
+    def names_of(params: KVTransferParams) -> dict[KVGroup, tuple[BlockHash, ...]]:
+        """The attention groups' names in ``params`` (what the owner's lease seals)."""
+        return {g: h for g, h in params.block_hashes.items() if is_attention_group(g)}
+
+
+Groups = AttentionGroups | None
+"""The planner's argument: an engine's attention groups, or None (not hybrid)."""
+_Ids = dict[KVGroup, tuple[BlockId, ...]]
+_Names = dict[KVGroup, tuple[BlockHash, ...]]

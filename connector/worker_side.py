@@ -33,6 +33,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import ReleaseListener, SealTable
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.proto.errors import KVBridgeError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -160,7 +161,11 @@ class KVBridgeWorker(WorkerConnector):
             except Exception as exc:  # _load catches everything; this is the last line of defence
                 log.exception("request %s: load job failed", rid)
                 result = load_result(
-                    load, 0.0, bad=load.local_ids.get("self", ()), error=repr(exc), elapsed_ms=0.0
+                    load,
+                    0.0,
+                    bad=load.local_ids.get(KVGroup.SELF, ()),
+                    error=repr(exc),
+                    elapsed_ms=0.0,
                 )
             self._state.results[rid] = result
             self._state.bad.update(result.bad_block_ids)
@@ -239,7 +244,7 @@ class KVBridgeWorker(WorkerConnector):
         if not load.offload_hashes or self.offload is None:
             return remote.load(load)
         k = len(load.offload_hashes)
-        local_self = list(load.local_ids["self"])
+        local_self = list(load.local_ids[KVGroup.SELF])
         got = self.offload.load(local_self[:k], list(load.offload_hashes))  # never raises
         m = got.loaded
         if not load.remote_engine:  # nothing to fall back on: recompute what is missing
@@ -271,12 +276,12 @@ def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
     local = dict(load.local_ids)
     remote = dict(load.remote_ids)
     hashes = dict(load.remote_hashes)
-    local["self"] = tuple(load.local_ids["self"])[n:]
-    remote["self"] = tuple(load.remote_ids.get("self", ()))[n:]
-    hashes["self"] = tuple(load.remote_hashes.get("self", ()))[n:]
+    local[KVGroup.SELF] = tuple(load.local_ids[KVGroup.SELF])[n:]
+    remote[KVGroup.SELF] = tuple(load.remote_ids.get(KVGroup.SELF, ()))[n:]
+    hashes[KVGroup.SELF] = tuple(load.remote_hashes.get(KVGroup.SELF, ()))[n:]
     digests = dict(load.digests)
-    if "self" in digests:
-        digests["self"] = tuple(digests["self"])[n:]
+    if KVGroup.SELF in digests:
+        digests[KVGroup.SELF] = tuple(digests[KVGroup.SELF])[n:]
     return replace(
         load,
         digests=digests,

@@ -25,14 +25,9 @@ import sys
 from pathlib import Path
 
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.serving import (
-    EngineClient,
-    Router,
-    check_no_leaks,
-    make_workload,
-    reference_outputs,
-)
+from kvbridge.worker.serving import EngineClient, Router
 from kvbridge.worker.serving.node_cmd import add_engine_arguments
+from kvbridge.worker.tools import check_no_leaks, make_workload, reference_outputs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 import xxhash
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.specs import Region, Span
 
 __all__ = [
@@ -49,7 +49,7 @@ __all__ = [
 ALGO_XXH3 = "xxh3-128"
 """The CPU digest: XXH3-128, seeded with the hand-over's key."""
 ALGO_DEVICE = "kvb-mlh32x4"
-"""The device digest (:mod:`kvbridge.kernels.digest_cuda`, which checks it is the same name)."""
+"""The device digest, computed by :mod:`kvbridge.kernels.digest_cuda`."""
 DIGEST_BYTES = 16
 """Length of one block digest."""
 _KEY_MASK = (1 << 64) - 1
@@ -106,7 +106,7 @@ def _coalesced(spans: Iterable[Span]) -> Iterable[Span]:
         yield run
 
 
-def digest_algo(layout: KVLayout, group: str) -> str:
+def digest_algo(layout: KVLayout, group: KVGroup) -> str:
     """The algorithm :func:`block_digests` uses by default for a bound layout's group:
     :data:`ALGO_XXH3` on CPU memory, ``ALGO_DEVICE`` on CUDA memory."""
     if not layout.regions:
@@ -116,7 +116,7 @@ def digest_algo(layout: KVLayout, group: str) -> str:
 
 
 def block_digests(
-    layout: KVLayout, group: str, block_ids: Sequence[int], key: int, algo: str | None = None
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], key: int, algo: str | None = None
 ) -> list[bytes]:
     """One :data:`DIGEST_BYTES`-byte digest per block of ``group``, for a *bound* layout
     (its regions are the registered addresses).

@@ -1,4 +1,5 @@
-"""The device block digest (:data:`ALGO_DEVICE`): computed where CUDA KV lives, no host copy.
+"""The device block digest (``ALGO_DEVICE`` of :mod:`kvbridge.kernels.digest`): computed where
+CUDA KV lives, no host copy.
 
 XXH3 (:mod:`kvbridge.kernels.digest`) is a sequential byte hash: fine on a CPU
 core, a poor fit for thousands of GPU threads. CUDA memory is digested with a
@@ -45,16 +46,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from kvbridge.kernels import digest
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.specs import Region, Span
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ALGO_DEVICE",
     "LANES",
     "chunk_bytes_of",
     "device_block_digests",
@@ -63,8 +62,6 @@ __all__ = [
     "reference_block_digests",
 ]
 
-ALGO_DEVICE = digest.ALGO_DEVICE
-"""The device digest's name; a digest travels with its algorithm's name."""
 LANES = 4
 _TABLE = 256
 _MAX_CHUNK = 4 * _TABLE
@@ -165,7 +162,7 @@ def _cpu_bytes(region: Region, span: Span) -> bytes:
 
 
 def reference_block_digests(
-    layout: KVLayout, group: str, block_ids: Sequence[int], key: int
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], key: int
 ) -> list[bytes]:
     """:data:`ALGO_DEVICE` digests of blocks of a bound layout on CPU memory (a CPU reader
     checking a GPU writer's digests after a READ into host memory)."""
@@ -180,7 +177,7 @@ def reference_block_digests(
 
 
 def _pieces(
-    layout: KVLayout, group: str, block_ids: Sequence[int], chunk: int, device: str = "cuda"
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], chunk: int, device: str = "cuda"
 ) -> npt.NDArray[np.int64]:
     """``(n, 4)`` rows ``(addr, nbytes, out_index, chunk_seq)``, each at most PIECE_BYTES,
     over regions on ``device`` (``cpu`` only to check the table against the reference).
@@ -229,7 +226,7 @@ def _kernel(device_index: int) -> Any:
 
 
 def device_digest_sums(
-    layout: KVLayout, group: str, block_ids: Sequence[int], key: int
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], key: int
 ) -> torch.Tensor:
     """Launch the digest kernel on torch's current stream (asynchronous): the ``(blocks,
     LANES)`` int64 lane sums on the device, before the length term and the shift."""
@@ -270,7 +267,7 @@ def device_digest_sums(
 
 
 def device_block_digests(
-    layout: KVLayout, group: str, block_ids: Sequence[int], key: int
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], key: int
 ) -> list[bytes]:
     """:data:`ALGO_DEVICE` digests of blocks of a bound layout on one CUDA device, computed
     there (one kernel launch on torch's current stream; 16 bytes per block come back)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 
 from kvbridge.proto.errors import LayoutError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     import numpy as np
@@ -125,7 +126,7 @@ def as_ids(block_ids: IdsLike, what: str = "block_ids") -> torch.Tensor:
 
 
 def check_ids(
-    layout: KVLayout, group: str, ids: torch.Tensor, *, distinct: bool, side: str
+    layout: KVLayout, group: KVGroup, ids: torch.Tensor, *, distinct: bool, side: str
 ) -> None:
     """Raise LayoutError for an id outside ``group``'s blocks (or a repeated one if ``distinct``).
 

@@ -29,7 +29,7 @@ from kvbridge.kernels.mapping import IdsLike, MappingLike, as_ids, as_mapping, c
 from kvbridge.kernels.torch_path import copy_pairs, copy_rows, gather_rows, scatter_rows
 from kvbridge.kernels.views import coalesce, group_views, paired_views, staging_view, widen
 from kvbridge.proto.errors import IncompatibleLayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.negotiate import negotiate
 
 __all__ = ["copy_blocks", "convert_blocks", "gather_blocks", "scatter_blocks", "staging_nbytes"]
@@ -37,13 +37,13 @@ __all__ = ["copy_blocks", "convert_blocks", "gather_blocks", "scatter_blocks", "
 Cache = Mapping[str, torch.Tensor]
 
 
-def staging_nbytes(layout: KVLayout, count: int, group: str = "self") -> int:
+def staging_nbytes(layout: KVLayout, count: int, group: KVGroup = KVGroup.SELF) -> int:
     """Bytes a staging buffer needs for ``count`` blocks of ``group``."""
     return count * layout.block_bytes(group)
 
 
 def copy_blocks(
-    src: Cache, dst: Cache, layout: KVLayout, mapping: MappingLike, group: str = "self"
+    src: Cache, dst: Cache, layout: KVLayout, mapping: MappingLike, group: KVGroup = KVGroup.SELF
 ) -> None:
     """Copy whole blocks ``src[s] -> dst[d]`` for each ``(s, d)`` in ``mapping``.
 
@@ -65,7 +65,7 @@ def convert_blocks(
     dst: Cache,
     dst_layout: KVLayout,
     mapping: MappingLike,
-    group: str = "self",
+    group: KVGroup = KVGroup.SELF,
 ) -> None:
     """Copy blocks between caches of two orders of the same model (any pair of orders).
 
@@ -84,7 +84,11 @@ def convert_blocks(
 
 
 def gather_blocks(
-    cache: Cache, layout: KVLayout, block_ids: IdsLike, staging: torch.Tensor, group: str = "self"
+    cache: Cache,
+    layout: KVLayout,
+    block_ids: IdsLike,
+    staging: torch.Tensor,
+    group: KVGroup = KVGroup.SELF,
 ) -> None:
     """Pack blocks ``block_ids`` of ``cache`` into ``staging``, block ``i`` at ``i * block_bytes``.
 
@@ -103,7 +107,11 @@ def gather_blocks(
 
 
 def scatter_blocks(
-    staging: torch.Tensor, cache: Cache, layout: KVLayout, block_ids: IdsLike, group: str = "self"
+    staging: torch.Tensor,
+    cache: Cache,
+    layout: KVLayout,
+    block_ids: IdsLike,
+    group: KVGroup = KVGroup.SELF,
 ) -> None:
     """Unpack ``staging`` (as written by :func:`gather_blocks`) into blocks ``block_ids``."""
     ids = as_ids(block_ids)

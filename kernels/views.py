@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.tensors import torch_dtype
 
 __all__ = [
@@ -53,7 +53,7 @@ def same_size_int(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
-def _check_tensor(layout: KVLayout, group: str, name: str, t: object) -> torch.Tensor:
+def _check_tensor(layout: KVLayout, group: KVGroup, name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise LayoutError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
     s = layout.sizes(group)
@@ -70,7 +70,7 @@ def _check_tensor(layout: KVLayout, group: str, name: str, t: object) -> torch.T
 
 
 def group_views(
-    cache: Mapping[str, torch.Tensor], layout: KVLayout, group: str
+    cache: Mapping[str, torch.Tensor], layout: KVLayout, group: KVGroup
 ) -> list[torch.Tensor]:
     """6-D views ``(l, KV, B, N, H, C)`` covering the owning layers of ``group`` in order.
 
@@ -125,7 +125,7 @@ def paired_views(
 
 
 def staging_view(
-    staging: torch.Tensor, layout: KVLayout, group: str, count: int, what: str
+    staging: torch.Tensor, layout: KVLayout, group: KVGroup, count: int, what: str
 ) -> torch.Tensor:
     """A 6-D view ``(L, KV, count, N, H, C)`` over a contiguous staging buffer.
 

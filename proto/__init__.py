@@ -25,11 +25,13 @@ from kvbridge.proto.layout import (
     DIMS,
     ORDERS,
     GroupSpec,
+    KVGroup,
     KVLayout,
     LayerSpec,
     ModelSpec,
     Region,
     Span,
+    parse_group,
     parse_order,
 )
 from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
@@ -51,6 +53,7 @@ __all__ = [
     "ExtraKeys",
     "GroupSpec",
     "HashConfig",
+    "KVGroup",
     "IncompatibleLayoutError",
     "KVBridgeError",
     "KVLayout",
@@ -79,6 +82,7 @@ __all__ = [
     "is_attention_group",
     "make_layout",
     "negotiate",
+    "parse_group",
     "parse_order",
     "preset_layout",
 ]

@@ -19,32 +19,33 @@ The layout is frozen and msgpack-serialisable. Identity fields (model,
 block size, groups, layers, TP size) must match for two peers to exchange
 blocks; ``num_blocks``, the order, the TP rank and the registered regions are
 per-worker facts. The parts (dims, order presets, the spec dataclasses)
-live in :mod:`kvbridge.proto.specs` and are re-exported here; the wire form
-in :mod:`kvbridge.proto.layout_wire`. Tensor construction lives in
-:mod:`kvbridge.proto.tensors` so that importing this module never imports torch.
+live in :mod:`kvbridge.proto.specs` and are re-exported here; the fields, checks and
+byte math in :mod:`kvbridge.proto.layout_core`; the wire form in
+:mod:`kvbridge.proto.layout_wire`; negotiation in :mod:`kvbridge.proto.negotiate`.
+Tensor construction lives in :mod:`kvbridge.proto.tensors` so that importing this
+module never imports torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from kvbridge.proto import codec
-from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout_wire import layout_from_bytes, layout_to_bytes, model_dict
+from kvbridge.proto.layout_core import LayoutCore
+from kvbridge.proto.layout_wire import layout_from_bytes, layout_to_bytes
+from kvbridge.proto.negotiate import Negotiation, negotiate
 from kvbridge.proto.specs import (
     DIMS,
     DTYPE_BYTES,
     ORDERS,
     GroupSpec,
+    KVGroup,
     LayerSpec,
     ModelSpec,
     Region,
     Span,
-    check_groups_and_layers,
-    check_order,
+    parse_group,
     parse_order,
 )
 
@@ -58,233 +59,25 @@ __all__ = [
     "ModelSpec",
     "LayerSpec",
     "GroupSpec",
+    "KVGroup",
     "Region",
     "Span",
     "KVLayout",
+    "parse_group",
     "parse_order",
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """The KV-cache layout descriptor passed to ``register_kv_caches``."""
+class KVLayout(LayoutCore):
+    """The KV-cache layout descriptor passed to ``register_kv_caches``: a
+    :class:`~kvbridge.proto.layout_core.LayoutCore` (fields, checks, byte math) that also
+    negotiates with a peer's layout, goes on the wire and allocates or binds tensors."""
 
-    model: ModelSpec
-    block_size: int
-    groups: tuple[GroupSpec, ...]
-    layers: tuple[LayerSpec, ...]
-    order: tuple[str, ...] = ORDERS["block-nhd"]
-    tp_rank: int = 0
-    tp_size: int = 1
-    regions: tuple[Region, ...] = ()
-    one_region: bool = False
-    """Layer-outermost orders only: all owning layers of a group lie in one allocation at
-    the dense layer step and are registered as one region (a per-worker fact, like the
-    order); False means one region per owning layer."""
-    # Derived values (owning layers, fingerprint), filled on first use. ``__post_init__``
-    # starts every instance with an empty cache, so a copy made by ``dataclasses.replace``
-    # (which passes the original's ``_cache`` on) never reports the original's figures.
-    _cache: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_cache", {})
-        check_order(self.order)
-        if self.block_size < 1:
-            raise LayoutError(f"block_size must be >= 1, got {self.block_size}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
-        if self.model.num_kv_heads % self.tp_size:
-            raise LayoutError(
-                f"{self.model.num_kv_heads} KV heads cannot be split over tp_size {self.tp_size}"
-            )
-        check_groups_and_layers(self.model.num_layers, self.groups, self.layers)
-        if self.one_region and self.order[0] != "L":
-            raise LayoutError(
-                f"one_region applies to layer-outermost orders only, got {' '.join(self.order)}"
-            )
-        if self.regions and len(self.regions) != self.num_regions:
-            raise LayoutError(f"{len(self.regions)} regions given, layout has {self.num_regions}")
-
-    # ----- structure ---------------------------------------------------------------------
-    @property
-    def num_heads(self) -> int:
-        """KV heads held by this TP rank (the ``H`` dimension)."""
-        return self.model.num_kv_heads // self.tp_size
-
-    @property
-    def block_outermost(self) -> bool:
-        return self.order[0] == "B"
-
-    @property
-    def layer_separate(self) -> bool:
-        """One region per owning layer (layer-outermost and not ``one_region``)."""
-        return self.order[0] == "L" and not self.one_region
-
-    @property
-    def kind(self) -> str:
-        """``block-outermost``, ``layer-separate``, ``layer-outermost`` (one region) or
-        ``mixed`` (e.g. ``KV B L ...``)."""
-        if self.block_outermost:
-            return "block-outermost"
-        if self.order[0] == "L":
-            return "layer-outermost" if self.one_region else "layer-separate"
-        return "mixed"
-
-    @property
-    def inner_order(self) -> tuple[str, ...]:
-        return self.order[3:]
-
-    def group(self, name: str) -> GroupSpec:
-        for g in self.groups:
-            if g.name == name:
-                return g
-        raise LayoutError(f"layout has no group {name!r}; it has {[g.name for g in self.groups]}")
-
-    def owning_layers(self, group: str) -> tuple[LayerSpec, ...]:
-        """Layers of ``group`` that own memory, in layout order (the ``L`` dimension)."""
-        key = f"own:{group}"
-        if key not in self._cache:
-            self._cache[key] = tuple(
-                x for x in self.layers if x.group == group and x.kv_source is None
-            )
-        result: tuple[LayerSpec, ...] = self._cache[key]
-        return result
-
-    def sizes(self, group: str) -> dict[str, int]:
-        """Size of each logical dimension in ``group``."""
-        return {
-            "B": self.group(group).num_blocks,
-            "L": len(self.owning_layers(group)),
-            "KV": 2,
-            "N": self.block_size,
-            "H": self.num_heads,
-            "C": self.model.head_size,
-        }
-
-    def strides(self, group: str) -> dict[str, int]:
-        """Byte stride of each dimension in ``group`` (``L`` is the region step if per-layer)."""
-        sizes = self.sizes(group)
-        out: dict[str, int] = {}
-        step = self.model.dtype_bytes
-        for dim in reversed(self.order):
-            out[dim] = step
-            step *= sizes[dim]
-        return out
-
-    # ----- byte math ---------------------------------------------------------------------
-    @property
-    def span_bytes(self) -> int:
-        """Bytes of one (layer, K/V) span of one block: ``N * H * C * dtype``."""
-        return self.block_size * self.num_heads * self.model.head_size * self.model.dtype_bytes
-
-    def block_bytes(self, group: str = "self") -> int:
-        """Bytes of one block of ``group`` across all its owning layers and K/V."""
-        return 2 * len(self.owning_layers(group)) * self.span_bytes
-
-    def descriptors_per_block(self, group: str = "self") -> int:
-        return 1 if self.block_outermost else 2 * len(self.owning_layers(group))
-
-    def group_bytes(self, group: str) -> int:
-        return self.group(group).num_blocks * self.block_bytes(group)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.group_bytes(g.name) for g in self.groups)
-
-    @property
-    def num_regions(self) -> int:
-        return sum(
-            self.regions_of(g.name).stop - self.regions_of(g.name).start for g in self.groups
-        )
-
-    def regions_of(self, group: str) -> range:
-        """Indices (into ``regions``) of the memory regions of ``group``."""
-        start = 0
-        for g in self.groups:
-            count = len(self.owning_layers(g.name)) if self.layer_separate else 1
-            if g.name == group:
-                return range(start, start + count)
-            start += count
-        raise LayoutError(f"layout has no group {group!r}")
-
-    def region_bytes(self, index: int) -> int:
-        for g in self.groups:
-            r = self.regions_of(g.name)
-            if index in r:
-                return self.group_bytes(g.name) // len(r)
-        raise LayoutError(f"region index {index} out of range 0..{self.num_regions - 1}")
-
-    def check_block_ids(self, group: str, block_ids: Sequence[int]) -> None:
-        """Raise LayoutError naming the first id outside ``0..num_blocks-1`` of ``group``."""
-        n = self.group(group).num_blocks
-        for b in block_ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
-                raise LayoutError(f"block id {b!r} of group {group!r} is outside 0..{n - 1}")
-
-    def block_spans(self, group: str, block_id: int) -> list[Span]:
-        """The spans that together hold block ``block_id`` of ``group``.
-
-        One span when block-outermost; otherwise one per (owning layer, K/V),
-        layers in layout order, K before V. Both peers enumerate spans in the
-        same canonical order, which is what makes ``PER_SPAN`` pairing work.
-        """
-        self.check_block_ids(group, [block_id])
-        regions = self.regions_of(group)
-        st = self.strides(group)
-        if self.block_outermost:
-            return [Span(regions.start, block_id * st["B"], st["B"])]
-        n_layers = len(self.owning_layers(group))
-        spans = []
-        for li in range(n_layers):
-            if self.layer_separate:
-                region, base = regions.start + li, 0
-            else:
-                region, base = regions.start, li * st["L"]
-            for kv in (0, 1):
-                spans.append(
-                    Span(region, base + block_id * st["B"] + kv * st["KV"], self.span_bytes)
-                )
-        return spans
-
-    def iter_spans(self, group: str, block_ids: Sequence[int]) -> Iterator[Span]:
-        for b in block_ids:
-            yield from self.block_spans(group, b)
-
-    # ----- identity, negotiation and wire ------------------------------------------------
-    def identity(self) -> dict[str, Any]:
-        """The fields two peers must agree on to exchange blocks at all."""
-        return {
-            "model": model_dict(self.model),
-            "block_size": self.block_size,
-            "groups": [g.name for g in self.groups],
-            "layers": [[x.name, x.group, x.kv_source] for x in self.layers],
-            "tp_size": self.tp_size,
-        }
-
-    def fingerprint(self) -> bytes:
-        """SHA-256 over :meth:`identity`; roots block hashes so other models never match."""
-        key = "fingerprint"
-        if key not in self._cache:
-            self._cache[key] = hashlib.sha256(codec.pack("KVIdentity", self.identity())).digest()
-        fp: bytes = self._cache[key]
-        return fp
-
-    def negotiate(self, remote: KVLayout) -> Any:
+    def negotiate(self, remote: LayoutCore) -> Negotiation:
         """Transfer mode for reading/writing ``remote``'s blocks; see :mod:`negotiate`."""
-        from kvbridge.proto.negotiate import negotiate
-
         return negotiate(self, remote)
-
-    def with_regions(self, regions: Sequence[Region]) -> KVLayout:
-        return replace(self, regions=tuple(regions))
-
-    def with_num_blocks(self, /, **num_blocks: int) -> KVLayout:
-        """A copy with other block counts per group, e.g. ``with_num_blocks(self=128)``."""
-        groups = tuple(GroupSpec(g.name, num_blocks.get(g.name, g.num_blocks)) for g in self.groups)
-        return replace(self, groups=groups, regions=())
-
-    def with_order(self, order: str | Sequence[str], *, one_region: bool = False) -> KVLayout:
-        return replace(self, order=parse_order(order), regions=(), one_region=one_region)
 
     def to_bytes(self) -> bytes:
         """This layout on the wire; see :mod:`kvbridge.proto.layout_wire`."""
@@ -323,6 +116,7 @@ class KVLayout:
         from kvbridge.proto.tensors import from_tensors
 
         return from_tensors(
+            cls,
             kv_caches,
             model_name=model_name,
             block_size=block_size,
@@ -330,32 +124,3 @@ class KVLayout:
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
-
-    def describe(self) -> str:
-        """Human-readable byte math, as printed by ``kvbridge layout``."""
-        lines = [
-            f"model {self.model.name}: {self.model.num_layers} layers x {self.model.num_kv_heads} "
-            f"KV heads x {self.model.head_size} head size, {self.model.dtype}, "
-            f"block_size {self.block_size}, tp {self.tp_rank}/{self.tp_size}",
-            f"order {' '.join(self.order)} ({self.kind}, {self.num_regions} region(s))",
-        ]
-        for g in self.groups:
-            own = len(self.owning_layers(g.name))
-            shared = sum(1 for x in self.layers if x.group == g.name) - own
-            lines.append(
-                f"  group {g.name}: {g.num_blocks} blocks, {own} owning layers"
-                + (f" (+{shared} sharing KV, never moved)" if shared else "")
-                + f", block {_human(self.block_bytes(g.name))}"
-                f" = {self.descriptors_per_block(g.name)} descriptor(s) of "
-                f"{_human(self.block_bytes(g.name) // self.descriptors_per_block(g.name))},"
-                f" total {_human(self.group_bytes(g.name))}"
-            )
-        return "\n".join(lines)
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:g} {unit}" if unit == "B" else f"{n:.4g} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    raise AssertionError("unreachable")

@@ -11,30 +11,19 @@ values the layout's own LayoutError.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TypeVar
 
 from kvbridge.proto import codec
 from kvbridge.proto.errors import WireError
-from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region
+from kvbridge.proto.layout_core import LayoutCore
+from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region, parse_group
 
-if TYPE_CHECKING:
-    from kvbridge.proto.layout import KVLayout
+__all__ = ["layout_from_bytes", "layout_to_bytes"]
 
-__all__ = ["layout_from_bytes", "layout_to_bytes", "model_dict"]
-
-
-def model_dict(m: ModelSpec) -> dict[str, Any]:
-    """``m`` as the plain dict that identity, fingerprint and wire form use."""
-    return {
-        "name": m.name,
-        "dtype": m.dtype,
-        "num_layers": m.num_layers,
-        "num_kv_heads": m.num_kv_heads,
-        "head_size": m.head_size,
-    }
+L = TypeVar("L", bound=LayoutCore)
 
 
-def layout_to_bytes(layout: KVLayout) -> bytes:
+def layout_to_bytes(layout: LayoutCore) -> bytes:
     body = layout.identity()
     body.update(
         num_blocks=[g.num_blocks for g in layout.groups],
@@ -46,9 +35,7 @@ def layout_to_bytes(layout: KVLayout) -> bytes:
     return codec.pack("KVLayout", body)
 
 
-def layout_from_bytes(
-    cls: type[KVLayout], data: bytes, *, max_bytes: int = codec.MAX_MESSAGE_BYTES
-) -> KVLayout:
+def layout_from_bytes(cls: type[L], data: bytes, *, max_bytes: int = codec.MAX_MESSAGE_BYTES) -> L:
     """Parse a peer's layout into ``cls``; raises WireError (bad bytes) or LayoutError."""
     body = codec.unpack(data, "KVLayout", max_bytes=max_bytes)
     try:
@@ -64,14 +51,18 @@ def layout_from_bytes(
         counts = codec.take(body, "num_blocks", list)
         if len(names) != len(counts):
             raise WireError("groups and num_blocks differ in length")
-        groups = tuple(GroupSpec(_str(n), _int(c)) for n, c in zip(names, counts, strict=True))
+        groups = tuple(
+            GroupSpec(parse_group(_str(n)), _int(c)) for n, c in zip(names, counts, strict=True)
+        )
         layers = []
         for item in codec.take(body, "layers", list):
             if not isinstance(item, list) or len(item) != 3:
                 raise WireError("each layer must be [name, group, kv_source]")
             src = item[2]
             layers.append(
-                LayerSpec(_str(item[0]), _str(item[1]), None if src is None else _str(src))
+                LayerSpec(
+                    _str(item[0]), parse_group(_str(item[1])), None if src is None else _str(src)
+                )
             )
         regions = []
         for item in codec.take(body, "regions", list):

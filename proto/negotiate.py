@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from kvbridge.proto.errors import IncompatibleLayoutError
 
 if TYPE_CHECKING:
-    from kvbridge.proto.layout import KVLayout
+    from kvbridge.proto.layout_core import LayoutCore
 
 __all__ = [
     "HEAD_MAJOR_SUFFIX",
@@ -61,7 +61,7 @@ class Negotiation:
             raise IncompatibleLayoutError(self.reason)
 
 
-def _mismatch(local: KVLayout, remote: KVLayout, *, tp: bool = True) -> str | None:
+def _mismatch(local: LayoutCore, remote: LayoutCore, *, tp: bool = True) -> str | None:
     lm, rm = local.model, remote.model
     pairs: list[tuple[str, object, object]] = [
         ("model.name", lm.name, rm.name),
@@ -85,7 +85,7 @@ def _mismatch(local: KVLayout, remote: KVLayout, *, tp: bool = True) -> str | No
     return None
 
 
-def negotiate(local: KVLayout, remote: KVLayout) -> Negotiation:
+def negotiate(local: LayoutCore, remote: LayoutCore) -> Negotiation:
     """How ``local`` moves blocks to or from ``remote``; symmetric in the mode chosen."""
     reason = _mismatch(local, remote)
     if reason is not None:
@@ -113,7 +113,7 @@ def negotiate(local: KVLayout, remote: KVLayout) -> Negotiation:
     )
 
 
-def _head_slice_refusal(local: KVLayout, remote: KVLayout) -> str | None:
+def _head_slice_refusal(local: LayoutCore, remote: LayoutCore) -> str | None:
     """Why two layouts of different TP sizes cannot move head slices; None if they can."""
     small, big = sorted((local.tp_size, remote.tp_size))
     if big % small:
@@ -130,7 +130,7 @@ def _head_slice_refusal(local: KVLayout, remote: KVLayout) -> str | None:
     return None
 
 
-def head_slices(local: KVLayout, remote: KVLayout) -> tuple[tuple[int, int], tuple[int, int]]:
+def head_slices(local: LayoutCore, remote: LayoutCore) -> tuple[tuple[int, int], tuple[int, int]]:
     """Which slice of each side's page pairs with the other's under ``HEAD_SLICE``:
     ``((local part, local parts), (remote part, remote parts))``; a page is cut into
     ``parts`` equal spans (heads are contiguous per rank in vLLM, rank-major).

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import GroupSpec, KVLayout, LayerSpec, ModelSpec, parse_order
+from kvbridge.proto.specs import KVGroup
 
 __all__ = ["ENGINE_MODELS", "PRESETS", "PresetShape", "make_layout", "preset_layout"]
 
@@ -94,13 +95,17 @@ def make_layout(
     """A layout for ``shape``; layer names follow vLLM (``layers.{i}.self_attn``)."""
     sources = _kv_sources(shape.num_layers, shape.share_last, shape.share_every)
     layers = [
-        LayerSpec(f"layers.{i}.self_attn", "self", None if s is None else f"layers.{s}.self_attn")
+        LayerSpec(
+            f"layers.{i}.self_attn", KVGroup.SELF, None if s is None else f"layers.{s}.self_attn"
+        )
         for i, s in enumerate(sources)
     ]
-    groups = [GroupSpec("self", num_blocks)]
+    groups = [GroupSpec(KVGroup.SELF, num_blocks)]
     if shape.encoder_decoder:
-        layers += [LayerSpec(f"layers.{i}.cross_attn", "cross") for i in range(shape.num_layers)]
-        groups.append(GroupSpec("cross", num_cross_blocks or num_blocks))
+        layers += [
+            LayerSpec(f"layers.{i}.cross_attn", KVGroup.CROSS) for i in range(shape.num_layers)
+        ]
+        groups.append(GroupSpec(KVGroup.CROSS, num_cross_blocks or num_blocks))
     model = ModelSpec(
         shape.name, shape.dtype, shape.num_layers, shape.num_kv_heads, shape.head_size
     )

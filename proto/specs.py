@@ -1,9 +1,10 @@
 """The parts a :class:`~kvbridge.proto.layout.KVLayout` is made of, and their checks.
 
-Dimension names, dtypes and order presets; the frozen spec dataclasses
-(model, layer, group, region, span); :func:`parse_order` and the checks that
-a set of groups and layers is consistent. Used by :mod:`kvbridge.proto.layout`
-(which re-exports every public name here), by :mod:`kvbridge.proto.tensors`,
+Dimension names, dtypes and order presets; :class:`KVGroup` (which KV-cache group
+a block belongs to); the frozen spec dataclasses (model, layer, group, region, span);
+:func:`parse_order` and the checks that a set of groups and layers is consistent. Used by
+:mod:`kvbridge.proto.layout` (which re-exports every public name here), by
+:mod:`kvbridge.proto.tensors`,
 :mod:`kvbridge.proto.presets` and the layout's wire form
 (:mod:`kvbridge.proto.layout_wire`). Pure Python: no torch, no numpy.
 """
@@ -12,25 +13,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 from kvbridge.proto.errors import LayoutError
 
 __all__ = [
     "DIMS",
     "DTYPE_BYTES",
-    "GROUP_KINDS",
     "MAX_ATTENTION_GROUPS",
     "attention_group",
     "is_attention_group",
     "group_rank",
     "ORDERS",
     "GroupSpec",
+    "KVGroup",
     "LayerSpec",
     "ModelSpec",
     "Region",
     "Span",
     "check_groups_and_layers",
     "check_order",
+    "parse_group",
     "parse_order",
 ]
 
@@ -56,35 +59,65 @@ ORDERS: Mapping[str, tuple[str, ...]] = {
     "layer-kv-nhd": ("L", "KV", "B", "N", "H", "C"),
 }
 
-GROUP_KINDS = ("self", "cross")
 
 MAX_ATTENTION_GROUPS = 64
 """Attention groups beside ``self`` a layout may have (``g0`` .. ``g63``)."""
 
 
-def attention_group(index: int) -> str:
-    """The name of an engine's further self-attention KV cache group ``index`` (vLLM's
-    hybrid KV cache manager: one group per attention kind, e.g. sliding window). Such a
-    group has its own block ids; its blocks are named and moved like ``self``'s."""
+class KVGroup(StrEnum):
+    """A KV-cache group: blocks with their own ids and names.
+
+    ``SELF``: the decoder's self-attention (every model); ``CROSS``: cross-attention over
+    an encoder input (encoder-decoder models); ``G0`` .. ``G63`` (values ``"g0"`` ..
+    ``"g63"``, :func:`attention_group`): an engine's further self-attention groups (vLLM's
+    hybrid KV cache manager: one group per attention kind, e.g. sliding window), each with
+    its own block ids, named and moved like ``self``'s. A ``str`` enum: a member equals,
+    hashes and encodes (msgpack, protobuf, JSON) exactly as its value, so the wire carries
+    ``"self"``, ``"cross"`` and ``"g<i>"``; a string from a peer becomes a member only
+    through :func:`parse_group`. ``repr`` is the value's, so messages read as before.
+    """
+
+    _ignore_ = ["i"]  # noqa: RUF012 - the enum's own directive
+    SELF = "self"
+    CROSS = "cross"
+    for i in range(MAX_ATTENTION_GROUPS):
+        vars()[f"G{i}"] = f"g{i}"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def parse_group(value: object, error: type[Exception] = LayoutError) -> KVGroup:
+    """``value`` (a peer's or a config's group name) as a :class:`KVGroup`; ``error`` (a
+    typed kvbridge error) naming the value and the known groups if it is none of them."""
+    if isinstance(value, str):
+        try:
+            return KVGroup(value)
+        except ValueError:
+            pass
+    shown = value[:64] if isinstance(value, str) else value
+    raise error(
+        f"unknown group {shown!r}; groups are 'self', 'cross' and "
+        f"'g0'..'g{MAX_ATTENTION_GROUPS - 1}'"
+    )
+
+
+def attention_group(index: int) -> KVGroup:
+    """The group of an engine's further self-attention KV cache group ``index`` (vLLM's
+    group index): ``g<index>``."""
     if not 0 <= index < MAX_ATTENTION_GROUPS:
         raise LayoutError(f"KV cache group index {index} is outside 0..{MAX_ATTENTION_GROUPS - 1}")
-    return f"g{index}"
+    return KVGroup(f"g{index}")
 
 
 def is_attention_group(name: str) -> bool:
-    """Whether ``name`` is an :func:`attention_group` name."""
-    return (
-        len(name) in (2, 3)
-        and name[0] == "g"
-        and name[1:].isdigit()
-        and str(int(name[1:])) == name[1:]
-        and int(name[1:]) < MAX_ATTENTION_GROUPS
-    )
+    """Whether ``name`` is an :func:`attention_group`'s name."""
+    return name not in (KVGroup.SELF, KVGroup.CROSS) and name in KVGroup._value2member_map_
 
 
 def group_rank(name: str) -> tuple[int, int]:
     """Canonical group order: ``self``, the attention groups by index, ``cross``."""
-    if name == "self":
+    if name == KVGroup.SELF:
         return (0, 0)
     return (1, int(name[1:])) if is_attention_group(name) else (2, 0)
 
@@ -142,7 +175,7 @@ class LayerSpec:
     """One attention layer: its KV-cache group and, if it owns no memory, whose KV it reuses."""
 
     name: str
-    group: str = "self"
+    group: KVGroup = KVGroup.SELF
     kv_source: str | None = None
 
 
@@ -151,7 +184,7 @@ class GroupSpec:
     """A KV-cache group with its own block ids: ``self`` or ``cross`` attention, or a
     further self-attention group (:func:`attention_group`)."""
 
-    name: str
+    name: KVGroup
     num_blocks: int
 
 
@@ -186,7 +219,7 @@ def check_groups_and_layers(
     names = [g.name for g in groups]
     if (
         not names
-        or names[0] != "self"
+        or names[0] != KVGroup.SELF
         or len(set(names)) != len(names)
         or names != sorted(names, key=group_rank)
     ):
@@ -195,8 +228,7 @@ def check_groups_and_layers(
             f"optionally 'cross'; got {names}"
         )
     for g in groups:
-        if g.name not in GROUP_KINDS and not is_attention_group(g.name):
-            raise LayoutError(f"unknown group {g.name!r}; groups are {GROUP_KINDS} and g0..g63")
+        parse_group(g.name)
         if g.num_blocks < 1:
             raise LayoutError(f"group {g.name!r} needs >= 1 block, got {g.num_blocks}")
     seen: dict[str, LayerSpec] = {}

@@ -1,4 +1,4 @@
-"""Building and describing KV tensors for a :class:`KVLayout` (imports torch).
+"""Building and describing KV tensors for a layout (imports torch).
 
 Every layer is handed a view of logical shape ``(2, num_blocks, block_size,
 H, C)`` — K/V, block, token, head, channel — whose strides follow the
@@ -11,21 +11,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import (
+from kvbridge.proto.layout_core import LayoutCore
+from kvbridge.proto.specs import (
     DTYPE_BYTES,
     GroupSpec,
-    KVLayout,
+    KVGroup,
     LayerSpec,
     ModelSpec,
     Region,
+    group_rank,
+    parse_group,
 )
-from kvbridge.proto.specs import group_rank, is_attention_group
 
 __all__ = ["allocate", "bind", "from_tensors", "torch_dtype", "LOGICAL"]
+
+L = TypeVar("L", bound=LayoutCore)
 
 LOGICAL = ("KV", "B", "N", "H", "C")
 
@@ -46,7 +51,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+def allocate(layout: LayoutCore, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Zeroed KV tensors for ``layout``: per-layer views, one allocation per region.
 
     Block-outermost (and any single-region) groups are one allocation in which
@@ -80,7 +85,7 @@ def allocate(layout: KVLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {x.name: out[x.name] for x in layout.layers}
 
 
-def _regions(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
+def _regions(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> list[Region]:
     regions = []
     for g in layout.groups:
         owners = layout.owning_layers(g.name)
@@ -111,9 +116,10 @@ def _check_disjoint(regions: list[Region]) -> None:
             )
 
 
-def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+def bind(layout: L, kv_caches: Mapping[str, torch.Tensor]) -> L:
     """``layout`` with its regions read from ``kv_caches``, after checking they match it."""
     described = from_tensors(
+        type(layout),
         kv_caches,
         model_name=layout.model.name,
         block_size=layout.block_size,
@@ -125,7 +131,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
     same_without_l = [d for d in described.order if d != "L"] == [
         d for d in layout.order if d != "L"
     ]
-    if len(layout.owning_layers("self")) == 1 and same_without_l:
+    if len(layout.owning_layers(KVGroup.SELF)) == 1 and same_without_l:
         described = layout.with_regions(_regions(layout, kv_caches))
     if described.one_region and layout.layer_separate and described.order == layout.order:
         # layers in one allocation may still be registered one region per layer
@@ -145,6 +151,7 @@ def bind(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
 
 
 def from_tensors(
+    cls: type[L],
     kv_caches: Mapping[str, torch.Tensor],
     *,
     model_name: str,
@@ -152,8 +159,8 @@ def from_tensors(
     layer_groups: Mapping[str, str] | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
-) -> KVLayout:
-    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``.
+) -> L:
+    """Describe per-layer KV views of logical shape ``(2, B, N, H, C)``, as a ``cls``.
 
     The physical order is inferred from the views' strides and, for the
     ``L`` dimension, from the distance between consecutive layers' data
@@ -168,11 +175,11 @@ def from_tensors(
     dtype = _dtype_name(first.dtype)
     elem = DTYPE_BYTES[dtype]
     layers: list[LayerSpec] = []
-    owner_at: dict[tuple[int, str], str] = {}
-    num_blocks: dict[str, int] = {}
+    owner_at: dict[tuple[int, KVGroup], str] = {}
+    num_blocks: dict[KVGroup, int] = {}
     order: tuple[str, ...] | None = None
     for name, t in kv_caches.items():
-        group = groups_of.get(name, "self")
+        group = parse_group(groups_of.get(name, KVGroup.SELF))
         if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != block_size:
             raise LayoutError(
                 f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size), "
@@ -200,8 +207,7 @@ def from_tensors(
         elif order != inner:
             raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
     assert order is not None
-    known = [g for g in num_blocks if g in ("self", "cross") or is_attention_group(g)]
-    group_names = sorted({"self", *known}, key=group_rank)
+    group_names = sorted({KVGroup.SELF, *num_blocks}, key=group_rank)
     if set(num_blocks) - set(group_names):
         raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}
@@ -212,11 +218,11 @@ def from_tensors(
     model = ModelSpec(
         name=model_name,
         dtype=dtype,
-        num_layers=per_group["self"],
+        num_layers=per_group[KVGroup.SELF],
         num_kv_heads=first.shape[3] * tp_size,
         head_size=first.shape[4],
     )
-    layout = KVLayout(
+    layout = cls(
         model=model,
         block_size=block_size,
         groups=tuple(GroupSpec(g, num_blocks[g]) for g in group_names),
@@ -231,7 +237,7 @@ def from_tensors(
     return layout.with_regions(_regions(layout, kv_caches))
 
 
-def _one_allocation(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> bool:
+def _one_allocation(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> bool:
     """Whether every group's owning layers share one storage at the dense layer step
     (then a layer-outermost group is one region, not one per layer)."""
     for g in layout.groups:
@@ -274,7 +280,7 @@ def _place_layer_dim(
     order: tuple[str, ...],
     elem: int,
 ) -> tuple[str, ...]:
-    owners = [x for x in layers if x.kv_source is None and x.group == "self"]
+    owners = [x for x in layers if x.kv_source is None and x.group == KVGroup.SELF]
     ptrs = [kv_caches[x.name].data_ptr() for x in owners]
     steps = {b - a for a, b in itertools.pairwise(ptrs)}
     t = kv_caches[owners[0].name]
@@ -287,7 +293,7 @@ def _place_layer_dim(
     return ("L", *order)
 
 
-def _check_dense(layout: KVLayout, kv_caches: Mapping[str, torch.Tensor]) -> None:
+def _check_dense(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> None:
     elem = layout.model.dtype_bytes
     for g in layout.groups:
         st = layout.strides(g.name)

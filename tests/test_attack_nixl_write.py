@@ -23,11 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbridge.connector.control import ControlClient, PeerInfo, Role
 from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.connector.control.seal import expected_seal, probe_slots, seal_digest
-from kvbridge.connector.scheduler import tail_name
+from kvbridge.connector.planner import tail_name
 from kvbridge.proto import EngineId, codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import make_encoder_inputs, make_workload
 from kvbridge.worker.serving.node_cmd import engine_config_from_args
+from kvbridge.worker.tools import make_encoder_inputs, make_workload
 from tests.harness.nodes import NodePair, node_args, reference
 from tests.harness.peer import PeerProc, start_peers
 

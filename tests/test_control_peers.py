@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.connector import ConnectorConfig
-from kvbridge.connector.control.peers import dial_control, normalize_address, peer_allowed
+from kvbridge.connector.addresses import normalize_address
+from kvbridge.connector.control.peers import dial_control, peer_allowed
 from kvbridge.proto import ConfigError, PeerError
 from tests.harness.grpc_fakes import RecordingServer
 

@@ -12,8 +12,9 @@ from kvbridge.connector import ConnectorConfig
 from kvbridge.connector.params import MAX_ID_CHARS
 from kvbridge.proto import ConfigError, WireError
 from kvbridge.worker.engine import EngineConfig
-from kvbridge.worker.serving import EngineClient, make_workload
+from kvbridge.worker.serving import EngineClient
 from kvbridge.worker.serving.inference import check_request_id
+from kvbridge.worker.tools import make_workload
 
 
 def test_the_demo_workload_exists_for_one_token_blocks() -> None:
@@ -52,7 +53,12 @@ def test_the_inference_port_disconnects_idle_clients() -> None:
         connector=ConnectorConfig("idle-test"),
         max_connection_idle_s=1.0,
     )
-    server = inference_server(config, InferenceServicer(StatsOnlyNode()))  # type: ignore[arg-type]
+    server = inference_server(
+        InferenceServicer(StatsOnlyNode(), config.request_timeout_s),  # type: ignore[arg-type]
+        token=None,
+        max_connection_idle_s=config.max_connection_idle_s,
+        max_concurrent_requests=config.max_concurrent_requests,
+    )
     port = listen(server, "127.0.0.1", 0, None, None)
     server.start()
     states: list[grpc.ChannelConnectivity] = []
@@ -125,7 +131,12 @@ def test_a_malformed_inference_request_is_invalid_argument(method: str) -> None:
         engine=EngineConfig.preset("tiny", num_blocks=8), connector=ConnectorConfig("bad-bytes")
     )
     node = StatsOnlyNode()
-    server = inference_server(config, InferenceServicer(node))  # type: ignore[arg-type]
+    server = inference_server(
+        InferenceServicer(node, config.request_timeout_s),  # type: ignore[arg-type]
+        token=None,
+        max_connection_idle_s=config.max_connection_idle_s,
+        max_concurrent_requests=config.max_concurrent_requests,
+    )
     port = listen(server, "127.0.0.1", 0, None, None)
     server.start()
     try:

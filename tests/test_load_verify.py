@@ -14,7 +14,7 @@ import torch
 
 from kvbridge.connector import ConnectorConfig, KVTransferParams, RequestView
 from kvbridge.connector.load.verify import Expected
-from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 from kvbridge.connector.vllm.scheduler import from_json_params, to_json_params
 from kvbridge.kernels import block_digests, new_key
 from kvbridge.proto import (
@@ -151,7 +151,7 @@ def test_prefill_hands_over_digests_only_when_verifying_and_able(
     config = ConnectorConfig(
         engine_id="p", role="prefill", control_address="a:1", verify_loads=verify
     )
-    sched = KVBridgeScheduler(config, BS)
+    sched = KVBridgePlanner(config, BS)
     issuer = _Issuer(digests)
     sched.attach(issuer)
     prompt = list(range(1, 2 * BS + 1))

@@ -160,7 +160,8 @@ def nodes(tmp_path: Path) -> Iterator[Nodes]:
 
 @pytest.mark.slow
 def test_scrape_after_a_pd_run_shows_moved_blocks_and_a_load_failure(nodes: Nodes) -> None:
-    from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload
+    from kvbridge.worker.serving import EngineClient, Router
+    from kvbridge.worker.tools import check_no_leaks, make_workload
 
     info, procs = nodes
     with (

@@ -26,7 +26,8 @@ from kvbridge.connector.control import ControlClient
 from kvbridge.connector.params import MAX_ID_CHARS
 from kvbridge.proto import AuthError, KVBridgeError, codec
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload, start_node
+from kvbridge.worker.serving import EngineClient, Router, start_node
+from kvbridge.worker.tools import check_no_leaks, make_workload
 from tests.harness.grpc_fakes import HoldingProxy, RecordingServer
 
 TOKEN = "n0de-t0ken"

@@ -20,7 +20,7 @@ import pytest
 
 from kvbridge.connector import ConnectorConfig, RequestView
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
-from kvbridge.connector.scheduler import KVBridgeScheduler
+from kvbridge.connector.planner import KVBridgePlanner
 from kvbridge.proto import BlockHash, RequestId
 
 BS = 16
@@ -74,7 +74,7 @@ def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
 def test_scheduler_lookup_on_a_hung_daemon_is_a_miss_within_its_deadline(
     hung_daemon: HungDaemon,
 ) -> None:
-    sched = KVBridgeScheduler(ConnectorConfig(engine_id="hang-test"), BS)
+    sched = KVBridgePlanner(ConnectorConfig(engine_id="hang-test"), BS)
     lookup = OffloadLookup(OffloadLookupConfig(hung_daemon.address, timeout_s=0.5, backoff_s=60))
     sched.attach(None, lookup)  # type: ignore[arg-type]  # no lease issuer: not a prefill
     request = RequestView(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.fresh import run_python
+from tests.harness.fresh import assert_importing_loads_none_of, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +22,11 @@ def test_importing_the_contract_loads_no_heavy_or_gpu_code() -> None:
     )
     out = run_python(code)
     assert out.strip() == "[]"
+
+
+def test_the_connector_config_loads_no_protobuf_or_grpc() -> None:
+    """A config is built at the edge (CLI flags, vLLM's extra config) before any server."""
+    assert_importing_loads_none_of(["kvbridge.connector.config"], ("google.protobuf", "grpc"))
 
 
 def test_no_top_level_proto_or_kernels_module_is_installed() -> None:

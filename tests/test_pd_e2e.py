@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.proto import codec
-from kvbridge.worker.serving import check_no_leaks, make_workload
+from kvbridge.worker.tools import check_no_leaks, make_workload
 from tests.harness.nodes import NodePair, node_args, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

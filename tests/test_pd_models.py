@@ -15,12 +15,8 @@ import pytest
 
 from kvbridge.proto import codec
 from kvbridge.worker.engine import Engine
-from kvbridge.worker.serving import (
-    check_no_leaks,
-    make_encoder_inputs,
-    make_workload,
-)
 from kvbridge.worker.serving.node_cmd import engine_config_from_args
+from kvbridge.worker.tools import check_no_leaks, make_encoder_inputs, make_workload
 from tests.harness.nodes import NodePair, node_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -10,14 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.worker.serving import (
-    EngineClient,
-    Router,
-    check_no_leaks,
-    make_workload,
-    start_node,
-    start_offload_daemon,
-)
+from kvbridge.worker.serving import EngineClient, Router, start_node, start_offload_daemon
+from kvbridge.worker.tools import check_no_leaks, make_workload
 from tests.harness.nodes import node_args, reference
 from tests.harness.offload import start_workers
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.proto import codec
-from kvbridge.worker.serving import check_no_leaks
+from kvbridge.worker.tools import check_no_leaks
 from tests.harness.nodes import NodePair, node_args, reference
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import EngineClient, Router, check_no_leaks, make_workload, start_node
+from kvbridge.worker.serving import EngineClient, Router, start_node
+from kvbridge.worker.tools import check_no_leaks, make_workload
 
 pytestmark = pytest.mark.slow
 

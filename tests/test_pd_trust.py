@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.proto import codec
-from kvbridge.worker.serving import check_no_leaks
+from kvbridge.worker.tools import check_no_leaks
 from tests.harness.nodes import NodePair, node_args, reference
 
 pytestmark = pytest.mark.slow

@@ -21,10 +21,9 @@ from kvbridge.worker.serving import (
     RoutedResult,
     Router,
     RouterConfig,
-    check_no_leaks,
-    make_workload,
     start_node,
 )
+from kvbridge.worker.tools import check_no_leaks, make_workload
 
 MAX_TOKENS = 4
 PROMPTS = make_workload(12, 3, 512, 16, seed=3)

@@ -16,8 +16,8 @@ import pytest
 
 from kvbridge.proto import ConfigError
 from kvbridge.worker.cli import main
-from kvbridge.worker.serving.chaos import chaos_schedule
-from kvbridge.worker.serving.soak import SoakConfig
+from kvbridge.worker.tools.chaos import chaos_schedule
+from kvbridge.worker.tools.soak_config import SoakConfig
 
 SOAK_S = float(os.environ.get("KVBRIDGE_SOAK_S", "30"))
 

@@ -15,12 +15,12 @@ from kvbridge.connector.transport.checks import check_transfer_ids
 from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
     descriptor_table,
-    expand_strided,
     request_indices,
     strided_indices,
     strided_table,
 )
 from kvbridge.proto import ConfigError, KVLayout, LayoutError, Region, TransferError, preset_layout
+from tests.harness.descs import expand_strided
 
 
 def bound(order: str, preset: str = "tiny", num_blocks: int = 8) -> KVLayout:

@@ -198,7 +198,7 @@ def test_fetched_digests_are_checked_from_the_loads_first_block_with_the_owners_
 
 
 def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> None:
-    from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+    from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
 
     layout = preset_layout("tiny", num_blocks=8, order="layer-nhd")
     caches = layout.allocate()
@@ -225,7 +225,7 @@ def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> N
             }
 
     cfg = VllmConnectorConfig.from_vllm("kv_producer", "e", {"control_port": 7600}, model="tiny")
-    planner = KVBridgeScheduler(cfg.connector, layout.block_size)
+    planner = KVBridgePlanner(cfg.connector, layout.block_size)
     planner.attach(DeviceIssuer(), None)
     sched = _scheduler("kv_producer")
     prompt = list(range(1, 3 * layout.block_size))

@@ -2,7 +2,7 @@
 KVBridgeConnector against one plain engine and against NixlConnector on the same prompts.
 
 The model is a tiny Gemma-3-style decoder with seeded random weights
-(:mod:`kvbridge.worker.vllm.tiny_models`: one sliding-window layer, window 32 tokens, one
+(:mod:`tests.harness.tiny_models`: one sliding-window layer, window 32 tokens, one
 full-attention layer). vLLM's hybrid KV cache manager makes one KV cache group per
 attention kind, the two groups sharing one KV cache tensor (a block id belongs to one
 group at a time). KVBridgeConnector declares ``SupportsHMA``, so vLLM keeps those groups on
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio
+from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
 
 # five engines of a second model (~3 min): out of the default CI run, like the other long runs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(900)]
@@ -48,7 +48,7 @@ def _pd_one_at_a_time(
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-hybrid")
     model_or_skip(tmp)  # the venv
-    model = harness.write_tiny_model("gemma3", tmp / "gemma3")
+    model = write_tiny_model("gemma3", tmp / "gemma3")
     port = 19000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = pd_trio(model, tmp, port, **common)
@@ -62,7 +62,7 @@ def nixl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     KV cache groups (its engines are stopped before the kvbridge ones are asked)."""
     tmp = tmp_path_factory.mktemp("vllm-hybrid-nixl")
     model_or_skip(tmp)
-    model = harness.write_tiny_model("gemma3", tmp / "gemma3")
+    model = write_tiny_model("gemma3", tmp / "gemma3")
     port = 21000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = {

@@ -1,7 +1,7 @@
 """KV-sharing layers in a hybrid model inside real vLLM (CPU): each physical block moves
 once, and vLLM keeps its hybrid KV cache groups.
 
-A tiny Gemma-4-style model (:mod:`kvbridge.worker.vllm.tiny_models` ``gemma4``: sliding,
+A tiny Gemma-4-style model (:mod:`tests.harness.tiny_models` ``gemma4``: sliding,
 full, sliding, full attention, window 32 tokens; the last two layers share the first two's
 KV). vLLM's hybrid KV cache manager stays on with KVBridgeConnector (``SupportsHMA``): one
 KV cache group per attention kind, each with one layer that owns KV and one that shares
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio
+from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -32,7 +32,7 @@ MAX_TOKENS = 8
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
     tmp = tmp_path_factory.mktemp("vllm-kv-sharing")
     model_or_skip(tmp)  # the venv
-    model = harness.write_tiny_model("gemma4", tmp / "gemma4")
+    model = write_tiny_model("gemma4", tmp / "gemma4")
     port = 20000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = pd_trio(model, tmp, port, **common)
@@ -83,7 +83,7 @@ def test_prefill_with_kv_sharing_fast_prefill_hands_over_the_same_kv(
     """vLLM's prefill skip (``kv_sharing_fast_prefill``) on a prefill: the sharing layers
     write no KV, so decode's tokens are the plain engine's (and the prefill's wall time,
     for docs/VLLM.md, is printed)."""
-    model = harness.write_tiny_model("gemma4", tmp_path / "gemma4")
+    model = write_tiny_model("gemma4", tmp_path / "gemma4")
     prompts = [[3, *range(200, 290), 4 + i] for i in range(2)]  # not in any cache yet
     expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
     port = 20500 + (hash(str(tmp_path)) % 400)

@@ -16,7 +16,6 @@ import torch
 from kvbridge.connector.transport.nixl_descs import (
     descriptor_indices,
     descriptor_table,
-    expand_strided,
     request_indices,
     strided_indices,
     strided_table,
@@ -24,6 +23,7 @@ from kvbridge.connector.transport.nixl_descs import (
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.views import PACKED_SUFFIX, logical_views, packed_suffix
 from kvbridge.proto import ConfigError, KVLayout, LayoutError, TransferMode
+from tests.harness.descs import expand_strided
 
 # vLLM's KVCacheLayout stride orders over logical [L, B, H, N, C]
 STRIDE_ORDERS = {

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_layout)
 
     from kvbridge.worker.offload import cmd as offload_cmd
-    from kvbridge.worker.serving import control_cmd, demo, node_cmd, soak
+    from kvbridge.worker.serving import control_cmd, node_cmd
+    from kvbridge.worker.tools import demo, soak
 
     node_cmd.add_parser(sub)
     demo.add_parser(sub)

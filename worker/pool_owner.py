@@ -6,6 +6,7 @@ import threading
 from collections.abc import Mapping
 
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 from kvbridge.worker.block_pool import BlockPool
 
@@ -19,20 +20,20 @@ class PoolBlockOwner(BlockOwner):
     engine implements :class:`BlockOwner` over its own block manager.
     """
 
-    def __init__(self, pools: Mapping[str, BlockPool]) -> None:
+    def __init__(self, pools: Mapping[KVGroup, BlockPool]) -> None:
         self._pools = dict(pools)
         self.lock = threading.Lock()
         """Held while the pools are used; take it to change them from another thread."""
 
-    def pool(self, group: str) -> BlockPool:
+    def pool(self, group: KVGroup) -> BlockPool:
         return self._pools[group]
 
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         pool = self._pools.get(group)
         return 0 if pool is None else pool.num_blocks
 
-    def pin_hashes(self, group_hashes: GroupHashes) -> dict[str, list[BlockId]]:
-        out: dict[str, list[BlockId]] = {}
+    def pin_hashes(self, group_hashes: GroupHashes) -> dict[KVGroup, list[BlockId]]:
+        out: dict[KVGroup, list[BlockId]] = {}
         with self.lock:
             for group, hashes in group_hashes.items():
                 pool = self._pools.get(group)

@@ -116,7 +116,8 @@ def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str)
     """Warn once at start when ``host`` is not loopback and no token guards the ports;
     ConfigError when a token would travel there in plaintext and the operator did not
     pass ``--insecure-plaintext-token``."""
-    from kvbridge.connector.control.peers import is_loopback, refuse_plaintext_token
+    from kvbridge.connector.addresses import is_loopback
+    from kvbridge.connector.control.peers import refuse_plaintext_token
 
     refuse_plaintext_token(
         host,

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
 __all__ = ["Claimant", "PeerCaps", "PeerUse", "block_keys", "check_ttl"]
@@ -51,7 +52,7 @@ class PeerUse:
     blocks: Counter[tuple[str, BlockId]] = field(default_factory=Counter)
 
 
-def block_keys(blocks: Mapping[str, Sequence[BlockId]]) -> list[tuple[str, BlockId]]:
+def block_keys(blocks: Mapping[KVGroup, Sequence[BlockId]]) -> list[tuple[str, BlockId]]:
     return [(group, b) for group, ids in blocks.items() for b in ids]
 
 

@@ -39,6 +39,7 @@ from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, WireError
+from kvbridge.proto.layout import KVGroup, parse_group
 from kvbridge.proto.negotiate import Negotiation, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
@@ -130,7 +131,7 @@ class ControlClient(Closing):
 
     def pin_hashes(
         self,
-        group_hashes: Mapping[str, Sequence[BlockHash]],
+        group_hashes: Mapping[KVGroup, Sequence[BlockHash]],
         *,
         ttl_s: float | None = None,
         timeout_s: float | None = None,
@@ -175,11 +176,12 @@ class ControlClient(Closing):
         (NOT_FOUND) if it recorded none."""
         req = pb.DigestsRequest(lease_id=lease_id)
         resp: pb.DigestsResponse = self._call("Digests", req, timeout_s, retry=True)
-        groups: dict[str, tuple[bytes, ...]] = {}
+        groups: dict[KVGroup, tuple[bytes, ...]] = {}
         for g in resp.groups:
-            if g.group in groups or any(len(d) != DIGEST_BYTES for d in g.hashes):
-                raise WireError(f"digests reply: bad or repeated group {g.group!r}")
-            groups[g.group] = tuple(bytes(d) for d in g.hashes)
+            group = parse_group(g.group, WireError)
+            if group in groups or any(len(d) != DIGEST_BYTES for d in g.hashes):
+                raise WireError(f"digests reply: bad or repeated group {group!r}")
+            groups[group] = tuple(bytes(d) for d in g.hashes)
         return HandOverDigests(resp.algo, groups)
 
     def health(self, *, timeout_s: float | None = None) -> HealthInfo:
@@ -224,7 +226,7 @@ class ControlClient(Closing):
                 raise error_from_rpc(f"{method} {self.address}", err) from None
 
     def _pinned(
-        self, msg: pb.Lease, asked: Mapping[str, Sequence[BlockHash]] | None
+        self, msg: pb.Lease, asked: Mapping[KVGroup, Sequence[BlockHash]] | None
     ) -> PinnedBlocks:
         """Check a Pin answer against what we asked and the peer's layout."""
         where = f"Pin answer from {self.address}"
@@ -233,19 +235,23 @@ class ControlClient(Closing):
                 raise WireError(f"{where}: blocks without a lease")
             return PinnedBlocks(lease_id=None, expires_in_s=0.0)
         lease_id = check_lease_id(msg.lease_id)
-        blocks: dict[str, tuple[BlockId, ...]] = {}
+        blocks: dict[KVGroup, tuple[BlockId, ...]] = {}
         for item in msg.blocks:
-            if item.group in blocks:
-                raise WireError(f"{where}: group {item.group!r} repeats")
+            group = parse_group(item.group, WireError)
+            if group in blocks:
+                raise WireError(f"{where}: group {group!r} repeats")
             ids = tuple(BlockId(b) for b in item.block_ids)
-            if asked is not None and len(ids) > len(asked.get(item.group, ())):
-                raise WireError(f"{where}: more blocks than hashes for group {item.group!r}")
+            if asked is not None and len(ids) > len(asked.get(group, ())):
+                raise WireError(f"{where}: more blocks than hashes for group {group!r}")
             if self.peer is not None and ids:
-                n = self.peer.layout.group(item.group).num_blocks  # LayoutError if unknown
+                n = self.peer.layout.group(group).num_blocks  # LayoutError if unknown
                 if max(ids) >= n:
                     raise WireError(f"{where}: block id {max(ids)} is outside 0..{n - 1}")
-            blocks[item.group] = ids
-        hashes = {item.group: tuple(BlockHash(h) for h in item.hashes) for item in msg.hashes}
+            blocks[group] = ids
+        hashes = {
+            parse_group(item.group, WireError): tuple(BlockHash(h) for h in item.hashes)
+            for item in msg.hashes
+        }
         if asked is not None:
             for group, ids in blocks.items():
                 if hashes.get(group, ()) != tuple(asked[group][: len(ids)]):

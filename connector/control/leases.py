@@ -43,6 +43,7 @@ from kvbridge.connector.control.bounds import (
 )
 from kvbridge.connector.control.seal import SealTable, seal_digest
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = [
@@ -58,8 +59,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-GroupBlocks = Mapping[str, Sequence[BlockId]]
-GroupHashes = Mapping[str, Sequence[BlockHash]]
+GroupBlocks = Mapping[KVGroup, Sequence[BlockId]]
+GroupHashes = Mapping[KVGroup, Sequence[BlockHash]]
 
 
 class BlockOwner(ABC):
@@ -72,11 +73,11 @@ class BlockOwner(ABC):
     """
 
     @abstractmethod
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         """Blocks in ``group`` (ids are ``0..num_blocks-1``); 0 if the group is unknown."""
 
     @abstractmethod
-    def pin_hashes(self, group_hashes: GroupHashes) -> dict[str, list[BlockId]]:
+    def pin_hashes(self, group_hashes: GroupHashes) -> dict[KVGroup, list[BlockId]]:
         """Take a reference on the longest present prefix of each group's hashes.
 
         Returns the pinned block ids per group, in hash order (a group with no
@@ -96,7 +97,7 @@ class HandOverDigests:
     :mod:`kvbridge.kernels.digest` algorithm name) and, per group, one digest per leased block."""
 
     algo: str
-    groups: Mapping[str, Sequence[bytes]]
+    groups: Mapping[KVGroup, Sequence[bytes]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +106,8 @@ class Lease:
 
     lease_id: LeaseId
     expires_at: float
-    blocks: Mapping[str, tuple[BlockId, ...]]
-    hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
+    blocks: Mapping[KVGroup, tuple[BlockId, ...]]
+    hashes: Mapping[KVGroup, tuple[BlockHash, ...]] = field(default_factory=dict)
     request_id: RequestId | None = None
     peer: str | None = None
     """Who holds the pin (per-peer caps): the peer that asked for it, or the one that

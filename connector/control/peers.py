@@ -20,10 +20,10 @@ request: naming ``HOST:PORT`` allows ``HOST:PORT+r`` for the ranks of that prefi
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvbridge.connector.addresses import is_loopback, normalize_address
 from kvbridge.proto.errors import ConfigError, PeerError
 
 if TYPE_CHECKING:
@@ -31,46 +31,14 @@ if TYPE_CHECKING:
     from kvbridge.connector.control.client import ControlClient
 
 __all__ = [
-    "normalize_address",
-    "is_loopback",
     "peer_allowed",
     "check_peer",
     "dial_control",
     "nixl_agent_name",
-    "parse_allowed_peers",
     "rank_address",
     "rank_port",
     "refuse_plaintext_token",
 ]
-
-_MAX_ADDRESS_CHARS = 256
-
-
-def normalize_address(address: str) -> str:
-    """``HOST:PORT`` with the host lower-cased and IPv6 brackets kept; ValueError if malformed."""
-    if not isinstance(address, str) or not 0 < len(address) <= _MAX_ADDRESS_CHARS:
-        raise ValueError(f"address {str(address)[:64]!r} must be 1..{_MAX_ADDRESS_CHARS} chars")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"address {address[:64]!r} is not HOST:PORT")
-    host = host.lower()
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not bare or any(c.isspace() or c in "/@?#[]" for c in bare):
-        raise ValueError(f"address {address[:64]!r} has a bad host")
-    if ":" in bare:
-        host = f"[{ipaddress.IPv6Address(bare).compressed}]"  # ValueError if not IPv6
-    return f"{host}:{int(port)}"
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a normalized ``HOST:PORT`` names this host's loopback interface."""
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def peer_allowed(address: str, allowed: Iterable[str]) -> bool:
@@ -142,19 +110,6 @@ def dial_control(address: str, config: ConnectorConfig, tp_rank: int = 0) -> Con
         root_cert=config.tls_root_cert,
         timeout_s=config.control_timeout_s,
     )
-
-
-def parse_allowed_peers(values: Iterable[str], knob: str) -> tuple[str, ...]:
-    """Normalized, de-duplicated ``HOST:PORT`` entries; ConfigError naming ``knob`` if bad."""
-    out: list[str] = []
-    for value in values:
-        try:
-            addr = normalize_address(value)
-        except ValueError as exc:
-            raise ConfigError(f"{knob}: {exc}") from None
-        if addr not in out:
-            out.append(addr)
-    return tuple(out)
 
 
 def refuse_plaintext_token(

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvbridge.proto.errors import KVBridgeError, LayoutError, OutOfBlocksError
-from kvbridge.proto.layout import GroupSpec, KVLayout, LayerSpec, ModelSpec
+from kvbridge.proto.layout import GroupSpec, KVGroup, KVLayout, LayerSpec, ModelSpec
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ __all__ = [
 
 SEAL_BYTES = 64
 """One slot: 16-byte lease nonce, 32-byte digest, 16 bytes zero."""
-SEAL_GROUP = "self"
+SEAL_GROUP = KVGroup.SELF
 """The seal table's one group (named like the KV default group, which transports expect)."""
 PROBES = 4
 """A lease's seal sits in one of the ``PROBES`` slots after its home slot."""
@@ -107,7 +107,7 @@ def is_seal_layout(layout: KVLayout) -> bool:
 
 
 def seal_digest(
-    blocks: Mapping[str, Sequence[BlockId]], names: Mapping[str, Sequence[BlockHash]]
+    blocks: Mapping[KVGroup, Sequence[BlockId]], names: Mapping[KVGroup, Sequence[BlockHash]]
 ) -> bytes:
     """32 bytes naming which ids hold which names, over every group of a lease."""
     h = hashlib.sha256(b"kvbridge-seal-v1\0")

@@ -41,6 +41,7 @@ from kvbridge.proto.errors import (
     IncompatibleLayoutError,
     WireError,
 )
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.proto.version import PROTOCOL_VERSION
@@ -193,19 +194,20 @@ class ControlHandlers:
 
     def _pin_hashes(self, msg: pb.PinByHashes, ttl_s: float, peer: str) -> pb.Lease:
         limits = self.config.limits
-        wanted: dict[str, list[BlockHash]] = {}
+        wanted: dict[KVGroup, list[BlockHash]] = {}
         for item in msg.groups:
             if item.group not in self._groups:
                 raise WireError(f"unknown group {item.group[:64]!r}; this peer has {self._groups}")
-            if item.group in wanted:
-                raise WireError(f"group {item.group!r} appears twice")
-            cap = min(limits.max_hashes_per_group, self.owner.num_blocks(item.group))
+            group = KVGroup(item.group)
+            if group in wanted:
+                raise WireError(f"group {group!r} appears twice")
+            cap = min(limits.max_hashes_per_group, self.owner.num_blocks(group))
             if len(item.hashes) > cap:
                 raise WireError(
-                    f"{len(item.hashes)} hashes for group {item.group!r} exceed the "
+                    f"{len(item.hashes)} hashes for group {group!r} exceed the "
                     f"{cap} blocks this peer can hold"
                 )
-            wanted[item.group] = check_hashes(item.hashes, limits)
+            wanted[group] = check_hashes(item.hashes, limits)
         if not any(wanted.values()):
             return pb.Lease()
         if not self.leases.has_room():
@@ -235,8 +237,8 @@ class ControlHandlers:
         return PeerCaps(self.config.max_leases_per_peer, max_blocks)
 
     def _check_pinned(
-        self, wanted: dict[str, list[BlockHash]], pinned: dict[str, list[BlockId]]
-    ) -> dict[str, list[BlockId]]:
+        self, wanted: dict[KVGroup, list[BlockHash]], pinned: dict[KVGroup, list[BlockId]]
+    ) -> dict[KVGroup, list[BlockId]]:
         """The owner's answer, checked against what was asked before any id goes on the wire.
 
         A bad answer is an owner bug, but these ids leave the process and a peer READs

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector.control.seal import is_seal_layout
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto.errors import ConfigError, VersionMismatchError, WireError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 from kvbridge.proto.version import PROTOCOL_VERSION
@@ -129,8 +129,8 @@ class PinnedBlocks:
 
     lease_id: LeaseId | None
     expires_in_s: float
-    blocks: Mapping[str, tuple[BlockId, ...]] = field(default_factory=dict)
-    hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
+    blocks: Mapping[KVGroup, tuple[BlockId, ...]] = field(default_factory=dict)
+    hashes: Mapping[KVGroup, tuple[BlockHash, ...]] = field(default_factory=dict)
     request_id: RequestId | None = None
 
     @property

@@ -41,6 +41,7 @@ from kvbridge.proto.errors import (
     PeerError,
     TransferTimeoutError,
 )
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, source_ranks
 from kvbridge.proto.types import BlockId, EngineId
 
@@ -69,11 +70,11 @@ class Staging:
 
     memory: LocalMemory
     caches: Mapping[str, torch.Tensor]
-    free: dict[str, list[BlockId]]
+    free: dict[KVGroup, list[BlockId]]
     """Free staging blocks per group."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, group: str, n: int) -> list[BlockId]:
+    def take(self, group: KVGroup, n: int) -> list[BlockId]:
         with self.lock:
             free = self.free[group]
             if n > len(free):
@@ -83,7 +84,7 @@ class Staging:
             taken, free[:] = free[:n], free[n:]
             return taken
 
-    def give_back(self, group: str, slots: list[BlockId]) -> None:
+    def give_back(self, group: KVGroup, slots: list[BlockId]) -> None:
         with self.lock:
             self.free[group].extend(slots)
 

@@ -36,6 +36,7 @@ from kvbridge.proto.errors import (
     LeaseError,
     WireError,
 )
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, source_ranks
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
@@ -60,8 +61,8 @@ class _Attempt:
 
     load: BlockLoad
     t0: float = field(default_factory=time.perf_counter)
-    local: dict[str, list[BlockId]] = field(init=False)
-    remote: dict[str, list[BlockId]] = field(init=False)
+    local: dict[KVGroup, list[BlockId]] = field(init=False)
+    remote: dict[KVGroup, list[BlockId]] = field(init=False)
     peer: Peer | None = None
     cached: bool = False
     """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
@@ -215,24 +216,21 @@ class RemoteLoader:
         assert peer is not None
         claimed = LeaseId(load.lease_id) if load.lease_id else None
         job.lease, remote = self._owner_blocks(peer, load, claimed, job.local)
-        local_self = job.local.get("self", [])
-        done: dict[str, tuple[ReadFigures, Checked]] = {}
-        n = len(remote.get("self", ()))
-        if n:
-            done["self"] = self._read(job, "self", local_self[:n], remote["self"][:n])
-        # every other group (cross attention, a hybrid model's further attention groups)
-        # is all or nothing
-        whole = [g for g in job.local if g != "self"]
+        local_self, remote_self = job.local.get(KVGroup.SELF, []), remote.get(KVGroup.SELF, [])
+        done: dict[KVGroup, tuple[ReadFigures, Checked]] = {}
+        if n := len(remote_self):
+            done[KVGroup.SELF] = self._read(job, KVGroup.SELF, local_self[:n], remote_self[:n])
+        # every other group (cross attention, a hybrid model's further ones): all or nothing
+        whole = [g for g in job.local if g != KVGroup.SELF]
         gone = [g for g in whole if len(remote[g]) != len(job.local[g])]
-        for g in whole:
-            if not gone:
-                done[g] = self._read(job, g, job.local[g], remote[g])
+        for g in [] if gone else whole:
+            done[g] = self._read(job, g, job.local[g], remote[g])
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
             error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
-            bad = local_self + job.local.get("cross", [])
+            bad = local_self + job.local.get(KVGroup.CROSS, [])
             reads = [r for r, _ in done.values()]
             return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
         if gone:  # all or nothing: the engine recomputes the whole request
@@ -247,7 +245,7 @@ class RemoteLoader:
     def _verdict(
         self,
         job: _Attempt,
-        done: Mapping[str, tuple[ReadFigures, Checked]],
+        done: Mapping[KVGroup, tuple[ReadFigures, Checked]],
         path: str,
         error: str = "",
     ) -> LoadResult:
@@ -285,12 +283,14 @@ class RemoteLoader:
             return self.load(load, retry_stale=False)
         if peer is not None:
             self._forget(load.remote_engine, peer, job.lease)
-        return load_result(load, job.t0, bad=job.local.get("self", []), error=str(exc) or repr(exc))
+        return load_result(
+            load, job.t0, bad=job.local.get(KVGroup.SELF, []), error=str(exc) or repr(exc)
+        )
 
     def _read(
         self,
         job: _Attempt,
-        group: str,
+        group: KVGroup,
         local: list[BlockId],
         remote: list[BlockId],
         check: bool = True,
@@ -311,14 +311,14 @@ class RemoteLoader:
             job.expected if check else None,
         )
 
-    def _check(self, job: _Attempt, group: str, local: list[BlockId]) -> Checked:
+    def _check(self, job: _Attempt, group: KVGroup, local: list[BlockId]) -> Checked:
         """Check blocks READ straight into the KV cache against the load's digests."""
         if job.expected is None:
             return Checked(len(local), 0)
         return job.expected.check(self.memory.layout, group, local)
 
     def _read_unchecked(
-        self, peer: Peer, group: str, local: list[BlockId], remote: list[BlockId]
+        self, peer: Peer, group: KVGroup, local: list[BlockId], remote: list[BlockId]
     ) -> ReadFigures:
         """A READ across TP ranks (head slices): not checked yet (no per-slice digests)."""
         job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
@@ -329,8 +329,8 @@ class RemoteLoader:
         peer: Peer,
         load: BlockLoad,
         lease: LeaseId | None,
-        local: Mapping[str, list[BlockId]],
-    ) -> tuple[LeaseId | None, dict[str, list[BlockId]]]:
+        local: Mapping[KVGroup, list[BlockId]],
+    ) -> tuple[LeaseId | None, dict[KVGroup, list[BlockId]]]:
         """The remote ids to read, as the blocks' owner names them: ``(lease, ids per group)``.
 
         Block ids in ``kv_transfer_params`` are a router's claim and never read.
@@ -348,7 +348,7 @@ class RemoteLoader:
             except LeaseError:
                 log.info("request %s: the owner's lease is gone", load.request_id)
         if pinned is not None and pinned.lease_id is not None:
-            remote: dict[str, list[BlockId]] = {}
+            remote: dict[KVGroup, list[BlockId]] = {}
             for g in groups:
                 first = load.lease_offset(g)
                 want = tuple(load.remote_hashes.get(g, ()))

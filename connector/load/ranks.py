@@ -25,6 +25,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.result import load_result, unverifiable
 from kvbridge.proto.errors import KVBridgeError, LeaseError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
@@ -35,7 +36,7 @@ __all__ = ["load_from_ranks"]
 
 log = logging.getLogger(__name__)
 
-ReadFn = Callable[["Peer", str, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
+ReadFn = Callable[["Peer", KVGroup, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
 
 
 def load_from_ranks(
@@ -93,4 +94,4 @@ def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
         load.remote_engine,
         error,
     )
-    return load_result(load, t0, bad=load.local_ids.get("self", ()), error=error)
+    return load_result(load, t0, bad=load.local_ids.get(KVGroup.SELF, ()), error=error)

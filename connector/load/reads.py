@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvbridge.connector.load.verify import Checked
 from kvbridge.kernels import BlockMapping, convert_blocks
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class ReadFigures(NamedTuple):
 def read_blocks(
     transport: Transport,
     peer: Peer,
-    group: str,
+    group: KVGroup,
     local: list[BlockId],
     remote: list[BlockId],
     timeout_s: float,
@@ -87,14 +88,14 @@ def read_blocks(
     return read, checked
 
 
-def _check(expected: Expected | None, layout: Any, group: str, ids: list[BlockId]) -> Checked:
+def _check(expected: Expected | None, layout: Any, group: KVGroup, ids: list[BlockId]) -> Checked:
     return Checked(len(ids), 0) if expected is None else expected.check(layout, group, ids)
 
 
 def _read_into(
     transport: Transport,
     peer: Peer,
-    group: str,
+    group: KVGroup,
     local: list[BlockId],
     remote: list[BlockId],
     timeout_s: float,

@@ -10,6 +10,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.verify import Checked
 from kvbridge.proto.errors import ControlPlaneError, TransferTimeoutError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
 __all__ = ["load_result", "timed_out", "unverifiable", "verdict"]
@@ -21,7 +22,7 @@ def load_result(
     load: BlockLoad,
     t0: float,
     *,
-    moved: Mapping[str, int] | None = None,
+    moved: Mapping[KVGroup, int] | None = None,
     bad: Sequence[BlockId] = (),
     error: str = "",
     path: str = "",
@@ -61,8 +62,8 @@ def load_result(
 def verdict(
     load: BlockLoad,
     t0: float,
-    local: Mapping[str, Sequence[BlockId]],
-    done: Mapping[str, tuple[ReadFigures, Checked]],
+    local: Mapping[KVGroup, Sequence[BlockId]],
+    done: Mapping[KVGroup, tuple[ReadFigures, Checked]],
     path: str,
     error: str = "",
     *,
@@ -73,7 +74,7 @@ def verdict(
     are good up to the first one not read or not matching its digest; a cross group not
     read whole and good makes every block bad (``error`` says why, if the caller knows).
     A digest mismatch is logged with the peer (engine and ``address``)."""
-    local_self = list(local.get("self", ()))
+    local_self = list(local.get(KVGroup.SELF, ()))
     good = {g: checked.good for g, (_, checked) in done.items()}
     mismatches = sum(checked.mismatches for _, checked in done.values())
     if mismatches:
@@ -82,11 +83,11 @@ def verdict(
             f"{address} differ from the digests recorded at hand-over"
         )
         log.warning("request %s: %s; recomputing them", load.request_id, error)
-    moved = {g: n for g, n in good.items() if g == "self" or n == len(local[g])}
-    bad = local_self[good.get("self", 0) :]
+    moved = {g: n for g, n in good.items() if g == KVGroup.SELF or n == len(local[g])}
+    bad = local_self[good.get(KVGroup.SELF, 0) :]
     # other groups (cross attention, a hybrid model's further attention groups) are all or
     # nothing: one not read whole makes the whole request recompute
-    short = [g for g in local if g != "self" and moved.get(g) != len(local[g])]
+    short = [g for g in local if g != KVGroup.SELF and moved.get(g) != len(local[g])]
     if short:
         bad, error = local_self, error or f"{short[0]} blocks not read whole"
     return load_result(
@@ -107,7 +108,9 @@ def unverifiable(load: BlockLoad) -> LoadResult:
     whole-block digests cannot check a slice, so it fails closed (every block recomputed)."""
     error = "head-slice loads (heterogeneous TP) cannot be verified yet: recomputing"
     log.info("request %s: %s", load.request_id, error)
-    return load_result(load, time.perf_counter(), bad=load.local_ids.get("self", []), error=error)
+    return load_result(
+        load, time.perf_counter(), bad=load.local_ids.get(KVGroup.SELF, []), error=error
+    )
 
 
 def timed_out(exc: Exception) -> bool:

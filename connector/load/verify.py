@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvbridge.kernels import block_digests
 from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import LeaseId
 
 if TYPE_CHECKING:
@@ -49,10 +50,10 @@ class Expected:
     :meth:`check` (the load fails closed: every block is recomputed)."""
 
     key: int
-    digests: Mapping[str, Sequence[bytes]]
+    digests: Mapping[KVGroup, Sequence[bytes]]
     algo: str | None = None
     pending: Future[HandOverDigests] | None = None
-    offsets: Mapping[str, int] | None = None
+    offsets: Mapping[KVGroup, int] | None = None
     """Per group, where the load's blocks start in the owner's lease (fetched digests cover
     it all): :meth:`BlockLoad.lease_offset`."""
 
@@ -70,14 +71,14 @@ class Expected:
         offsets = {g: load.lease_offset(g) for g in load.local_ids}
         return cls(load.digest_key, {}, None, pending, offsets)
 
-    def _want(self, group: str, n: int) -> tuple[list[bytes], str | None]:
+    def _want(self, group: KVGroup, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
             return list(self.digests.get(group, ()))[:n], self.algo
         got = self.pending.result()  # the fetch has its own deadline; its error fails the load
         first = (self.offsets or {}).get(group, 0)
         return list(got.groups.get(group, ()))[first : first + n], got.algo
 
-    def check(self, layout: KVLayout, group: str, ids: Sequence[BlockId]) -> Checked:
+    def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
         in order, with this group's first ``len(ids)`` digests."""
         want, algo = self._want(group, len(ids))

@@ -28,6 +28,7 @@ from kvbridge.connector.control.types import (
 from kvbridge.connector.offload.staging import Staging
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import IncompatibleLayoutError, WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import EngineId
 
@@ -43,7 +44,7 @@ __all__ = ["GROUP", "Session", "checked_slots", "handshake"]
 
 log = logging.getLogger(__name__)
 
-GROUP = "self"
+GROUP = KVGroup.SELF
 """The only group the daemon holds."""
 
 Call = Callable[[str, Any, float | None], Any]

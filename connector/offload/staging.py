@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvbridge.kernels import BlockMapping, convert_blocks
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Staging:
         local: KVLayout,
         local_caches: Mapping[str, torch.Tensor],
         pool: KVLayout,
-        group: str,
+        group: KVGroup,
     ) -> Staging:
         """Allocate and register a cache like ``local`` in ``pool``'s order."""
         size = min(local.group(group).num_blocks, STAGING_BLOCKS)
@@ -71,7 +72,7 @@ class Staging:
         local: KVLayout,
         local_caches: Mapping[str, torch.Tensor],
         local_ids: Sequence[int],
-        group: str,
+        group: KVGroup,
     ) -> list[BlockId]:
         """Convert engine blocks ``local_ids`` into the first staging blocks; their ids."""
         staged = self.ids(len(local_ids))
@@ -90,7 +91,7 @@ class Staging:
         local: KVLayout,
         local_caches: Mapping[str, torch.Tensor],
         local_ids: Sequence[int],
-        group: str,
+        group: KVGroup,
     ) -> None:
         """Convert the first staging blocks into engine blocks ``local_ids``."""
         convert_blocks(

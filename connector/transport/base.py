@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal
 
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import PeerError, TransferError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     import torch
@@ -221,7 +222,7 @@ class Transport(Closing, abc.ABC):
     def read_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,
@@ -234,7 +235,7 @@ class Transport(Closing, abc.ABC):
     def write_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,

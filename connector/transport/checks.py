@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kvbridge.connector.transport.base import LinkDownError, LocalMemory, PeerLink
 from kvbridge.proto.errors import IncompatibleLayoutError, LayoutError, TransferError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, negotiate
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ __all__ = [
 def check_transfer_ids(
     local: KVLayout,
     remote: KVLayout,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
 ) -> None:
@@ -58,7 +59,7 @@ def check_transfer_ids(
 
 def check_transfer_request(
     link: PeerLink,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     notify: bytes | None,
@@ -88,7 +89,7 @@ class BlockRequest:
 def checked_request(
     op: str,
     link: PeerLink,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     notify: bytes | None,

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvbridge.proto.errors import LayoutError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 
 __all__ = [
     "device_id",
@@ -43,7 +43,6 @@ __all__ = [
     "descriptor_indices",
     "strided_table",
     "strided_indices",
-    "expand_strided",
     "request_indices",
     "descriptors_per_block",
     "slice_table",
@@ -62,13 +61,13 @@ def mem_type(device: str) -> str:
     return "VRAM" if device.startswith("cuda") else "DRAM"
 
 
-def descriptors_per_block(layout: KVLayout, group: str, per_span: bool) -> int:
+def descriptors_per_block(layout: KVLayout, group: KVGroup, per_span: bool) -> int:
     """1 whole-block descriptor, or one per (owning layer, K/V) span when ``per_span``."""
     return 2 * len(layout.owning_layers(group)) if per_span else 1
 
 
 def _span_starts(
-    layout: KVLayout, group: str, per_span: bool
+    layout: KVLayout, group: KVGroup, per_span: bool
 ) -> tuple[npt.NDArray[np.uint64], int, int, int, int]:
     """Start of block 0's spans (span order), span length, block stride, block count, device."""
     if not layout.regions:
@@ -103,7 +102,7 @@ def _span_starts(
     return starts, layout.span_bytes, st["B"], nblocks, dev
 
 
-def descriptor_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[np.uint64]:
+def descriptor_table(layout: KVLayout, group: KVGroup, per_span: bool) -> npt.NDArray[np.uint64]:
     """Nx3 rows for every block of ``group``: one per block, or one per span if ``per_span``.
 
     Block-major: row ``b * per_block + s`` is span ``s`` of block ``b``.
@@ -118,7 +117,7 @@ def descriptor_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArra
     return table
 
 
-def strided_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[np.uint64]:
+def strided_table(layout: KVLayout, group: KVGroup, per_span: bool) -> npt.NDArray[np.uint64]:
     """Nx5 NIXL strided rows for every block of ``group``, in physical (address) order.
 
     Every layout is a dense array of spans in its own outer order
@@ -145,7 +144,7 @@ def strided_table(layout: KVLayout, group: str, per_span: bool) -> npt.NDArray[n
     return table
 
 
-def slice_table(layout: KVLayout, group: str, part: int, parts: int) -> npt.NDArray[np.uint64]:
+def slice_table(layout: KVLayout, group: KVGroup, part: int, parts: int) -> npt.NDArray[np.uint64]:
     """Nx3 rows, one per (block, owning layer) page: slice ``part`` of ``parts`` equal spans
     of each page (``HEAD_SLICE``; :func:`kvbridge.proto.negotiate.head_slices`).
 
@@ -173,7 +172,7 @@ def slice_table(layout: KVLayout, group: str, part: int, parts: int) -> npt.NDAr
 
 
 def slice_indices(
-    layout: KVLayout, group: str, local_ids: Sequence[int], remote_ids: Sequence[int]
+    layout: KVLayout, group: KVGroup, local_ids: Sequence[int], remote_ids: Sequence[int]
 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
     """Rows of both sides' :func:`slice_table` for one request, paired page for page and
     sorted by local row (both sides have the same owning layers)."""
@@ -182,21 +181,6 @@ def slice_indices(
     ri = descriptor_indices(remote_ids, per)
     order = np.argsort(li, kind="stable")
     return li[order], ri[order]
-
-
-def expand_strided(table: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """The Nx3 dense rows an Nx5 strided table stands for, in NIXL's index order."""
-    if table.ndim != 2 or table.shape[1] != 5:
-        raise LayoutError(f"a strided table has 5 columns, got shape {table.shape}")
-    counts = table[:, 4].astype(np.int64)
-    row = np.repeat(np.arange(table.shape[0]), counts)
-    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    step = (np.arange(row.shape[0], dtype=np.int64) - first[row]).astype(np.uint64)
-    out = np.empty((row.shape[0], 3), dtype=np.uint64)
-    out[:, 0] = table[row, 0] + step * table[row, 3]
-    out[:, 1] = table[row, 1]
-    out[:, 2] = table[row, 2]
-    return out
 
 
 def _ids(block_ids: Sequence[int]) -> npt.NDArray[np.int64]:
@@ -213,7 +197,7 @@ def descriptor_indices(block_ids: Sequence[int], per_block: int) -> npt.NDArray[
 
 
 def strided_indices(
-    layout: KVLayout, group: str, block_ids: Sequence[int], per_span: bool
+    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], per_span: bool
 ) -> npt.NDArray[np.int32]:
     """Descriptors of :func:`strided_table` for ``block_ids``: block-major, in the ids' order.
 
@@ -238,7 +222,7 @@ def strided_indices(
 def request_indices(
     local: KVLayout,
     remote: KVLayout,
-    group: str,
+    group: KVGroup,
     local_ids: Sequence[int],
     remote_ids: Sequence[int],
     *,

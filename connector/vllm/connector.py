@@ -148,7 +148,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (one KV cache group per
     attention kind); kvbridge moves every group, a sliding-window group's in-window blocks
-    only (:mod:`kvbridge.connector.scheduler`, "Hybrid models")."""
+    only (:mod:`kvbridge.connector.windows`)."""
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from kvbridge.connector.control.leases import (
     Lease,
     LeaseTable,
 )
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
@@ -72,16 +73,16 @@ class HeldRequests(BlockOwner):
         return done
 
     # ----- BlockOwner ----------------------------------------------------------------------
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         return self.blocks_per_group.get(group, 0)
 
     def pin_hashes(
-        self, group_hashes: Mapping[str, Sequence[BlockHash]]
-    ) -> dict[str, list[BlockId]]:
+        self, group_hashes: Mapping[KVGroup, Sequence[BlockHash]]
+    ) -> dict[KVGroup, list[BlockId]]:
         return {g: [] for g in group_hashes}
 
-    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
-        key = tuple(blocks.get("self", ()))
+    def unpin(self, blocks: Mapping[KVGroup, Sequence[BlockId]]) -> None:
+        key = tuple(blocks.get(KVGroup.SELF, ()))
         with self._lock:
             rids = self._held.get(key)
             if not rids:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError, LayoutError
-from kvbridge.proto.specs import attention_group
+from kvbridge.proto.specs import KVGroup, attention_group
 
 __all__ = [
     "ENCODER_DECODER_REFUSAL",
@@ -150,24 +150,24 @@ def vllm_group_kinds(kv_cache_config: Any) -> list[GroupKind]:
 
 def vllm_groups(
     kv_cache_config: Any, architecture: str
-) -> tuple[tuple[str, ...], dict[str, int | None]]:
+) -> tuple[tuple[KVGroup, ...], dict[KVGroup, int | None]]:
     """kvbridge's name of each of vLLM's KV cache groups (by vLLM's index: ``self`` for the
     main full-attention group, ``g<i>`` for the others) and the others' sliding windows
     (:func:`plan_groups`: raises ConfigError for a group kind kvbridge cannot move)."""
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
-        return ("self",), {}
+        return (KVGroup.SELF,), {}
     main, windows = plan_groups(vllm_group_kinds(kv_cache_config), architecture)
     count = len(kv_cache_config.kv_cache_groups)
-    names = tuple("self" if i == main else attention_group(i) for i in range(count))
+    names = tuple(KVGroup.SELF if i == main else attention_group(i) for i in range(count))
     return names, {names[i]: w for i, w in windows.items()}
 
 
 def layer_groups(
     kv_cache_config: Any,
-    names: Sequence[str],
+    names: Sequence[KVGroup],
     layers: Iterable[str],
     shares: Mapping[str, str] | None = None,
-) -> dict[str, str] | None:
+) -> dict[str, KVGroup] | None:
     """Each layer's kvbridge group (``names``: :func:`vllm_groups`'s) when vLLM keeps several
     KV cache groups (their layers share pages: a block id belongs to one group at a time);
     None for one group. ``shares``: a KV-sharing layer's target layer (vLLM lists only the

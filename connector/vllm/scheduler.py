@@ -2,7 +2,7 @@
 
 Runs in vLLM's scheduler (the EngineCore process). Every decision (which blocks
 load from where, what prefill hands over, what is stored) is made by
-:class:`~kvbridge.connector.scheduler.KVBridgeScheduler`, the same planner
+:class:`~kvbridge.connector.planner.KVBridgePlanner`, the same planner
 kvbridge's reference engine uses; this module only translates. It imports no
 vLLM: the adapter (:mod:`kvbridge.connector.vllm.connector`) unpacks vLLM's
 objects into plain values. What differs in vLLM:
@@ -30,9 +30,11 @@ from typing import Any
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
-from kvbridge.connector.scheduler import KVBridgeScheduler, LeaseIssuer
+from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
+from kvbridge.connector.windows import AttentionGroups
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.hashing import BlockHasher
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 __all__ = ["HoldIssuer", "HoldOrder", "VllmScheduler", "to_json_params", "from_json_params"]
@@ -63,18 +65,18 @@ class HoldOrder:
     digest_key: int | None = None
     """The hand-over's digest key (the scheduler drew it; it goes to the decode only in the
     kv_transfer_params): the worker digests the blocks under it when it makes the lease."""
-    group_blocks: Mapping[str, tuple[BlockId, ...]] = field(default_factory=dict)
+    group_blocks: Mapping[KVGroup, tuple[BlockId, ...]] = field(default_factory=dict)
     """A hybrid model's further attention groups (``g<i>``): the blocks held with ``self``'s
     (those a decode attends to), leased, sealed and digested with them."""
-    group_hashes: Mapping[str, tuple[BlockHash, ...]] = field(default_factory=dict)
+    group_hashes: Mapping[KVGroup, tuple[BlockHash, ...]] = field(default_factory=dict)
     """The names of ``group_blocks``."""
 
-    def blocks(self) -> dict[str, tuple[BlockId, ...]]:
+    def blocks(self) -> dict[KVGroup, tuple[BlockId, ...]]:
         """Every group's held blocks, ``self`` first."""
-        return {"self": self.block_ids, **self.group_blocks}
+        return {KVGroup.SELF: self.block_ids, **self.group_blocks}
 
-    def hashes(self) -> dict[str, tuple[BlockHash, ...]]:
-        return {"self": self.block_hashes, **self.group_hashes}
+    def hashes(self) -> dict[KVGroup, tuple[BlockHash, ...]]:
+        return {KVGroup.SELF: self.block_hashes, **self.group_hashes}
 
 
 def to_json_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -124,20 +126,20 @@ class HoldIssuer(LeaseIssuer):
         self._orders: list[HoldOrder] = []
 
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
-        return min(len(block_ids), len(hashes)) if group == "self" else 0
+        return min(len(block_ids), len(hashes)) if group == KVGroup.SELF else 0
 
     def lease_request(
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         lease_id = LeaseId(secrets.token_hex(16))
-        others = [g for g in blocks if g != "self"]
+        others = [g for g in blocks if g != KVGroup.SELF]
         order = HoldOrder(
             request_id,
             lease_id,
-            tuple(blocks["self"]),
-            tuple(hashes.get("self", ())),
+            tuple(blocks[KVGroup.SELF]),
+            tuple(hashes.get(KVGroup.SELF, ())),
             self.ttl_s,
             group_blocks={g: tuple(blocks[g]) for g in others},
             group_hashes={g: tuple(hashes.get(g, ())) for g in others},
@@ -147,10 +149,10 @@ class HoldIssuer(LeaseIssuer):
 
     digests_at_owner = True
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Send ``key`` with the request's hold order: the worker, where the KV lives, digests
         the held blocks when it makes the lease (called right after :meth:`lease_request`)."""
-        if not self._orders or tuple(blocks.get("self", ())) != self._orders[-1].block_ids:
+        if not self._orders or tuple(blocks.get(KVGroup.SELF, ())) != self._orders[-1].block_ids:
             return None
         self._orders[-1] = replace(self._orders[-1], digest_key=key)
         return {}
@@ -164,7 +166,7 @@ class HoldIssuer(LeaseIssuer):
         return orders
 
 
-class _PromptNames(Mapping[str, Sequence[BlockHash]]):
+class _PromptNames(Mapping[KVGroup, Sequence[BlockHash]]):
     """``RequestView.block_hashes`` for a vLLM request: the prompt's full-block names,
     hashed on first use only (most requests are never asked for them)."""
 
@@ -173,15 +175,15 @@ class _PromptNames(Mapping[str, Sequence[BlockHash]]):
         self._prompt = prompt
         self._names: tuple[BlockHash, ...] | None = None
 
-    def __getitem__(self, group: str) -> Sequence[BlockHash]:
-        if group != "self":
+    def __getitem__(self, group: KVGroup) -> Sequence[BlockHash]:
+        if group != KVGroup.SELF:
             raise KeyError(group)
         if self._names is None:
             self._names = tuple(self._hasher.hash_blocks(list(self._prompt)))
         return self._names
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(("self",))
+    def __iter__(self) -> Iterator[KVGroup]:
+        return iter((KVGroup.SELF,))
 
     def __len__(self) -> int:
         return 1
@@ -197,16 +199,15 @@ class VllmScheduler:
         hasher: BlockHasher,
         offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
         tp_size: int = 1,
-        groups: Sequence[str] = ("self",),
-        windows: Mapping[str, int | None] | None = None,
+        groups: Sequence[KVGroup] = (KVGroup.SELF,),
+        windows: Mapping[KVGroup, int | None] | None = None,
     ) -> None:
         self.hasher = hasher
         self.groups = tuple(groups)
         """kvbridge's name of each of vLLM's KV cache groups, by vLLM's group index."""
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgeScheduler(
-            config, block_size, tp_size, windows=windows, null_block=VLLM_NULL_BLOCK
-        )
+        attention = AttentionGroups(block_size, dict(windows or {}), VLLM_NULL_BLOCK)
+        self.planner = KVBridgePlanner(config, block_size, tp_size, attention)
         self.planner.attach(self.holds, offload_lookup)
 
     @property
@@ -246,7 +247,7 @@ class VllmScheduler:
 
     def by_group(
         self, block_ids: Sequence[Sequence[int]] | Sequence[int]
-    ) -> dict[str, list[BlockId]]:
+    ) -> dict[KVGroup, list[BlockId]]:
         """vLLM's block ids per KV cache group (a tuple by group index; one group's list
         alone for a model with one group) by kvbridge's group names."""
         groups: list[Sequence[int]] = (

@@ -41,7 +41,7 @@ from kvbridge.connector.vllm.holds import HeldRequests, NamedLeases
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.errors import ConfigError, KVBridgeError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class VllmWorker:
     def register(
         self,
         kv_caches: Mapping[str, torch.Tensor],
-        layer_groups: Mapping[str, str] | None = None,
+        layer_groups: Mapping[str, KVGroup] | None = None,
     ) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C);
         ``layer_groups``: each layer's kvbridge group (a hybrid model's; default ``self``)."""
@@ -214,14 +214,14 @@ class VllmWorker:
             return None
         from kvbridge.kernels import block_digests, digest_algo
 
-        got: dict[str, tuple[bytes, ...]] = {}
+        got: dict[KVGroup, tuple[bytes, ...]] = {}
         try:
             for group, ids in order.blocks().items():
                 got[group] = tuple(block_digests(self.layout, group, list(ids), order.digest_key))
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        return HandOverDigests(digest_algo(self.layout, "self"), got)
+        return HandOverDigests(digest_algo(self.layout, KVGroup.SELF), got)
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""

@@ -11,7 +11,9 @@
 - ``nodes``: a prefill and a decode node (``kvbridge serve``) with a router, for P/D tests;
 - ``engine``: the in-process reference engine run to the end of its requests;
 - ``fresh``: code run in a fresh interpreter (what an import loads);
-- ``vllm``: the vLLM tests' environment and model, or a skip.
+- ``vllm``: the vLLM tests' environment and models, or a skip; ``tiny_models`` (run in
+  ``.venv-vllm``) writes the tiny models of kinds other than Llama;
+- ``descs``: an oracle that expands NIXL's strided descriptor tables.
 
 Fixtures live in ``tests/conftest.py``.
 """

@@ -1,4 +1,4 @@
-"""The vLLM tests' common start: the ``.venv-vllm`` environment and the tiny model.
+"""The vLLM tests' common start: the ``.venv-vllm`` environment and the tiny models.
 
 Both are made once per test session: checking the environment imports vLLM in a child
 process and writing the model starts that venv's torch, ~10 s of CPU each, which every
@@ -7,6 +7,7 @@ vLLM test module would otherwise pay again.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,16 @@ from typing import Any
 
 import pytest
 
-from kvbridge.worker.vllm import Engine, VenvError, ensure_venv, kv_config, running, write_model
+from kvbridge.worker.vllm import (
+    PYTHON,
+    ROOT,
+    Engine,
+    VenvError,
+    ensure_venv,
+    kv_config,
+    running,
+    write_model,
+)
 
 _session: dict[str, Path | str] = {}
 """``"venv"``: the checked vLLM python, or ``"error"``: why there is none; ``"model"``: the
@@ -45,6 +55,18 @@ def model_or_skip(tmp: Path) -> Path:
     model = _session["model"]
     assert isinstance(model, Path)
     return model
+
+
+def write_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
+    """A tiny model of another kind than Llama (:mod:`tests.harness.tiny_models`: ``gemma3``,
+    ``gemma4``, ``mamba``, ``whisper``) under ``path``, written with the vLLM venv."""
+    subprocess.run(
+        [str(PYTHON), "-m", "tests.harness.tiny_models", kind, str(path), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
+    return path
 
 
 def pd_trio(model: Path, tmp: Path, port: int, **common: Any) -> dict[str, Engine]:

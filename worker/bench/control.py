@@ -18,6 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.presets import PRESETS
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
@@ -63,12 +64,12 @@ def _start_server(preset: str, blocks: int, token: str | None) -> Any:
     from kvbridge.worker.pool_owner import PoolBlockOwner
 
     layout = preset_layout(preset, num_blocks=max(1024, 2 * blocks))
-    pool = BlockPool(layout.group("self").num_blocks)
+    pool = BlockPool(layout.group(KVGroup.SELF).num_blocks)
     ids = pool.allocate(blocks)
     for block_id, block_hash in zip(ids, bench_hashes(blocks), strict=True):
         pool.cache_block(block_id, block_hash)
     pool.free(ids)
-    owner = PoolBlockOwner({"self": pool})
+    owner = PoolBlockOwner({KVGroup.SELF: pool})
     local = PeerInfo(EngineId("bench-prefill"), Role.PREFILL, layout, agent_metadata=b"x" * 512)
     return serve(local, owner, ControlServerConfig(token=token))
 
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         layout = preset_layout(args.preset, num_blocks=1024, order="layer-nhd")
         local = PeerInfo(EngineId("bench-decode"), Role.DECODE, layout, agent_metadata=b"y" * 512)
-        hashes = {"self": bench_hashes(args.blocks)}
+        hashes = {KVGroup.SELF: bench_hashes(args.blocks)}
         with ControlClient(f"127.0.0.1:{port}", token=args.token) as client:
             client.handshake(local)
 

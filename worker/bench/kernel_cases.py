@@ -23,7 +23,7 @@ from kvbridge.kernels import (
     scatter_blocks,
     staging_nbytes,
 )
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.presets import preset_layout
 
 __all__ = ["TARGET", "Case", "cases", "measure"]
@@ -48,7 +48,7 @@ def _filled(layout: KVLayout, device: str, seed: int) -> dict[str, torch.Tensor]
     """A cache with every byte written (untouched pages would make reads look free)."""
     cache = layout.allocate(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for layer in layout.owning_layers("self"):
+    for layer in layout.owning_layers(KVGroup.SELF):
         raw = cache[layer.name].view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8, device=device))
     return cache

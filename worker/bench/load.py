@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
@@ -69,10 +70,10 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
     from kvbridge.proto import BlockHash, BlockId, EngineId, RequestId, preset_layout
 
     class Owner(BlockOwner):  # the blocks stay put: the bench never reuses them
-        def num_blocks(self, group: str) -> int:
-            return layout.group(group).num_blocks if group == "self" else 0
+        def num_blocks(self, group: KVGroup) -> int:
+            return layout.group(group).num_blocks if group == KVGroup.SELF else 0
 
-        def pin_hashes(self, group_hashes: GroupHashes) -> dict[str, list[BlockId]]:
+        def pin_hashes(self, group_hashes: GroupHashes) -> dict[KVGroup, list[BlockId]]:
             return {g: [] for g in group_hashes}
 
         def unpin(self, blocks: GroupBlocks) -> None:
@@ -85,7 +86,7 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
             tensor.copy_(torch.randn(tensor.shape).to(tensor.dtype))
         memory = transport.register(layout, caches)
         key = new_key()  # the hand-over's digests, as a prefill records them
-        digests = block_digests(memory.layout, "self", list(range(blocks)), key)
+        digests = block_digests(memory.layout, KVGroup.SELF, list(range(blocks)), key)
         seal = SealTable(64 * leases)  # sparse: every lease finds a free probe slot
         seal_memory = transport.register(seal.layout, seal.tensors)
         table = LeaseTable(Owner(), seal=seal)
@@ -100,9 +101,9 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
         for i in range(leases):
             ids = [BlockId((i * 7 + j) % blocks) for j in range(per_lease)]
             lease = table.create(
-                {"self": ids},
+                {KVGroup.SELF: ids},
                 ttl_s=600,
-                hashes={"self": names[:per_lease]},
+                hashes={KVGroup.SELF: names[:per_lease]},
                 request_id=RequestId(f"r{i}"),
             )
             made.append((lease.lease_id, ids))
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             leases = iter(enumerate(made))
 
             def read(ids: list[BlockId]) -> None:
-                handle = transport.read_blocks(link, "self", ids, ids, timeout_s=10)
+                handle = transport.read_blocks(link, KVGroup.SELF, ids, ids, timeout_s=10)
                 try:
                     handle.wait(10)
                 finally:
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             def sealed(n: int) -> None:
                 _, (lease, ids) = next(leases)
                 read(ids[:n])
-                digest = seal_digest({"self": ids}, {"self": names})
+                digest = seal_digest({KVGroup.SELF: ids}, {KVGroup.SELF: names})
                 if not reader.holds(seal_link, lease, digest, 10):
                     raise RuntimeError(f"the seal of lease {lease} did not hold")
                 reader.release(seal_link, lease)
@@ -166,12 +167,12 @@ def run(args: argparse.Namespace) -> int:
             def verified(n: int) -> None:
                 _, (lease, ids) = next(leases)
                 read(ids[:n])
-                digest = seal_digest({"self": ids}, {"self": names})
-                expected = Expected(key, {"self": [digests[b] for b in ids[:n]]})
+                digest = seal_digest({KVGroup.SELF: ids}, {KVGroup.SELF: names})
+                expected = Expected(key, {KVGroup.SELF: [digests[b] for b in ids[:n]]})
                 checked = []  # as a decode load does: digests while the seal READ is in flight
 
                 def check() -> None:
-                    checked.append(expected.check(memory.layout, "self", ids[:n]))
+                    checked.append(expected.check(memory.layout, KVGroup.SELF, ids[:n]))
 
                 if not reader.holds(seal_link, lease, digest, 10, check):
                     raise RuntimeError(f"the seal of lease {lease} did not hold")
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             def owned(n: int) -> None:
                 i, (lease, _) = next(leases)
                 pinned = client.pin_request(RequestId(f"r{i}"), ttl_s=30)
-                read(list(pinned.blocks["self"][:n]))
+                read(list(pinned.blocks[KVGroup.SELF][:n]))
                 if not client.release(LeaseId(lease)):
                     raise RuntimeError(f"lease {lease} lapsed")
 

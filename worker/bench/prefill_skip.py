@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.presets import PresetShape, make_layout
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
@@ -66,7 +66,7 @@ def _prefill(model: Any, layout: KVLayout, prompt: list[int], chunk: int, skip: 
     import torch
 
     caches = layout.allocate()
-    table = torch.arange(layout.group("self").num_blocks, dtype=torch.long)
+    table = torch.arange(layout.group(KVGroup.SELF).num_blocks, dtype=torch.long)
     tail, stop = model.tail_start, len(model.layers)
     head_s = tail_s = 0.0
     logits = None
@@ -106,12 +106,12 @@ def _bytes_rows(args: argparse.Namespace, tokens: int) -> list[dict[str, Any]]:
         for share in (0, args.share_last):
             shape = PresetShape(label, args.layers, kv_heads, head_size, dtype, share_last=share)
             layout = make_layout(shape, block_size=args.block_size, num_blocks=blocks)
-            per_block = layout.block_bytes("self")
+            per_block = layout.block_bytes(KVGroup.SELF)
             rows.append(
                 {
                     "model": label,
                     "sharing": f"last {share} share" if share else "none",
-                    "owning_layers": len(layout.owning_layers("self")),
+                    "owning_layers": len(layout.owning_layers(KVGroup.SELF)),
                     "blocks": blocks,
                     "block_KiB": per_block / 1024,
                     "MiB_per_request": blocks * per_block / 2**20,

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 
 from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.presets import preset_layout
 from kvbridge.worker.bench.report import percentile
 
@@ -64,7 +64,7 @@ class BenchPeer:
     ) -> dict[str, Any]:
         layout = preset_layout(preset, block_size=block_size, num_blocks=num_blocks, order=order)
         kv = layout.allocate(device)
-        for layer in layout.owning_layers("self"):
+        for layer in layout.owning_layers(KVGroup.SELF):
             kv[layer.name].fill_(1)  # touch every page so nothing reads the shared zero page
         memory = self.transport.register(layout, kv)
         self.memories[key] = (memory, kv)
@@ -86,8 +86,8 @@ class BenchPeer:
 
     def _ids(self, key: str, n: int, pattern: str, rng: random.Random) -> tuple[list[int], ...]:
         link = self.links[key]
-        local_n = link.local.layout.group("self").num_blocks
-        remote_n = link.remote_layout.group("self").num_blocks
+        local_n = link.local.layout.group(KVGroup.SELF).num_blocks
+        remote_n = link.remote_layout.group(KVGroup.SELF).num_blocks
         if pattern == "sequential":
             return list(range(n)), list(range(n))
         return rng.sample(range(local_n), n), rng.sample(range(remote_n), n)
@@ -97,7 +97,7 @@ class BenchPeer:
     ) -> tuple[float, int | None]:
         fn = self.transport.read_blocks if op == "read" else self.transport.write_blocks
         t0 = time.perf_counter()
-        handle = fn(self.links[key], "self", local_ids, remote_ids, timeout_s=120.0)
+        handle = fn(self.links[key], KVGroup.SELF, local_ids, remote_ids, timeout_s=120.0)
         handle.wait()
         # UCXX: tagged messages after merging adjacent runs (NIXL merges inside the backend)
         return time.perf_counter() - t0, getattr(handle, "num_messages", None)

@@ -43,7 +43,7 @@ MODELS: dict[str, dict[str, int]] = {
 """Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
 8 layers x 8 KV heads of 128 (2 MiB per block)."""
 HYBRID_MODELS = ("gemma3",)
-"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_models`): ``gemma3``, one sliding-window
+"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_gemma`): ``gemma3``, one sliding-window
 layer (32 tokens) and one full-attention layer, 2 KV heads of 64; vLLM keeps one KV cache
 group per attention kind (32 KiB per block and group), and both connectors move a long
 prompt's full-attention blocks but only the sliding group's last 1-2 blocks."""
@@ -55,6 +55,9 @@ kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU defaul
 DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
+STARTUP_TIMEOUT_S = 600.0
+"""How long an engine may take to start: ~1.5 min on 2 idle cores, 3 and more when other
+work shares them (startup is not measured, only reported)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -156,6 +159,7 @@ def _engines(
         "wait": False,
         "max_model_len": max_model_len,
         "cpu_kv_layouts": shim,
+        "startup_timeout_s": STARTUP_TIMEOUT_S,
     }
     prefill = harness.Engine(model, core=0, kv=p_kv, log=logs / "prefill.log", env=p_env, **common)
     decode = harness.Engine(model, core=1, kv=d_kv, log=logs / "decode.log", env=d_env, **common)
@@ -281,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     for name in args.models:
         if name in HYBRID_MODELS:
             _say(f"writing the {name} tiny hybrid model under {work}")
-            models[name] = harness.write_tiny_model(name, work / f"model-{name}", args.seed)
+            models[name] = harness.write_hybrid_model(work / f"model-{name}", args.seed)
             continue
         _say(f"writing the {name} tiny Llama ({MODELS[name]}) under {work}")
         models[name] = harness.write_model(work / f"model-{name}", args.seed, **MODELS[name])

@@ -19,6 +19,7 @@ Every function that touches a pool is called with :attr:`Scheduler.lock` held.
 
 from __future__ import annotations
 
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.request import Request
@@ -33,8 +34,8 @@ __all__ = [
     "fits",
 ]
 
-GROUP = "self"
-CROSS = "cross"
+GROUP = KVGroup.SELF
+CROSS = KVGroup.CROSS
 
 
 def blocks_needed(num_prompt: int, max_tokens: int, block_size: int) -> int:

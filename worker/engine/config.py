@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.layout import ORDERS, KVLayout
+from kvbridge.proto.layout import ORDERS, KVGroup, KVLayout
 from kvbridge.proto.presets import PRESETS, PresetShape, make_layout
 
 __all__ = ["EngineConfig", "ENGINE_PRESETS"]
@@ -174,7 +174,7 @@ class EngineConfig:
 
     def kv_sources(self) -> list[int | None]:
         """Per layer: the index of the layer whose KV it reuses, or None if it owns KV."""
-        layers = [x for x in self.layout().layers if x.group == "self"]
+        layers = [x for x in self.layout().layers if x.group == KVGroup.SELF]
         index = {x.name: i for i, x in enumerate(layers)}
         return [None if x.kv_source is None else index[x.kv_source] for x in layers]
 

@@ -27,7 +27,7 @@ import torch
 from kvbridge.connector.base import SchedulerConnector, WorkerConnector
 from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import RequestId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.config import EngineConfig
@@ -181,9 +181,9 @@ class Engine:
         return self.scheduler.lock
 
     @property
-    def pools(self) -> dict[str, BlockPool]:
+    def pools(self) -> dict[KVGroup, BlockPool]:
         return self.scheduler.pools
 
-    def num_free_blocks(self, group: str = "self") -> int:
+    def num_free_blocks(self, group: KVGroup = KVGroup.SELF) -> int:
         with self.scheduler.lock:
             return self.pools[group].num_free_blocks

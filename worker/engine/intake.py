@@ -14,6 +14,7 @@ from typing import Any
 
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import BlockHasher, ExtraKeys
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import RequestId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.block_tables import CROSS, GROUP, blocks_needed
@@ -26,7 +27,7 @@ def check_request(
     prompt: Sequence[int],
     max_tokens: int,
     encoder_input: bytes | None,
-    pools: Mapping[str, BlockPool],
+    pools: Mapping[KVGroup, BlockPool],
     block_size: int,
 ) -> None:
     """Raise :class:`ConfigError` for a request this engine could never run."""
@@ -51,7 +52,7 @@ def check_request(
 
 def name_request(
     hasher: BlockHasher,
-    pools: Mapping[str, BlockPool],
+    pools: Mapping[KVGroup, BlockPool],
     rid: RequestId,
     prompt: list[int],
     max_tokens: int,

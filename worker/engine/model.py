@@ -41,6 +41,7 @@ import torch
 
 from kvbridge.connector.base import WorkerConnector
 from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.tensors import torch_dtype
 from kvbridge.worker.engine.attention import attend, read_kv, write_kv
 from kvbridge.worker.engine.config import EngineConfig
@@ -123,7 +124,7 @@ class DecoderModel:
         self.embed = torch.randn(config.vocab_size, d, generator=gen).to(self.device, self.dtype)
         self.layers: list[_Layer] = []
         sources = config.kv_sources()
-        self_layers = [x for x in config.layout().layers if x.group == "self"]
+        self_layers = [x for x in config.layout().layers if x.group == KVGroup.SELF]
         for spec, source in zip(self_layers, sources, strict=True):
             shares = source is not None
             self.layers.append(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.connector.base import RequestView
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
 __all__ = ["Request", "RequestOutput", "RequestStatus"]
@@ -115,9 +116,9 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def view(self) -> RequestView:
-        hashes = {"self": tuple(self.block_hashes)}
+        hashes = {KVGroup.SELF: tuple(self.block_hashes)}
         if self.cross_hashes:
-            hashes["cross"] = tuple(self.cross_hashes)
+            hashes[KVGroup.CROSS] = tuple(self.cross_hashes)
         return RequestView(
             request_id=self.request_id,
             prompt_token_ids=tuple(self.prompt_token_ids),

@@ -51,7 +51,7 @@ from kvbridge.connector.base import SchedulerConnector, StepMetadata
 from kvbridge.connector.events import BlockEventSink
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import BlockHasher, HashConfig
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, RequestId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.block_tables import (
@@ -108,7 +108,7 @@ class Scheduler:
         self.hasher = BlockHasher(layout.fingerprint(), layout.block_size, hash_config)
         self.lock = threading.Lock()
         """Guards every operation on :attr:`pools`."""
-        self.pools: dict[str, BlockPool] = {
+        self.pools: dict[KVGroup, BlockPool] = {
             g.name: BlockPool(g.num_blocks, events=events if g.name == GROUP else None)
             for g in layout.groups
         }

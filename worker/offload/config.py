@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 from kvbridge.connector.control.server_config import MAX_TTL_CEILING_S
 from kvbridge.connector.control.types import ControlLimits
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.layout import KVLayout, parse_order
+from kvbridge.proto.layout import KVGroup, KVLayout, parse_order
 
 __all__ = ["GROUP", "OffloadConfig", "pool_layout"]
 
-GROUP = "self"
+GROUP = KVGroup.SELF
 """The only group the daemon holds."""
 
 

@@ -3,11 +3,10 @@
 ``node`` (reference engine + connector + PeerControl and Inference servers: one
 process), ``router`` (the client that routes a request through prefill then
 decode, retrying on another node of a role when one is down), ``launch`` (nodes
-and offload daemons as child processes), ``demo`` (both on loopback, checked
-token for token), ``soak`` with ``chaos`` (many nodes under random kills and
-stops, checked the same way), ``metrics`` (the node's Prometheus registry) and
-the commands ``serve`` (``node_cmd``) and ``serve-control``
-(``control_cmd``).
+and offload daemons as child processes), ``metrics`` (the node's Prometheus
+registry) and the commands ``serve`` (``node_cmd``) and ``serve-control``
+(``control_cmd``). The demo, soak and chaos tools that drive nodes are
+:mod:`kvbridge.worker.tools`.
 
 The names below load on first use, so the CLI can build its parser from
 ``node_cmd`` without importing torch or gRPC.
@@ -19,18 +18,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbridge.worker.serving.demo import (
-        check_no_leaks,
-        make_encoder_inputs,
-        make_workload,
-        reference_outputs,
-    )
+    from kvbridge.worker.serving.inference import GenerateResult
     from kvbridge.worker.serving.launch import (
         OffloadDaemonProcess,
         start_node,
         start_offload_daemon,
     )
-    from kvbridge.worker.serving.node import GenerateResult, Node, NodeConfig
+    from kvbridge.worker.serving.node import Node, NodeConfig
     from kvbridge.worker.serving.placement import EventPlacement
     from kvbridge.worker.serving.router import (
         EngineClient,
@@ -44,7 +38,7 @@ if TYPE_CHECKING:
 _HOME = {
     "EngineClient": "router",
     "EventPlacement": "placement",
-    "GenerateResult": "node",
+    "GenerateResult": "inference",
     "Node": "node",
     "NodeConfig": "node",
     "NodeDownError": "router",
@@ -53,10 +47,6 @@ _HOME = {
     "RoutedResult": "router",
     "Router": "router",
     "RouterConfig": "router",
-    "check_no_leaks": "demo",
-    "make_encoder_inputs": "demo",
-    "make_workload": "demo",
-    "reference_outputs": "demo",
     "start_node": "launch",
     "start_offload_daemon": "launch",
 }
@@ -73,10 +63,6 @@ __all__ = [
     "RoutedResult",
     "Router",
     "RouterConfig",
-    "check_no_leaks",
-    "make_encoder_inputs",
-    "make_workload",
-    "reference_outputs",
     "start_node",
     "start_offload_daemon",
 ]

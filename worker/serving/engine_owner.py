@@ -1,7 +1,7 @@
 """The reference engine's KV memory as the control plane sees it.
 
 :class:`EngineBlockOwner` is the :class:`~kvbridge.connector.control.leases.BlockOwner`
-and the :class:`~kvbridge.connector.scheduler.LeaseIssuer` of a serving
+and the :class:`~kvbridge.connector.planner.LeaseIssuer` of a serving
 engine. Leases hold references of their own on the engine's pool blocks
 (``touch`` to pin, ``free`` to unpin), so a finished prefill request's blocks
 stay put while decode reads them, and become evictable — not wiped — when the
@@ -15,8 +15,9 @@ from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
 from kvbridge.connector.control.seal import SealTable
-from kvbridge.connector.scheduler import LeaseIssuer
+from kvbridge.connector.planner import LeaseIssuer
 from kvbridge.kernels import block_digests, digest_algo
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
 
@@ -31,14 +32,14 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
         self._ttl_s = lease_ttl_s
         self.leases = LeaseTable(self, seal=seal)
 
-    def num_blocks(self, group: str) -> int:
+    def num_blocks(self, group: KVGroup) -> int:
         pool = self._engine.pools.get(group)
         return 0 if pool is None else pool.num_blocks
 
     def pin_hashes(
-        self, group_hashes: Mapping[str, Sequence[BlockHash]]
-    ) -> dict[str, list[BlockId]]:
-        out: dict[str, list[BlockId]] = {}
+        self, group_hashes: Mapping[KVGroup, Sequence[BlockHash]]
+    ) -> dict[KVGroup, list[BlockId]]:
+        out: dict[KVGroup, list[BlockId]] = {}
         with self._engine.lock:
             for group, hashes in group_hashes.items():
                 pool = self._engine.pools.get(group)
@@ -49,13 +50,13 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
                 out[group] = ids
         return out
 
-    def unpin(self, blocks: Mapping[str, Sequence[BlockId]]) -> None:
+    def unpin(self, blocks: Mapping[KVGroup, Sequence[BlockId]]) -> None:
         with self._engine.lock:
             for group, ids in blocks.items():
                 self._engine.pools[group].free(ids)
 
     def verified_prefix(
-        self, group: str, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
+        self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
         pool = self._engine.pools.get(group)
         if pool is None:
@@ -84,9 +85,9 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
         return lease.lease_id, self._ttl_s
 
     def digest_algo(self) -> str:
-        return digest_algo(self._engine.layout, "self")
+        return digest_algo(self._engine.layout, KVGroup.SELF)
 
-    def digests(self, blocks: GroupBlocks, key: int) -> dict[str, list[bytes]] | None:
+    def digests(self, blocks: GroupBlocks, key: int) -> dict[KVGroup, list[bytes]] | None:
         """Digested at once: the engine's KV memory lives in this process (the blocks are
         leased, so nothing writes them but a peer with their NIXL metadata)."""
         layout = self._engine.layout

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from concurrent import futures
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
@@ -23,11 +24,11 @@ from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto import engine_pb2_grpc as epb_grpc
 from kvbridge.proto.errors import ConfigError, KVBridgeError, WireError
-
-if TYPE_CHECKING:
-    from kvbridge.worker.serving.node import Node, NodeConfig
+from kvbridge.worker.engine import RequestOutput
 
 __all__ = [
+    "GenerateResult",
+    "InferenceNode",
     "InferenceServicer",
     "inference_server",
     "listen",
@@ -40,10 +41,15 @@ MAX_PROMPT_TOKENS = 1 << 16
 MAX_ENCODER_INPUT_BYTES = 1 << 20
 
 
-def inference_server(config: NodeConfig, servicer: InferenceServicer) -> grpc.Server:
+def inference_server(
+    servicer: InferenceServicer,
+    *,
+    token: str | None,
+    max_connection_idle_s: float,
+    max_concurrent_requests: int,
+) -> grpc.Server:
     """The Inference gRPC server (not yet bound): token-checked, with bounded connections."""
-    token = config.connector.token
-    idle_ms = round(config.max_connection_idle_s * 1000)
+    idle_ms = round(max_connection_idle_s * 1000)
     server = grpc.server(
         futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"),
         # LenientRequests: bytes that do not parse reach Generate as a MalformedRequest and
@@ -55,7 +61,7 @@ def inference_server(config: NodeConfig, servicer: InferenceServicer) -> grpc.Se
             ("grpc.keepalive_time_ms", max(idle_ms // 2, 1000)),  # and dead ones found
             ("grpc.keepalive_timeout_ms", 20_000),
         ],
-        maximum_concurrent_rpcs=config.max_concurrent_requests,
+        maximum_concurrent_rpcs=max_concurrent_requests,
     )
     epb_grpc.add_InferenceServicer_to_server(servicer, server)
     return server
@@ -92,11 +98,44 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
+@dataclass(slots=True)
+class GenerateResult:
+    """What one ``Generate`` call answers: the engine's output and what its load did."""
+
+    output: RequestOutput
+    transfer_ms: float = 0.0
+    blocks_moved: int = 0
+    load_error: str = ""
+    blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
+    bytes_moved: int = 0
+    blocks_offloaded: int = 0
+    offload_bad_digest: int = 0
+    blocks_refused: int = 0
+    """Blocks recomputed because the planner refused prefill's KV (``load_error`` says why)."""
+
+
+class InferenceNode(Protocol):
+    """What the servicer asks of the node behind it
+    (:class:`~kvbridge.worker.serving.node.Node`)."""
+
+    def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        request_id: str,
+        encoder_input: bytes | None = None,
+    ) -> futures.Future[GenerateResult]: ...
+
+    def stats(self) -> epb.EngineStatsResponse: ...
+
+
 class InferenceServicer(epb_grpc.InferenceServicer):
     """Thin: validate, hand to the node, map errors to status codes."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: InferenceNode, request_timeout_s: float) -> None:
         self.node = node
+        self.request_timeout_s = request_timeout_s
 
     def Generate(self, request: epb.GenerateRequest, context: Any) -> epb.GenerateResponse:
         try:
@@ -123,7 +162,7 @@ class InferenceServicer(epb_grpc.InferenceServicer):
             future = self.node.submit(
                 prompt, request.max_tokens, params, rid, request.encoder_input or None
             )
-            result = future.result(timeout=self.node.config.request_timeout_s)
+            result = future.result(timeout=self.request_timeout_s)
         except WireError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KVBridgeError as exc:

@@ -30,7 +30,7 @@ from kvbridge.connector.control.server import ControlServer, ControlServerConfig
 from kvbridge.connector.control.types import PeerInfo, Role
 from kvbridge.connector.events import MEDIUM_GPU, KVEventsConfig, ZmqEventPublisher
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
-from kvbridge.connector.scheduler import KVBridgeScheduler
+from kvbridge.connector.planner import KVBridgePlanner
 from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
 from kvbridge.connector.worker_side import KVBridgeWorker
 from kvbridge.proto import engine_pb2 as epb
@@ -41,10 +41,15 @@ from kvbridge.proto.types import EngineId, RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.kv_events import open_sink
 from kvbridge.worker.serving.engine_owner import EngineBlockOwner
-from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+from kvbridge.worker.serving.inference import (
+    GenerateResult,
+    InferenceServicer,
+    inference_server,
+    listen,
+)
 from kvbridge.worker.serving.metrics import NodeMetrics
 
-__all__ = ["NodeConfig", "Node", "GenerateResult"]
+__all__ = ["NodeConfig", "Node"]
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +96,6 @@ class NodeConfig:
 
 
 @dataclass(slots=True)
-class GenerateResult:
-    output: RequestOutput
-    transfer_ms: float = 0.0
-    blocks_moved: int = 0
-    load_error: str = ""
-    blocks_moved_by_group: dict[str, int] = field(default_factory=dict)
-    bytes_moved: int = 0
-    blocks_offloaded: int = 0
-    offload_bad_digest: int = 0
-    blocks_refused: int = 0
-    """Blocks recomputed because the planner refused prefill's KV (``load_error`` says why)."""
-
-
-@dataclass(slots=True)
 class _Submission:
     request_id: str
     prompt: list[int]
@@ -128,7 +119,7 @@ class Node(Closing):
         with ExitStack() as built:
             self.transport = NixlTransport(NixlConfig(name=cc.engine_id))
             built.callback(self.transport.close)
-            self.scheduler_connector = KVBridgeScheduler(cc, config.engine.block_size)
+            self.scheduler_connector = KVBridgePlanner(cc, config.engine.block_size)
             self.worker_connector = KVBridgeWorker(
                 cc, self.transport, self._client, self._peer_info
             )
@@ -184,7 +175,12 @@ class Node(Closing):
             self._thread = threading.Thread(target=self._run, name="kvb-engine", daemon=True)
             self._thread.start()
             built.callback(self._stop_engine)
-            self._grpc = inference_server(config, InferenceServicer(self))
+            self._grpc = inference_server(
+                InferenceServicer(self, config.request_timeout_s),
+                token=config.connector.token,
+                max_connection_idle_s=config.max_connection_idle_s,
+                max_concurrent_requests=config.max_concurrent_requests,
+            )
             built.callback(lambda: self._grpc.stop(grace=0.5).wait())
             self.port = listen(
                 self._grpc, config.host, config.port, config.tls_cert, config.tls_key
@@ -283,7 +279,7 @@ class Node(Closing):
         if load is not None:
             result.transfer_ms = load.transfer_ms
             result.blocks_moved = load.blocks_moved
-            result.blocks_moved_by_group = dict(load.moved_by_group)
+            result.blocks_moved_by_group = {g.value: n for g, n in load.moved_by_group.items()}
             result.bytes_moved = load.bytes_moved
             result.blocks_offloaded = load.blocks_offloaded
             result.offload_bad_digest = load.offload_bad_digest
@@ -306,8 +302,8 @@ class Node(Closing):
 
     # ----- stats and lifecycle -------------------------------------------------------------
     def stats(self) -> epb.EngineStatsResponse:
-        free = {g: self.engine.num_free_blocks(g) for g in self.engine.pools}
-        total = {g: p.num_blocks for g, p in self.engine.pools.items()}
+        free = {g.value: self.engine.num_free_blocks(g) for g in self.engine.pools}
+        total = {g.value: p.num_blocks for g, p in self.engine.pools.items()}
         return epb.EngineStatsResponse(
             engine_id=self.config.connector.engine_id,
             role=self.config.connector.role,

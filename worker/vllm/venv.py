@@ -24,7 +24,6 @@ __all__ = [
     "VenvError",
     "ensure_venv",
     "write_model",
-    "write_tiny_model",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,19 +95,11 @@ def write_model(path: Path, seed: int = 0, **shape: int) -> Path:
     return path
 
 
-def write_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
-    """A tiny model of another kind (:mod:`.tiny_models`: ``gemma3``, ``whisper``) under
-    ``path``, written with the vLLM venv."""
+def write_hybrid_model(path: Path, seed: int = 0) -> Path:
+    """The tiny Gemma-3-style hybrid model (:mod:`.tiny_gemma`: sliding-window and
+    full-attention layers) under ``path``, written with the vLLM venv."""
     subprocess.run(
-        [
-            str(PYTHON),
-            "-m",
-            "kvbridge.worker.vllm.tiny_models",
-            kind,
-            str(path),
-            "--seed",
-            str(seed),
-        ],
+        [str(PYTHON), "-m", "kvbridge.worker.vllm.tiny_gemma", str(path), "--seed", str(seed)],
         check=True,
         capture_output=True,
     )

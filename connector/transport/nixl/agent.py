@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvbridge.connector.transport.nixl.config import NixlConfig, load_nixl
 from kvbridge.connector.transport.nixl_descs import mem_type
 from kvbridge.proto.errors import PeerError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     import numpy as np
@@ -105,9 +106,9 @@ class NixlAgent:
     def prep_dlists(
         self,
         peer_name: str,
-        local_tables: Mapping[str, npt.NDArray[np.uint64]],
+        local_tables: Mapping[KVGroup, npt.NDArray[np.uint64]],
         local_device: str,
-        remote_tables: Mapping[str, npt.NDArray[np.uint64]],
+        remote_tables: Mapping[KVGroup, npt.NDArray[np.uint64]],
         remote_regions: Sequence[Region],
     ) -> dict[str, tuple[Any, Any]]:
         """Prep a (local, remote) descriptor list pair per group; all or none (PeerError)."""

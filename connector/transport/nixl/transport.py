@@ -51,6 +51,7 @@ from kvbridge.connector.transport.nixl_descs import (
     strided_table,
 )
 from kvbridge.proto.errors import LayoutError, TransferError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, head_slices
 
 if TYPE_CHECKING:
@@ -198,9 +199,9 @@ class NixlTransport(Transport):
                 remote_layout=remote_layout,
                 mode=mode,
                 descriptors_per_block=(
-                    len(local.layout.owning_layers("self"))
+                    len(local.layout.owning_layers(KVGroup.SELF))
                     if mode is TransferMode.HEAD_SLICE
-                    else descriptors_per_block(local.layout, "self", per_span)
+                    else descriptors_per_block(local.layout, KVGroup.SELF, per_span)
                 ),
                 prep_s=prep_s,
             )
@@ -228,7 +229,7 @@ class NixlTransport(Transport):
     def read_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,
@@ -240,7 +241,7 @@ class NixlTransport(Transport):
     def write_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,
@@ -253,7 +254,7 @@ class NixlTransport(Transport):
         self,
         op: str,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         notify: bytes | None,

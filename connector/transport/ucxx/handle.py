@@ -33,6 +33,7 @@ from kvbridge.connector.transport.base import DeadlineHandle, LinkDownError, Pee
 from kvbridge.connector.transport.ucxx import wire
 from kvbridge.connector.transport.ucxx.worker import Peer, UcxxWorker, all_done, view
 from kvbridge.proto.errors import TransferError, TransferTimeoutError
+from kvbridge.proto.layout import KVGroup
 
 __all__ = ["LinkState", "UcxxTransferHandle"]
 
@@ -46,7 +47,7 @@ class LinkState:
     """One link of the transport: its descriptor tables, pending handles, and why it is down."""
 
     link: PeerLink
-    tables: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]
+    tables: dict[KVGroup, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]]
     handles: set[UcxxTransferHandle] = field(default_factory=set)
     down: str | None = None
 

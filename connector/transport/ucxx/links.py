@@ -28,6 +28,7 @@ from kvbridge.connector.transport.ucxx.handle import REPLY_BYTES, LinkState
 from kvbridge.connector.transport.ucxx.service import UcxxService
 from kvbridge.connector.transport.ucxx.worker import UcxxWorker
 from kvbridge.proto.errors import LayoutError, PeerError, WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class UcxxLinks:
             local=local,
             remote_layout=remote_layout,
             mode=mode,
-            descriptors_per_block=descriptors_per_block(local.layout, "self", per_span),
+            descriptors_per_block=descriptors_per_block(local.layout, KVGroup.SELF, per_span),
             prep_s=prep_s,
         )
         with self._ucx.lock:

@@ -30,6 +30,7 @@ from kvbridge.connector.transport.ucxx import wire
 from kvbridge.connector.transport.ucxx.worker import Peer, UcxxWorker, all_done, view
 from kvbridge.proto import codec
 from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import parse_group
 
 if TYPE_CHECKING:
     import torch
@@ -286,7 +287,7 @@ class UcxxService:
         reg = self._find_memory(mem[0], mem[1])
         if reg is None:
             raise WireError(f"no memory registered here at 0x{mem[0]:x} ({mem[1]} bytes)")
-        group = codec.take(body, "group", str)
+        group = parse_group(codec.take(body, "group", str), WireError)
         per_span = codec.take(body, "per_span", bool)
         layout = reg.memory.layout
         layout.group(group)

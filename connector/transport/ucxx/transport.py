@@ -61,6 +61,7 @@ from kvbridge.connector.transport.ucxx.links import UcxxLinks
 from kvbridge.connector.transport.ucxx.service import MAX_NOTIFY, Registration, UcxxService
 from kvbridge.connector.transport.ucxx.worker import UcxxWorker
 from kvbridge.proto.errors import LayoutError, PeerError, TransferError
+from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +166,7 @@ class UcxxTransport(Transport):
     def read_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,
@@ -177,7 +178,7 @@ class UcxxTransport(Transport):
     def write_blocks(
         self,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         *,
@@ -190,7 +191,7 @@ class UcxxTransport(Transport):
         self,
         op: str,
         link: PeerLink,
-        group: str,
+        group: KVGroup,
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         notify: bytes | None,

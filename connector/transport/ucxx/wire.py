@@ -49,7 +49,7 @@ import numpy.typing as npt
 
 from kvbridge.proto import codec
 from kvbridge.proto.errors import LayoutError, WireError
-from kvbridge.proto.layout import KVLayout
+from kvbridge.proto.layout import KVGroup, KVLayout
 
 __all__ = [
     "CTRL",
@@ -206,7 +206,7 @@ def plan_runs(
     return Plan(la[starts], rows[starts], counts.astype(np.int64) * length)
 
 
-def region_bounds(layout: KVLayout, group: str) -> npt.NDArray[np.uint64]:
+def region_bounds(layout: KVLayout, group: KVGroup) -> npt.NDArray[np.uint64]:
     """Kx2 ``[start, end)`` of ``group``'s registered regions, sorted by start."""
     spans = sorted(
         (r.addr, r.addr + r.length) for r in (layout.regions[i] for i in layout.regions_of(group))

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.proto.errors import KVBridgeError
+from kvbridge.worker.tools.soak_config import SoakConfig
 
 if TYPE_CHECKING:
     from kvbridge.worker.child import ChildProcess
     from kvbridge.worker.serving.router import EngineClient
-    from kvbridge.worker.serving.soak import SoakConfig
 
 __all__ = ["ChaosEvent", "chaos_schedule", "Deployment"]
 
@@ -200,7 +200,7 @@ class Deployment:
     def check_no_leaks(self, timeout_s: float) -> list[str]:
         """Every node's pools full and leases gone, and no offload pin or open store, within
         ``timeout_s`` (abandoned leases expire on their own)."""
-        from kvbridge.worker.serving.demo import check_no_leaks
+        from kvbridge.worker.tools.demo import check_no_leaks
 
         deadline = time.monotonic() + timeout_s
         while True:
@@ -234,7 +234,7 @@ class Deployment:
 
     # ----- helpers -------------------------------------------------------------------------
     def _start(self, name: str) -> None:
-        from kvbridge.worker.serving.demo import start_node, start_offload_daemon
+        from kvbridge.worker.tools.demo import start_node, start_offload_daemon
 
         slot = self._slots[name]
         slot.stack = ExitStack()

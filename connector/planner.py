@@ -1,6 +1,6 @@
 """The one planner: which blocks a request loads, what a prefill hands over, what is stored.
 
-Both engines use :class:`KVBridgeScheduler`: kvbridge's reference engine calls
+Both engines use :class:`KVBridgePlanner`: kvbridge's reference engine calls
 it directly (it is that engine's :class:`SchedulerConnector`), and vLLM's
 adapter (:mod:`kvbridge.connector.vllm.scheduler`) translates vLLM's calls
 into :class:`RequestView` s and calls the same methods. Runs in the engine's
@@ -58,12 +58,13 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import LeaseIssuer, tail_name
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.connector.windows import AttentionGroups
+from kvbridge.connector.windows import AttentionGroups, Groups
 from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
+from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, RequestId
 
-__all__ = ["KVBridgeScheduler", "LeaseIssuer", "tail_name"]
+__all__ = ["KVBridgePlanner", "LeaseIssuer", "tail_name"]
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +81,15 @@ class _Pending:
     """Names of the blocks from ``first_block`` on that the offload daemon holds."""
 
 
-class KVBridgeScheduler(SchedulerConnector):
+class KVBridgePlanner(SchedulerConnector):
     """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
     def __init__(
-        self,
-        config: ConnectorConfig,
-        block_size: int,
-        tp_size: int = 1,
-        windows: Mapping[str, int | None] | None = None,
-        null_block: BlockId | None = None,
+        self, config: ConnectorConfig, block_size: int, tp_size: int = 1, groups: Groups = None
     ) -> None:
         self.config = config
         self.block_size = block_size
-        self.groups = AttentionGroups(block_size, dict(windows or {}), null_block)
+        self.groups = groups or AttentionGroups(block_size)
         """A hybrid model's further attention groups (``g<i>``) and their windows."""
         self.tp_size = tp_size
         """The engine's tensor-parallel size: a prefill whose size divides it or is a
@@ -150,7 +146,9 @@ class KVBridgeScheduler(SchedulerConnector):
             return 0, False
         # blocks the node's offload daemon holds come from there; the rest from prefill
         names = tuple(
-            request.block_hashes.get("self", ())[first : len(params.block_hashes["self"])]
+            request.block_hashes.get(KVGroup.SELF, ())[
+                first : len(params.block_hashes[KVGroup.SELF])
+            ]
         )
         hits = self._lookup(names)
         self._pending[request.request_id] = _Pending(params, first, names[:hits])
@@ -168,10 +166,9 @@ class KVBridgeScheduler(SchedulerConnector):
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
-        # the daemon keeps ``self`` blocks only: a hybrid model's other groups would be missing
-        if self.offload_lookup is None or last <= first or self.groups:
+        if self.offload_lookup is None or last <= first or self.groups:  # (self blocks only)
             return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
-        names = tuple(request.block_hashes.get("self", ())[first:last])
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[first:last])
         hits = self._lookup(names)
         if hits <= 0:
             return 0, False
@@ -190,8 +187,8 @@ class KVBridgeScheduler(SchedulerConnector):
                 f"prefill computed {params.num_tokens} tokens, decode got a prompt of {n} "
                 "(expected the same prompt, or prompt + first token)"
             )
-        theirs = params.block_hashes["self"]
-        mine = tuple(request.block_hashes.get("self", ()))[: len(theirs)]
+        theirs = params.block_hashes[KVGroup.SELF]
+        mine = tuple(request.block_hashes.get(KVGroup.SELF, ()))[: len(theirs)]
         if mine != theirs:
             raise WireError(
                 "prefill's block hashes do not match this prompt (other tokens, or another "
@@ -203,7 +200,7 @@ class KVBridgeScheduler(SchedulerConnector):
     def update_state_after_alloc(
         self,
         request: RequestView,
-        block_ids: Mapping[str, Sequence[BlockId]],
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
         num_external_tokens: int,
     ) -> None:
         pending = self._pending.pop(request.request_id, None)
@@ -219,30 +216,28 @@ class KVBridgeScheduler(SchedulerConnector):
                     request_id=request.request_id,
                     remote_engine="",
                     remote_address="",
-                    local_ids={"self": tuple(block_ids["self"][first : first + k])},
+                    local_ids={KVGroup.SELF: tuple(block_ids[KVGroup.SELF][first : first + k])},
                     remote_ids={},
                     offload_hashes=offload_hashes,
                 )
             )
             return
         end = -(-params.num_tokens // self.block_size)
-        local = {"self": tuple(block_ids["self"][first:end])}
-        remote = {"self": params.block_ids["self"][first:end]}
+        local = {KVGroup.SELF: tuple(block_ids[KVGroup.SELF][first:end])}
+        remote = {KVGroup.SELF: params.block_ids[KVGroup.SELF][first:end]}
         names = self._names(request, params.num_tokens)
-        hashes = {"self": names[first:]}
+        hashes = {KVGroup.SELF: names[first:]}
         verify = self.config.verify_loads and params.digest_key is not None
-        digests = {"self": params.digests.get("self", ())[first:end]} if verify else {}
-        groups = self.groups.plan_load(block_ids, params, names, first, verify)
-        local.update(groups.local)
-        remote.update(groups.remote)
-        hashes.update(groups.hashes)
-        digests.update(groups.digests)
+        digests = {KVGroup.SELF: params.digests.get(KVGroup.SELF, ())[first:end]} if verify else {}
+        offsets = self.groups.plan_load(
+            block_ids, params, names, first, (local, remote, hashes, digests if verify else None)
+        )
         if self._load_cross(request, block_ids, params):
-            local["cross"] = tuple(block_ids["cross"])
-            remote["cross"] = params.block_ids["cross"]
-            hashes["cross"] = params.block_hashes["cross"]
+            local[KVGroup.CROSS] = tuple(block_ids[KVGroup.CROSS])
+            remote[KVGroup.CROSS] = params.block_ids[KVGroup.CROSS]
+            hashes[KVGroup.CROSS] = params.block_hashes[KVGroup.CROSS]
             if verify:
-                digests["cross"] = params.digests.get("cross", ())
+                digests[KVGroup.CROSS] = params.digests.get(KVGroup.CROSS, ())
         self._loads.append(
             BlockLoad(
                 request_id=request.request_id,
@@ -261,7 +256,7 @@ class KVBridgeScheduler(SchedulerConnector):
                 digests=digests,
                 digest_algo=params.digest_algo,
                 digests_at_owner=verify and params.digests_at_owner,
-                lease_offsets=groups.offsets,
+                lease_offsets=offsets,
             )
         )
 
@@ -269,19 +264,17 @@ class KVBridgeScheduler(SchedulerConnector):
     def _seal(request: RequestView, params: KVTransferParams, names: Sequence[BlockHash]) -> bytes:
         """The seal prefill's lease carries if its claimed ids hold this prompt's blocks
         (``names``: the prompt's names of the leased ``self`` blocks)."""
-        groups = {"self": names}
-        for g, hashes in params.block_hashes.items():
-            if g not in ("self", "cross"):  # checked to be this prompt's names
-                groups[g] = hashes
-        if "cross" in params.block_ids:
-            groups["cross"] = tuple(request.block_hashes.get("cross", ()))
+        groups = {KVGroup.SELF: names}
+        groups.update(AttentionGroups.names_of(params))  # checked to be this prompt's names
+        if KVGroup.CROSS in params.block_ids:
+            groups[KVGroup.CROSS] = tuple(request.block_hashes.get(KVGroup.CROSS, ()))
         return seal_digest(params.block_ids, groups)
 
     def _names(self, request: RequestView, num_tokens: int) -> tuple[BlockHash, ...]:
         """Names of the first ``num_tokens`` prompt tokens' blocks, a partial last one included
         (the names a lease over exactly those blocks carries)."""
         full = num_tokens // self.block_size
-        names = tuple(request.block_hashes.get("self", ())[:full])
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:full])
         if num_tokens % self.block_size == 0:
             return names
         tail = request.prompt_token_ids[full * self.block_size : num_tokens]
@@ -289,15 +282,19 @@ class KVBridgeScheduler(SchedulerConnector):
 
     @staticmethod
     def _load_cross(
-        request: RequestView, block_ids: Mapping[str, Sequence[BlockId]], params: KVTransferParams
+        request: RequestView,
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
+        params: KVTransferParams,
     ) -> bool:
         """Whether to load prefill's cross blocks: the engine needs them and they are the
         blocks of this request's encoder input."""
-        wanted = tuple(block_ids.get("cross", ()))
+        wanted = tuple(block_ids.get(KVGroup.CROSS, ()))
         if not wanted:
             return False
-        theirs = params.block_hashes.get("cross", ())
-        if theirs != tuple(request.block_hashes.get("cross", ())) or len(theirs) != len(wanted):
+        theirs = params.block_hashes.get(KVGroup.CROSS, ())
+        if theirs != tuple(request.block_hashes.get(KVGroup.CROSS, ())) or len(theirs) != len(
+            wanted
+        ):
             log.info(
                 "request %s: prefill's cross blocks are not this encoder input's; "
                 "computing them here",
@@ -313,7 +310,7 @@ class KVBridgeScheduler(SchedulerConnector):
 
     # ----- prefill -------------------------------------------------------------------------
     def request_finished(
-        self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]
+        self, request: RequestView, block_ids: Mapping[KVGroup, Sequence[BlockId]]
     ) -> tuple[bool, dict[str, Any] | None]:
         self._pending.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
@@ -332,22 +329,24 @@ class KVBridgeScheduler(SchedulerConnector):
         ids = {g: list(b) for g, b in block_ids.items() if b}
         num_tokens = len(request.prompt_token_ids)
         needed = -(-num_tokens // self.block_size)
-        if len(ids.get("self", ())) < needed:
+        if len(ids.get(KVGroup.SELF, ())) < needed:
             log.warning("request %s: too few blocks; no hand-over", request.request_id)
             return delay_free, None
-        ids["self"] = ids["self"][:needed]
+        ids[KVGroup.SELF] = ids[KVGroup.SELF][:needed]
         hashes = {
-            "self": list(request.block_hashes.get("self", ()))[: num_tokens // self.block_size]
+            KVGroup.SELF: list(request.block_hashes.get(KVGroup.SELF, ()))[
+                : num_tokens // self.block_size
+            ]
         }
         if not self.groups.hand_over(ids, hashes, self._names(request, num_tokens), num_tokens):
             log.warning("request %s: a KV cache group lacks blocks", request.request_id)
             return delay_free, None
-        cross_hashes = list(request.block_hashes.get("cross", ()))
-        if ids.get("cross") and len(ids["cross"]) == len(cross_hashes):
-            hashes["cross"] = cross_hashes
+        cross_hashes = list(request.block_hashes.get(KVGroup.CROSS, ()))
+        if ids.get(KVGroup.CROSS) and len(ids[KVGroup.CROSS]) == len(cross_hashes):
+            hashes[KVGroup.CROSS] = cross_hashes
         else:
-            ids.pop("cross", None)
-        leased = {**hashes, "self": list(self._names(request, num_tokens))}
+            ids.pop(KVGroup.CROSS, None)
+        leased = {**hashes, KVGroup.SELF: list(self._names(request, num_tokens))}
         try:
             lease_id, ttl_s = self.issuer.lease_request(request.request_id, ids, leased)
         except KVBridgeError as exc:
@@ -372,8 +371,8 @@ class KVBridgeScheduler(SchedulerConnector):
         return delay_free, params.to_dict()
 
     def _digests(
-        self, request_id: RequestId, ids: Mapping[str, Sequence[BlockId]]
-    ) -> tuple[int | None, dict[str, list[bytes]]]:
+        self, request_id: RequestId, ids: Mapping[KVGroup, Sequence[BlockId]]
+    ) -> tuple[int | None, dict[KVGroup, list[bytes]]]:
         """A fresh key and the leased blocks' digests under it; ``(None, {})``: unverified."""
         key = new_key()
         try:
@@ -383,16 +382,16 @@ class KVBridgeScheduler(SchedulerConnector):
             digests = None
         return (None, {}) if digests is None else (key, digests)
 
-    def _store(self, request: RequestView, block_ids: Mapping[str, Sequence[BlockId]]) -> bool:
+    def _store(self, request: RequestView, block_ids: Mapping[KVGroup, Sequence[BlockId]]) -> bool:
         """Queue the request's verified full blocks for the offload daemon; True if queued
         (the engine then keeps the blocks until the worker reports the store done)."""
         if self.offload_lookup is None or self.issuer is None:
             return False
-        ids = list(block_ids.get("self", ()))
-        hashes = list(request.block_hashes.get("self", ()))[: len(ids)]
+        ids = list(block_ids.get(KVGroup.SELF, ()))
+        hashes = list(request.block_hashes.get(KVGroup.SELF, ()))[: len(ids)]
         # only blocks the engine itself holds under exactly these names: never store
         # a block of an aborted request whose KV was not written whole
-        n = self.issuer.verified_prefix("self", ids[: len(hashes)], hashes)
+        n = self.issuer.verified_prefix(KVGroup.SELF, ids[: len(hashes)], hashes)
         if n <= 0:
             return False
         self._stores.append(BlockStore(request.request_id, tuple(ids[:n]), tuple(hashes[:n])))

@@ -26,7 +26,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvbridge.proto.layout import ORDERS
+from kvbridge.proto.layout import ORDERS, KVGroup
 from kvbridge.worker.bench.report import machine_info
 from kvbridge.worker.cli_checks import positive_int
 from kvbridge.worker.serving.launch import (
@@ -327,7 +327,7 @@ def _run_pass(
 
 def _cross_cell(row: dict[str, Any]) -> str:
     """Cross blocks moved, or where decode's cross KV came from when none moved."""
-    moved = row["blocks_moved_by_group"].get("cross", 0)
+    moved = row["blocks_moved_by_group"].get(KVGroup.CROSS, 0)
     source = row["decode_cross_source"]
     if not source:
         return "-"
