@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvbridge.connector.addresses import parse_allowed_peers
+from kvbridge.connector.server_options import check_token
 from kvbridge.proto.errors import ConfigError
 
 __all__ = ["ConnectorConfig", "DEFAULT_MAX_CONCURRENT_LOADS", "ROLES", "LOAD_ERROR_POLICIES"]
@@ -78,12 +79,7 @@ class ConnectorConfig:
                 f"lease_ttl_s ({self.lease_ttl_s}) must not exceed max_lease_ttl_s "
                 f"({self.max_lease_ttl_s})"
             )
-        if self.token is not None and (
-            not isinstance(self.token, str)
-            or not self.token
-            or not (self.token.isascii() and self.token.isprintable())
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
+        check_token(self.token)
         if not isinstance(self.verify_loads, bool):
             raise ConfigError(f"verify_loads must be true or false, got {self.verify_loads!r}")
         if self.max_concurrent_loads < 1:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control import ControlServer, ControlServerConfig, serve
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
@@ -48,7 +49,7 @@ class Target:
         self.server: ControlServer = serve(
             local,
             self.owner,
-            ControlServerConfig(token=TOKEN),
+            ControlServerConfig(listen=ServerOptions(token=TOKEN)),
             on_handshake=lambda p, n: self.hooked.append(p),
         )
         self.channel = grpc.insecure_channel(self.server.address)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control import ControlClient, ControlServerConfig
 from kvbridge.connector.control.auth import token_identity
 from kvbridge.connector.control.server import ControlHandlers
@@ -104,7 +105,7 @@ def cluster(**knobs: object) -> Cluster:
 
 @pytest.fixture
 def tokened() -> Iterator[Cluster]:
-    c = cluster(token="shared", max_leases_per_peer=2, max_blocks_per_peer=8)
+    c = cluster(listen=ServerOptions(token="shared"), max_leases_per_peer=2, max_blocks_per_peer=8)
     yield c
     stop_cluster(c)
 
@@ -287,18 +288,22 @@ def test_vllms_named_hand_overs_are_claimed_under_the_schedulers_id() -> None:
     """vLLM's prefill keeps hand-overs under the id its scheduler chose; claiming and the
     lifetime cap work through that name too."""
     from kvbridge.connector.control.bounds import Claimant, PeerCaps
-    from kvbridge.connector.control.leases import new_lease_id
-    from kvbridge.connector.vllm.scheduler import HoldOrder
-    from kvbridge.connector.vllm.worker import HeldRequests, NamedLeases
+    from kvbridge.connector.control.leases import LeaseTable, new_lease_id
+    from kvbridge.connector.vllm.worker import HeldRequests
     from kvbridge.proto import BlockId
 
-    held = HeldRequests()
-    held.blocks_per_group["self"] = 16
-    table = NamedLeases(held)
+    held = HeldRequests({"self": 16})
+    table = LeaseTable(held)
     name = new_lease_id()
     ids = (BlockId(1), BlockId(2))
     held.hold(RequestId("r"), ids)
-    table.create_named(HoldOrder(RequestId("r"), name, ids, tuple(hashes(2)), ttl_s=5.0))
+    table.create(
+        {"self": ids},
+        ttl_s=5.0,
+        hashes={"self": hashes(2)},
+        request_id=RequestId("r"),
+        lease_id=name,
+    )
     caps = PeerCaps(max_leases=4, max_blocks=8)
     reader, other = Claimant("token:a", caps, 10.0), Claimant("token:b", caps, 10.0)
     assert table.heartbeat([name], 5.0, other) == []  # unclaimed: nobody's heartbeat

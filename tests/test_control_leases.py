@@ -200,3 +200,41 @@ def test_pool_block_owner_pins_the_longest_cached_prefix_per_group() -> None:
     assert pool.num_free_blocks == 2
     owner.unpin(pinned)
     assert pool.num_free_blocks == 4
+
+
+def test_a_lease_made_under_the_callers_id_answers_to_it_and_the_id_is_not_reused(
+    table: LeaseTable, owner: RecordingOwner
+) -> None:
+    from kvbridge.connector.control.leases import HandOverDigests, new_lease_id
+
+    name = new_lease_id()
+    digests = HandOverDigests("xxh3-128", {"self": (b"d" * 16,)})
+    ids = owner.take(1)
+    lease = table.create({"self": ids}, ttl_s=5, lease_id=name, digests=digests)
+    assert lease.lease_id == name and table.get(name) == lease
+    assert table.digests(name) == digests
+    with pytest.raises(LeaseError, match="already in use"):
+        table.create({"self": owner.take(1)}, ttl_s=5, lease_id=name)
+    assert [x.lease_id for x in table.heartbeat([name], ttl_s=9)] == [name]
+    assert table.release(name) and owner.unpinned == [{"self": ids}]
+    assert table.digests(name) is None  # the digests went with the lease
+    assert len(table) == 0
+
+
+def test_digests_wait_for_a_lease_its_owner_named_but_has_not_made_yet(
+    table: LeaseTable, owner: RecordingOwner
+) -> None:
+    from kvbridge.connector.control.leases import HandOverDigests, new_lease_id
+
+    name = new_lease_id()
+    digests = HandOverDigests("xxh3-128", {"self": (b"d" * 16,)})
+    assert table.digests(name, wait_s=0.0) is None
+    maker = threading.Timer(
+        0.2, lambda: table.create({"self": owner.take(1)}, ttl_s=5, lease_id=name, digests=digests)
+    )
+    maker.start()
+    try:
+        assert table.digests(name, wait_s=30.0) == digests
+    finally:
+        maker.join()
+    assert table.release_all() == 1

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control import (
     ControlClient,
     ControlServerConfig,
@@ -330,7 +331,7 @@ def test_concurrent_pins_from_several_clients_never_unpin_twice(cluster: Cluster
 
 def test_with_a_token_a_peer_without_it_learns_nothing() -> None:
     layout = preset_layout("tiny", num_blocks=NUM_BLOCKS)
-    c = start_cluster(layout, ControlServerConfig(token="s3cret"))
+    c = start_cluster(layout, ControlServerConfig(listen=ServerOptions(token="s3cret")))
     try:
         c.owner.fill(hashes(2))
         for client in (c.client(), c.client(token="wrong")):
@@ -356,7 +357,9 @@ def test_callers_without_the_token_cannot_hold_the_servers_threads() -> None:
     """A caller without the token opens calls and never sends their body: each is refused at
     once, so the honest caller still gets its answer from a two-thread server."""
     layout = preset_layout("tiny", num_blocks=NUM_BLOCKS)
-    c = start_cluster(layout, ControlServerConfig(token="s3cret", max_workers=2))
+    c = start_cluster(
+        layout, ControlServerConfig(listen=ServerOptions(token="s3cret"), max_workers=2)
+    )
     stop = threading.Event()
 
     def never_sends() -> Iterator[bytes]:
@@ -394,7 +397,9 @@ def test_tls_server_talks_to_a_client_that_trusts_its_certificate(
 ) -> None:
     cert, key = (path.read_bytes() for path in tls_files)
     layout = preset_layout("tiny", num_blocks=NUM_BLOCKS)
-    c = start_cluster(layout, ControlServerConfig(tls_cert=cert, tls_key=key, token="t"))
+    c = start_cluster(
+        layout, ControlServerConfig(listen=ServerOptions(tls_cert=cert, tls_key=key, token="t"))
+    )
     try:
         secure = c.client(root_cert=cert, token="t")
         assert secure.handshake(peer(layout)).peer.engine_id == "prefill-0"

@@ -45,8 +45,9 @@ class StatsOnlyNode:
 def test_the_inference_port_disconnects_idle_clients() -> None:
     import grpc
 
+    from kvbridge.connector.control.grpc_server import bind
     from kvbridge.worker.serving import NodeConfig
-    from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+    from kvbridge.worker.serving.inference import InferenceServicer, inference_server
 
     config = NodeConfig(
         engine=EngineConfig.preset("tiny", num_blocks=8),
@@ -55,11 +56,11 @@ def test_the_inference_port_disconnects_idle_clients() -> None:
     )
     server = inference_server(
         InferenceServicer(StatsOnlyNode(), config.request_timeout_s),  # type: ignore[arg-type]
-        token=None,
+        options=config.listen,
         max_connection_idle_s=config.max_connection_idle_s,
         max_concurrent_requests=config.max_concurrent_requests,
     )
-    port = listen(server, "127.0.0.1", 0, None, None)
+    port = bind(server, config.listen)
     server.start()
     states: list[grpc.ChannelConnectivity] = []
     client = EngineClient(f"127.0.0.1:{port}", timeout_s=5)
@@ -124,8 +125,9 @@ def test_a_prefill_listening_on_every_interface_must_say_where_peers_reach_it(
 def test_a_malformed_inference_request_is_invalid_argument(method: str) -> None:
     import grpc
 
+    from kvbridge.connector.control.grpc_server import bind
     from kvbridge.worker.serving import NodeConfig
-    from kvbridge.worker.serving.inference import InferenceServicer, inference_server, listen
+    from kvbridge.worker.serving.inference import InferenceServicer, inference_server
 
     config = NodeConfig(
         engine=EngineConfig.preset("tiny", num_blocks=8), connector=ConnectorConfig("bad-bytes")
@@ -133,11 +135,11 @@ def test_a_malformed_inference_request_is_invalid_argument(method: str) -> None:
     node = StatsOnlyNode()
     server = inference_server(
         InferenceServicer(node, config.request_timeout_s),  # type: ignore[arg-type]
-        token=None,
+        options=config.listen,
         max_connection_idle_s=config.max_connection_idle_s,
         max_concurrent_requests=config.max_concurrent_requests,
     )
-    port = listen(server, "127.0.0.1", 0, None, None)
+    port = bind(server, config.listen)
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -209,6 +209,7 @@ def test_a_release_the_peer_never_answers_does_not_delay_the_answer(nodes: Nodes
 
 HALF_BUILT_NODE = """
 import json, socket, sys, threading, time
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.worker.engine import EngineConfig
 from kvbridge.worker.serving.node import Node, NodeConfig
@@ -226,7 +227,7 @@ with socket.socket() as taken:
     config = NodeConfig(
         engine=EngineConfig.preset("tiny", num_blocks=32),
         connector=ConnectorConfig("half-built", role="prefill"),
-        port=taken.getsockname()[1],
+        listen=ServerOptions(port=taken.getsockname()[1]),
         control_port=control_port,
     )
     try:

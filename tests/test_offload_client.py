@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.connector import ConnectorConfig
+from kvbridge.connector import ConnectorConfig, ServerOptions
 from kvbridge.connector.offload import OffloadClient, OffloadClientConfig
 from kvbridge.connector.transport import LocalMemory, PeerLink, TransferHandle
 from kvbridge.proto import BlockHash, BlockId, KVLayout, negotiate, preset_layout
@@ -97,7 +97,7 @@ class WorkerTransport:
 @pytest.fixture
 def daemon() -> Iterator[tuple[OffloadServer, DaemonTransport]]:
     transport = DaemonTransport()
-    config = OffloadConfig(capacity_bytes=16 * TINY_BLOCK, token="t0ken")
+    config = OffloadConfig(capacity_bytes=16 * TINY_BLOCK, listen=ServerOptions(token="t0ken"))
     with serve(transport, config) as server:  # type: ignore[arg-type]
         yield server, transport
 

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control.auth import TokenSet, token_identity
 from kvbridge.connector.control.errors import TOKEN_KEY
 from kvbridge.connector.control.types import PeerInfo, Role, peer_to_pb
@@ -244,7 +245,7 @@ def test_each_peer_token_holds_at_most_its_cap_of_stores_and_pinned_blocks() -> 
     transport = FakeTransport()
     config = OffloadConfig(
         capacity_bytes=32 * TINY_BLOCK,
-        token=TokenSet(["greedy-token", "other-token"]),
+        listen=ServerOptions(token=TokenSet(["greedy-token", "other-token"])),
         max_stores_per_writer=2,
         max_pinned_per_writer=3,
     )
@@ -373,7 +374,7 @@ def test_a_token_holder_under_many_agent_names_shares_one_cap_of_stores_and_pins
     transport = FakeTransport()
     config = OffloadConfig(
         capacity_bytes=32 * TINY_BLOCK,
-        token=TOKEN,
+        listen=ServerOptions(token=TOKEN),
         max_stores_per_writer=2,
         max_pinned_per_writer=3,
     )
@@ -454,7 +455,7 @@ def test_sessions_of_one_token_share_one_cap_and_never_push_out_another_peers() 
     transport = FakeTransport()
     config = OffloadConfig(
         capacity_bytes=32 * TINY_BLOCK,
-        token=TokenSet(["flood-token", "honest-token"]),
+        listen=ServerOptions(token=TokenSet(["flood-token", "honest-token"])),
         max_sessions=8,
         max_sessions_per_peer=3,
     )

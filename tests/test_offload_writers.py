@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.offload.wire import store_notification
 from kvbridge.proto import ConfigError, ControlPlaneError, WireError, preset_layout
 from kvbridge.worker.engine import EngineConfig
@@ -121,4 +122,7 @@ def test_serve_flags_reach_the_config_knobs(monkeypatch: pytest.MonkeyPatch) -> 
 )
 def test_a_bad_knob_is_refused_by_name(knob: str, value: object, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
-        OffloadConfig(**{knob: value})  # type: ignore[arg-type]
+        if knob in ("token", "tls_cert"):  # where the daemon listens: its ServerOptions
+            OffloadConfig(listen=ServerOptions(**{knob: value}))  # type: ignore[arg-type]
+        else:
+            OffloadConfig(**{knob: value})  # type: ignore[arg-type]

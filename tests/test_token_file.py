@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvbridge.connector import ServerOptions
 from kvbridge.connector.control import ControlClient, ControlServerConfig
 from kvbridge.connector.control.auth import TokenSet, accepted_tokens, token_identity
 from kvbridge.proto import AuthError, ConfigError, ControlPlaneError, preset_layout
@@ -79,7 +80,7 @@ def test_a_token_line_that_cannot_travel_is_refused_naming_flag_and_line(tmp_pat
 @pytest.fixture
 def two_peers(token_file: Path) -> Iterator[Cluster]:
     config = ControlServerConfig(
-        token=read_token_file(token_file),
+        listen=ServerOptions(token=read_token_file(token_file)),
         default_ttl_s=2.0,
         max_ttl_s=5.0,
         max_leases_per_peer=2,

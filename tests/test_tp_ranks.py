@@ -33,8 +33,13 @@ from typing import Any
 
 import pytest
 
-from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams
-from kvbridge.connector.control import ControlServer, ControlServerConfig, Role, serve
+from kvbridge.connector import BlockLoad, ConnectorConfig, KVTransferParams, ServerOptions
+from kvbridge.connector.control import (
+    ControlServer,
+    ControlServerConfig,
+    Role,
+    serve,
+)
 from kvbridge.connector.control.peers import (
     dial_control,
     nixl_agent_name,
@@ -149,7 +154,7 @@ def _free_port_pair() -> int:
 
 
 def _prefill(stack: ExitStack, layout: KVLayout, port: int) -> ControlServer:
-    config = ControlServerConfig(port=port)
+    config = ControlServerConfig(listen=ServerOptions(port=port))
     server = serve(peer(layout, ENGINE, Role.PREFILL), FakeOwner(layout), config)
     stack.callback(server.close)
     return server

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from kvbridge.connector import BlockLoad, KVTransferParams, StepMetadata
-from kvbridge.connector.control import ControlClient, PeerInfo, Role
+from kvbridge.connector.control import ControlClient, LeaseTable, PeerInfo, Role
 from kvbridge.connector.control.leases import HandOverDigests
 from kvbridge.connector.control.server import DIGESTS_WAIT_S, ControlServerConfig, serve
 from kvbridge.connector.load.verify import Expected
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, from_json_params
-from kvbridge.connector.vllm.worker import NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.worker import HeldRequests, VllmWorker, WorkerSettings
 from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, block_digests, new_key
 from kvbridge.proto import (
     BlockId,
@@ -102,8 +102,8 @@ def _worker() -> tuple[VllmWorker, dict[str, torch.Tensor]]:
     for t in caches.values():
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     worker.layout = layout.bind(caches)
-    worker.held.blocks_per_group = {"self": 32}
-    worker.leases = NamedLeases(worker.held)
+    worker.held = HeldRequests({"self": 32})
+    worker.leases = LeaseTable(worker.held)
     return worker, caches
 
 
@@ -141,7 +141,7 @@ def test_the_digests_rpc_answers_a_reader_and_waits_for_a_late_hold_order() -> N
     assert worker.leases is not None and worker.layout is not None
     info = PeerInfo(EngineId("engine-a"), Role.PREFILL, preset_layout("tiny", num_blocks=32))
     key = new_key()
-    server = serve(info, worker.leases, ControlServerConfig(port=0))
+    server = serve(info, worker.leases, ControlServerConfig())
     with server, ControlClient(server.address) as client:
         # the hold order reaches the worker while the reader already waits for it
         late = threading.Timer(0.1, worker.start_step, (_empty_step(), [_order(key)]))

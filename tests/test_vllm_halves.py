@@ -15,10 +15,11 @@ import pytest
 
 from kvbridge.connector import KVTransferParams
 from kvbridge.connector.base import BlockLoad, BlockStore, LoadResult, StepMetadata
+from kvbridge.connector.control import LeaseTable
 from kvbridge.connector.offload import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, to_json_params
-from kvbridge.connector.vllm.worker import RESULTS_KEPT, NamedLeases, VllmWorker, WorkerSettings
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens, to_json_params
+from kvbridge.connector.vllm.worker import RESULTS_KEPT, HeldRequests, VllmWorker, WorkerSettings
 from kvbridge.proto import BlockHash, BlockId, ConfigError, LeaseId, RequestId
 
 BS = 4
@@ -174,6 +175,39 @@ def test_a_finished_request_orders_a_store_of_its_full_prompt_blocks() -> None:
     assert store.hashes == tuple(_names(sched, PROMPT))
 
 
+def test_a_finished_request_stores_the_full_blocks_its_generated_tokens_completed() -> None:
+    sched = _scheduler(daemon=FakeDaemon())
+    ids = [BlockId(b) for b in (7, 8, 9, 10, 11, 12)]
+    computed = [*PROMPT, 40, 41, 42, 43]  # 22 tokens with KV: 5 full blocks and 2 tokens
+    delay, params = sched.request_finished(
+        RID, PROMPT, {"do_remote_decode": True}, ids, prompt_done=True, computed=computed
+    )
+    assert delay and params is not None
+    step, _ = sched.build_step()
+    (store,) = step.stores
+    assert store.block_ids == (7, 8, 9, 10, 11)  # the 5th block was completed by decode
+    assert store.hashes == tuple(_names(sched, computed))
+    # the hand-over still names the prompt's blocks only (the same chain's first 4)
+    assert params["block_hashes"]["self"] == [h.hex() for h in _names(sched, PROMPT)]
+    assert params["num_tokens"] == len(PROMPT)
+
+
+def test_the_last_generated_token_has_no_kv_and_never_more_than_vllm_computed() -> None:
+    tokens = [*PROMPT, 40, 41, 42]
+    assert kv_tokens(tokens, len(tokens)) == tokens[:-1]  # the last one was sampled only
+    assert kv_tokens(tokens, len(PROMPT)) == PROMPT
+    assert kv_tokens([], 0) == []
+
+
+def test_computed_tokens_that_do_not_extend_the_prompt_store_only_the_prompt() -> None:
+    sched = _scheduler(daemon=FakeDaemon())
+    ids = [BlockId(b) for b in (7, 8, 9, 10, 11, 12)]
+    other = [99, *PROMPT[1:], 40, 41, 42, 43]
+    sched.request_finished(RID, PROMPT, None, ids, prompt_done=True, computed=other)
+    (store,) = sched.build_step()[0].stores
+    assert store.hashes == tuple(_names(sched, PROMPT))
+
+
 def test_an_aborted_request_stores_nothing_hands_nothing_over_and_frees_at_once() -> None:
     sched = _scheduler(daemon=FakeDaemon())
     ids = [BlockId(b) for b in range(5)]
@@ -223,8 +257,8 @@ def _producer_worker() -> tuple[VllmWorker, FakeLoader]:
     worker = VllmWorker(cfg.connector, WorkerSettings(model_name="tiny", block_size=BS))
     loader = FakeLoader()
     worker.loader = loader  # type: ignore[assignment]
-    worker.held.blocks_per_group = {"self": 16}
-    worker.leases = NamedLeases(worker.held)
+    worker.held = HeldRequests({"self": 16})
+    worker.leases = LeaseTable(worker.held)
     return worker, loader
 
 

@@ -20,7 +20,7 @@ from kvbridge.connector import KVTransferParams
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.connector.vllm.kinds import GroupKind, layer_groups, plan_groups
+from kvbridge.connector.vllm.kinds import GroupKind, layer_groups, plan_groups, vllm_groups
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
 from kvbridge.proto import BlockId, ConfigError, KVLayout, LayoutError, RequestId, WireError
 
@@ -219,3 +219,24 @@ def test_layers_go_to_their_vllm_groups_and_kv_sharing_layers_to_their_targets()
     assert layer_groups(config, ("self",), layers) is None  # one group: nothing to map
     with pytest.raises(LayoutError, match="l2"):
         layer_groups(config, GROUPS, layers, {"l3": "l1"})
+
+
+def test_vllm_groups_names_them_and_refuses_several_with_an_offload_daemon() -> None:
+    def spec(name: str, window: int | None) -> Any:
+        cls = type(name, (), {})
+        out = cls()
+        out.sliding_window, out.num_kv_heads, out.head_size = window, 2, 8
+        out.dtype, out.block_size = "torch.float32", BS
+        return out
+
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(layer_names=["l0"], kv_cache_spec=spec("SlidingWindowSpec", 32)),
+            SimpleNamespace(layer_names=["l1"], kv_cache_spec=spec("FullAttentionSpec", None)),
+        ]
+    )
+    assert vllm_groups(config, "M") == (("g0", "self"), {"g0": 32})
+    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
+        vllm_groups(config, "M", offload=True)
+    one = SimpleNamespace(kv_cache_groups=config.kv_cache_groups[1:])
+    assert vllm_groups(one, "M", offload=True) == (("self",), {})

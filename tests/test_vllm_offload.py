@@ -5,9 +5,11 @@ A ``kvbridge offload serve`` daemon (main environment) and two vLLM engines
 ``kv_both``: the *writer* computes prompts first (the daemon is empty, so it
 loads nothing: its outputs are the reference) and stores their full blocks;
 the *reader* is a fresh instance that must load those blocks from the daemon
-and produce the same tokens. Then a P/D hand-over where decode takes the
-daemon's blocks and only the rest from prefill, and finally a daemon that
-dies under both engines (a miss, never an error or a leak).
+and produce the same tokens. The full blocks a request's generated tokens
+completed are stored too: a follow-up whose prompt extends the first prompt and
+its answer loads them. Then a P/D hand-over where decode takes the daemon's
+blocks and only the rest from prefill, and finally a daemon that dies under
+both engines (a miss, never an error or a leak).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ PROMPTS = [PREFIX + [100 + i] * (40 + i) for i in range(4)]  # 111..114 tokens: 
 # 104 tokens (3 full blocks + 8 tokens), no block in common with each other or the above
 PD_PROMPTS = [[6, i, *range(400, 462), *[500 + i] * 40] for i in range(2)]
 MAX_TOKENS = 8
+# 51 tokens (1 full block); with 50 generated tokens, 100 have KV: 3 full blocks
+GEN_PROMPT = [4, *range(900, 950)]
+GEN_TOKENS = 50
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +163,28 @@ def test_decode_takes_the_daemons_blocks_and_only_the_rest_from_prefill(
     assert len(loads) == len(PD_PROMPTS) and all(not x["error"] for x in loads), loads
     # 3 full blocks from the daemon, the partial last block from prefill's memory
     assert [(x["offloaded"], x["moved"]) for x in loads] == [(3, 1)] * len(PD_PROMPTS), loads
+    _assert_nothing_held(engines)
+
+
+def test_blocks_completed_by_generated_tokens_are_stored_and_a_follow_up_loads_them(
+    engines: dict[str, harness.Engine], daemon: OffloadDaemonProcess
+) -> None:
+    writer, reader = engines["writer"], engines["reader"]
+    stored = _daemon_stats(daemon.address)["stored_blocks"]
+    (output,) = harness.tokens(writer.generate([GEN_PROMPT], GEN_TOKENS))
+    _assert_nothing_held({"writer": writer})
+    # the prompt's 1 full block and the 2 more its generated tokens completed
+    assert _daemon_stats(daemon.address)["stored_blocks"] - stored == 3
+    # a conversation's next turn: the first turn's prompt and answer, then new tokens
+    follow_up = [*GEN_PROMPT, *output, *[60 + i for i in range(10)]]  # 111 tokens
+    before = set(reader.call(cmd="stats")["loads"])
+    got = harness.tokens(reader.generate([follow_up], MAX_TOKENS))
+    loads = _loads(reader, before)
+    assert [(x["offloaded"], x["moved"], x["error"]) for x in loads] == [(3, 0, "")], loads
+    # the writer's own answer, from its own prefix cache; an early token changes it
+    assert got == harness.tokens(writer.generate([follow_up], MAX_TOKENS))
+    changed = [9, *follow_up[1:]]
+    assert got != harness.tokens(writer.generate([changed], MAX_TOKENS))
     _assert_nothing_held(engines)
 
 

@@ -25,6 +25,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from kvbridge.connector.server_options import check_port
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError
 
@@ -47,8 +48,7 @@ class MetricsServerConfig:
     max_connections: int = 16
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"metrics port {self.port} is outside 0..65535")
+        check_port(self.port, "metrics port")
         if not self.idle_timeout_s > 0:
             raise ConfigError(f"metrics idle_timeout_s must be > 0 s, got {self.idle_timeout_s}")
         if self.max_connections < 1:

@@ -19,6 +19,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbridge.connector.server_options import ServerOptions
 
 __all__ = [
     "ServerAuth",
@@ -44,6 +48,12 @@ class ServerAuth:
     (``--tls-ca``, default ``--tls-cert``); None for servers that never dial."""
     insecure_plaintext_token: bool = False
     """``--insecure-plaintext-token``: a token may travel without TLS beyond loopback."""
+
+    def listen(self, host: str, port: int, port_flag: str = "--port") -> ServerOptions:
+        """A server's options on ``host:port`` with this token and TLS pair."""
+        from kvbridge.connector.server_options import ServerOptions
+
+        return ServerOptions(host, port, self.token, self.tls_cert, self.tls_key, port_flag)
 
 
 def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool) -> None:

@@ -30,10 +30,10 @@ import logging
 import secrets
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from kvbridge.connector.control.block_owner import BlockOwner, GroupBlocks, GroupHashes
 from kvbridge.connector.control.bounds import (
     Claimant,
     PeerCaps,
@@ -58,37 +58,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-GroupBlocks = Mapping[KVGroup, Sequence[BlockId]]
-GroupHashes = Mapping[KVGroup, Sequence[BlockHash]]
-
-
-class BlockOwner(ABC):
-    """The owner of a worker's KV memory, as the control plane sees it.
-
-    Implemented by whoever owns the blocks: the engine scheduler's block
-    manager or the offload daemon's host pool. Called from the control
-    server's worker threads (and its lease reaper thread) concurrently with the
-    owner's own work, so implementations must lock.
-    """
-
-    @abstractmethod
-    def num_blocks(self, group: KVGroup) -> int:
-        """Blocks in ``group`` (ids are ``0..num_blocks-1``); 0 if the group is unknown."""
-
-    @abstractmethod
-    def pin_hashes(self, group_hashes: GroupHashes) -> dict[KVGroup, list[BlockId]]:
-        """Take a reference on the longest present prefix of each group's hashes.
-
-        Returns the pinned block ids per group, in hash order (a group with no
-        hit maps to ``[]``). The caller releases them with :meth:`unpin`.
-        """
-
-    @abstractmethod
-    def unpin(self, blocks: GroupBlocks) -> None:
-        """Drop one reference per block taken by :meth:`pin_hashes` (or by the owner itself
-        when it created a lease for a finished request). Blocks whose last reference
-        goes become evictable; they are not wiped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +116,15 @@ class LeaseTable:
         self._owner = owner
         self._clock = clock
         self._max_leases = max_leases
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
+        """Guards the table; notified when a lease is created (:meth:`digests` waits)."""
         self._leases: dict[LeaseId, Lease] = {}
         self._by_request: dict[RequestId, LeaseId] = {}
         self._deadlines: list[tuple[float, LeaseId]] = []  # heap; stale entries are skipped
         self.seal = seal
         """Where each lease's seal is published while it is held (see :mod:`.seal`)."""
-        self._sealed_as: dict[LeaseId, str] = {}
+        self._sealed: set[LeaseId] = set()
+        self._digests: dict[LeaseId, HandOverDigests] = {}
         self._per_peer: dict[str, PeerUse] = {}
 
     @property
@@ -178,24 +149,27 @@ class LeaseTable:
         ttl_s: float,
         hashes: GroupHashes | None = None,
         request_id: RequestId | None = None,
-        seal_as: str | None = None,
+        lease_id: LeaseId | None = None,
+        digests: HandOverDigests | None = None,
         peer: str | None = None,
         caps: PeerCaps | None = None,
     ) -> Lease:
         """Put already-pinned ``blocks`` under a new lease; the table now owns the pin.
 
-        With a seal table, the lease's seal over ``blocks`` and ``hashes`` is
-        published under ``seal_as`` (the id the reader knows the lease by;
-        default the lease id) until the lease ends. With ``peer`` and ``caps``,
-        the lease counts against that peer's caps.
+        ``lease_id`` is the id the caller already handed out (vLLM's scheduler puts it
+        into kv_transfer_params before the worker makes the lease); default a new one.
+        ``digests`` are the blocks' hand-over digests, answered by :meth:`digests` while
+        the lease lives. With a seal table, the lease's seal over ``blocks`` and
+        ``hashes`` is published under the lease id until the lease ends. With ``peer``
+        and ``caps``, the lease counts against that peer's caps.
 
-        If this raises (table full, peer over its caps, request already leased)
+        If this raises (table full, peer over its caps, request or id already leased)
         the caller still owns the pin and must unpin.
         """
         check_ttl(ttl_s)
         now = self._clock()
         lease = Lease(
-            lease_id=new_lease_id(),
+            lease_id=lease_id or new_lease_id(),
             expires_at=now + ttl_s,
             created_at=now,
             blocks={g: tuple(ids) for g, ids in blocks.items()},
@@ -212,16 +186,22 @@ class LeaseTable:
                 )
             if request_id is not None and request_id in self._by_request:
                 raise LeaseError(f"request {request_id!r} already has a lease")
+            if lease.lease_id in self._leases:
+                raise LeaseError(f"lease id {lease.lease_id!r} is already in use")
             if peer is not None:
                 self._charge(peer, lease, caps)
             self._leases[lease.lease_id] = lease
             if request_id is not None:
                 self._by_request[request_id] = lease.lease_id
             heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
-            if self.seal is not None:
-                key = seal_as or lease.lease_id
-                if self.seal.publish(key, seal_digest(lease.blocks, lease.hashes)):
-                    self._sealed_as[lease.lease_id] = key
+            if digests is not None:
+                self._digests[lease.lease_id] = digests
+            sealed = self.seal is not None and self.seal.publish(
+                lease.lease_id, seal_digest(lease.blocks, lease.hashes)
+            )
+            if sealed:
+                self._sealed.add(lease.lease_id)
+            self._lock.notify_all()
         log.debug("lease %s: %d blocks, ttl %.3gs", lease.lease_id, lease.num_blocks, ttl_s)
         return lease
 
@@ -311,6 +291,7 @@ class LeaseTable:
             self._leases.clear()
             self._by_request.clear()
             self._deadlines.clear()
+            self._digests.clear()
             self._per_peer.clear()
         for lease in leases:
             self._unpin(lease, "released at shutdown")
@@ -330,13 +311,18 @@ class LeaseTable:
                 len(self._leases)
                 + len(self._by_request)
                 + len(self._deadlines)
+                + len(self._digests)
                 + len(self._per_peer)
             )
 
     def digests(self, lease_id: LeaseId, wait_s: float = 0.0) -> HandOverDigests | None:
-        """The block digests recorded for hand-over lease ``lease_id`` (waiting up to
-        ``wait_s`` for them to be recorded); None: none recorded (this table records none)."""
-        return None
+        """The block digests recorded for live lease ``lease_id``, waiting up to ``wait_s``
+        for a lease its owner has named but not yet made (vLLM's worker hears of a hand-over
+        after its scheduler); None: no such lease, or none recorded with it."""
+        self.expire()
+        with self._lock:
+            self._lock.wait_for(lambda: lease_id in self._leases, timeout=wait_s)
+            return self._digests.get(lease_id)
 
     def next_expiry(self) -> float | None:
         """Earliest deadline on the table's clock (possibly of a stale entry), or None."""
@@ -348,6 +334,7 @@ class LeaseTable:
     def _pop(self, lease_id: LeaseId) -> Lease | None:
         """Remove a lease from the table (lock held); the caller then unpins it once."""
         lease = self._leases.pop(lease_id, None)
+        self._digests.pop(lease_id, None)
         if lease is not None and lease.request_id is not None:
             self._by_request.pop(lease.request_id, None)
         if lease is not None and lease.peer is not None:
@@ -390,9 +377,10 @@ class LeaseTable:
         log.debug("lease %s %s: unpinning %d blocks", lease.lease_id, why, lease.num_blocks)
         if self.seal is not None:  # the seal goes before the pin: no reader trusts a reuse
             with self._lock:
-                key = self._sealed_as.pop(lease.lease_id, None)
-            if key is not None:
-                self.seal.retract(key)
+                sealed = lease.lease_id in self._sealed
+                self._sealed.discard(lease.lease_id)
+            if sealed:
+                self.seal.retract(lease.lease_id)
         try:
             self._owner.unpin(lease.blocks)
         except Exception:

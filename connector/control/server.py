@@ -15,11 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
-from kvbridge.connector.control.auth import TokenInterceptor, accepted_tokens, caller_identity
+from kvbridge.connector.control.auth import accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler, lease_not_found
-from kvbridge.connector.control.grpc_server import ReapingServer
+from kvbridge.connector.control.grpc_server import ReapingServer, ServedByReaping
 from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable, PeerCaps
 from kvbridge.connector.control.server_config import ControlServerConfig
 from kvbridge.connector.control.types import (
@@ -34,7 +32,6 @@ from kvbridge.connector.control.types import (
 )
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
-from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import (
     BlockPoolError,
     ControlPlaneError,
@@ -287,7 +284,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
 
     def __init__(self, handlers: ControlHandlers) -> None:
         self._h = handlers
-        self._tokens = accepted_tokens(handlers.config.token)
+        self._tokens = accepted_tokens(handlers.config.listen.token)
 
     def _caller(self, context: Any) -> str:
         return caller_identity(context, self._tokens)
@@ -311,57 +308,46 @@ class _Servicer(pb_grpc.PeerControlServicer):
         return call_handler(self._h.digests, request, context)
 
 
-class ControlServer(Closing):
-    """A running gRPC server for one :class:`ControlHandlers`, plus its lease reaper.
+class ControlServer(ServedByReaping):
+    """A gRPC server for one :class:`ControlHandlers`, plus its lease reaper.
 
-    ``close()`` stops accepting calls, stops the reaper and releases every
-    lease (their blocks become evictable). Use it as a context manager.
+    Construction binds the port (so :attr:`address` is known before the handlers
+    exist: an engine puts it into the configs it builds next); :meth:`start` adds the
+    handlers and serves. ``close()`` stops accepting calls, stops the reaper and
+    releases every lease (their blocks become evictable). Use it as a context manager.
     """
 
-    def __init__(self, handlers: ControlHandlers, config: ControlServerConfig) -> None:
-        self.handlers = handlers
+    def __init__(self, config: ControlServerConfig) -> None:
         self.config = config
-        credentials = None
-        if config.tls_cert is not None and config.tls_key is not None:
-            credentials = grpc.ssl_server_credentials([(config.tls_key, config.tls_cert)])
-        self._grpc = ReapingServer(
-            name="control",
-            host=config.host,
-            port=config.port,
-            max_workers=config.max_workers,
-            max_message_bytes=config.limits.max_message_bytes,
+        self._handlers: ControlHandlers | None = None
+        self._grpc = ReapingServer.for_config(
+            "control",
+            config,
             register=lambda server: pb_grpc.add_PeerControlServicer_to_server(
-                _Servicer(handlers), server
+                _Servicer(self.handlers), server
             ),
-            reap=self.leases.expire,
-            reap_interval_s=config.reap_interval_s,
-            interceptors=[] if config.token is None else [TokenInterceptor(config.token)],
-            max_concurrent_rpcs=config.max_concurrent_rpcs,
-            credentials=credentials,
+            reap=lambda: self.leases.expire(),
         )
-        self.port = self._grpc.port
 
     @property
-    def address(self) -> str:
-        return self._grpc.address
+    def handlers(self) -> ControlHandlers:
+        assert self._handlers is not None, "a bound control server that was never started"
+        return self._handlers
 
     @property
     def leases(self) -> LeaseTable:
         return self.handlers.leases
 
-    def start(self) -> ControlServer:
+    def start(self, handlers: ControlHandlers) -> ControlServer:
+        """Serve ``handlers`` (built with this server's config) on the bound port."""
+        assert self._handlers is None, "a control server starts once"
+        self._handlers = handlers
         self._grpc.start()
-        log.info(
-            "control server for %s listening on %s", self.handlers.local.engine_id, self.address
-        )
+        log.info("control server for %s listening on %s", handlers.local.engine_id, self.address)
         return self
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Block until the server stops (or ``timeout_s`` passes); True if it stopped."""
-        return self._grpc.wait(timeout_s)
-
     def close(self, grace_s: float = 1.0) -> None:
-        if not self._grpc.close(grace_s):
+        if not self._grpc.close(grace_s) or self._handlers is None:
             return
         released = self.leases.release_all()
         if released:
@@ -378,5 +364,4 @@ def serve(
     owner (which creates leases for finished requests), or just the owner."""
     config = config or ControlServerConfig()
     leases = owner if isinstance(owner, LeaseTable) else LeaseTable(owner)
-    handlers = ControlHandlers(local, leases, config, on_handshake)
-    return ControlServer(handlers, config).start()
+    return ControlServer(config).start(ControlHandlers(local, leases, config, on_handshake))

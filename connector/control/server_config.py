@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvbridge.connector.control.types import ControlLimits
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto.errors import ConfigError
 
 __all__ = ["MAX_TTL_CEILING_S", "ControlServerConfig"]
@@ -18,11 +19,8 @@ MAX_TTL_CEILING_S = 86_400.0
 class ControlServerConfig:
     """How the control server listens and what it allows (built once at the edge)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0
-    token: str | None = None
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """Where the server listens, the token callers must send, TLS."""
     max_workers: int = 8
     max_concurrent_rpcs: int = 256
     default_ttl_s: float = 30.0
@@ -39,14 +37,6 @@ class ControlServerConfig:
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
-        if self.token is not None and (
-            not self.token or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
         for knob in ("max_workers", "max_concurrent_rpcs"):
             if getattr(self, knob) < 1:
                 raise ConfigError(f"{knob} must be >= 1, got {getattr(self, knob)}")

@@ -15,7 +15,11 @@ for long:
 - before any worker has handshaken, the daemon has no pool and answers
   ``FAILED_PRECONDITION``: also a miss, logged at debug level;
 - every call carries the daemon's shared token (``token``), over TLS with
-  ``root_cert`` (:mod:`kvbridge.connector.offload.wire`).
+  ``root_cert`` (:mod:`kvbridge.connector.offload.wire`);
+- with tensor parallelism (``tp_size`` > 1) every rank stores and loads its own
+  slice of each block under its own key in the daemon, so one lookup asks every
+  rank (the calls run at once) and answers the shortest prefix: a block one
+  rank lacks is a miss for the whole request, never a load that mixes ranks.
 
 A hit is a hint: the worker's PrepareLoad pins what is really there and the
 load reports what it got; blocks that vanished in between are recomputed.
@@ -42,7 +46,8 @@ class OffloadLookupConfig:
     """Where the daemon is and how long the scheduler may wait for it."""
 
     address: str
-    tp_rank: int = 0
+    tp_size: int = 1
+    """The engine's tensor-parallel size: lookups ask ranks ``0 .. tp_size - 1``."""
     timeout_s: float = 0.5
     backoff_s: float = 2.0
     token: str | None = None
@@ -56,8 +61,8 @@ class OffloadLookupConfig:
             raise ConfigError(
                 f"OffloadLookupConfig.address {self.address!r} must be host:port of the daemon"
             )
-        if self.tp_rank < 0:
-            raise ConfigError(f"OffloadLookupConfig.tp_rank must be >= 0, got {self.tp_rank}")
+        if self.tp_size < 1:
+            raise ConfigError(f"OffloadLookupConfig.tp_size must be >= 1, got {self.tp_size}")
         if self.timeout_s <= 0:
             raise ConfigError(f"OffloadLookupConfig.timeout_s must be > 0, got {self.timeout_s}")
         if self.backoff_s < 0:
@@ -93,26 +98,26 @@ class OffloadLookup:
         return self.lookup(hashes)
 
     def lookup(self, hashes: Sequence[BlockHash]) -> int:
-        """Leading blocks of ``hashes`` the daemon holds committed; 0 on any failure."""
+        """Leading blocks of ``hashes`` the daemon holds committed for every TP rank; 0 on
+        any failure."""
         if not hashes or time.monotonic() < self._retry_at:
             return 0
-        import grpc
-
-        from kvbridge.connector.control.errors import error_from_rpc
         from kvbridge.proto import offload_pb2 as pb
 
         try:
-            try:
-                resp = self._stub.Lookup(
-                    pb.LookupRequest(hashes=list(hashes), tp_rank=self.config.tp_rank),
+            calls = [
+                self._stub.Lookup.future(
+                    pb.LookupRequest(hashes=list(hashes), tp_rank=rank),
                     timeout=self.config.timeout_s,
                     metadata=self._metadata,
                 )
-            except grpc.RpcError as err:
-                raise error_from_rpc(f"Lookup {self.config.address}", err) from None
-            hits = int(resp.num_hits)
-            if hits > len(hashes):
-                raise WireError(f"Lookup answered {hits} hits for {len(hashes)} hashes")
+                for rank in range(self.config.tp_size)
+            ]
+            try:
+                hits = min(self._hits(call, rank, len(hashes)) for rank, call in enumerate(calls))
+            finally:
+                for call in calls:
+                    call.cancel()  # the others, once one failed; a no-op on finished calls
         except KVBridgeError as exc:
             self._retry_at = time.monotonic() + self.config.backoff_s
             quiet = self._failing or getattr(exc, "code", "") == "FAILED_PRECONDITION"
@@ -127,6 +132,21 @@ class OffloadLookup:
         if self._failing:
             log.info("offload daemon at %s answers lookups again", self.config.address)
             self._failing = False
+        return hits
+
+    def _hits(self, call: Any, rank: int, asked: int) -> int:
+        import grpc
+
+        from kvbridge.connector.control.errors import error_from_rpc
+
+        try:
+            resp = call.result()
+        except grpc.RpcError as err:
+            where = f"Lookup {self.config.address}" + (f" (rank {rank})" if rank else "")
+            raise error_from_rpc(where, err) from None
+        hits = int(resp.num_hits)
+        if hits > asked:
+            raise WireError(f"Lookup answered {hits} hits for {asked} hashes")
         return hits
 
     def close(self) -> None:

@@ -69,13 +69,17 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.config import DEFAULT_MAX_CONCURRENT_LOADS, ConnectorConfig
 from kvbridge.connector.control.peers import refuse_plaintext_token
+from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+
+if TYPE_CHECKING:
+    from kvbridge.connector.offload.lookup import OffloadLookup
 
 __all__ = [
     "DEFAULT_CONTROL_PORT",
@@ -156,12 +160,9 @@ class VllmConnectorConfig:
     tls_key: bytes | None = None
 
     def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                "kv_connector_extra_config.tls_cert and tls_key go together: give both or neither"
-            )
-        if not 0 <= self.control_port <= 65535:
-            raise ConfigError(f"control_port {self.control_port} is outside 0..65535")
+        knobs = "kv_connector_extra_config.tls_cert and tls_key"
+        check_tls_pair(self.tls_cert, self.tls_key, knobs)
+        check_port(self.control_port, "control_port")
         if self.connector.produces and self.control_port == 0:
             raise ConfigError(
                 "kv_connector_extra_config.control_port is required for kv_producer/kv_both: "
@@ -253,6 +254,16 @@ class VllmConnectorConfig:
         }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
+
+    def offload_lookup(self, tp_size: int) -> OffloadLookup | None:
+        """The scheduler's lookup of the offload daemon (None without one). Each TP rank
+        stores and loads its own heads, so it asks for the blocks of all ``tp_size`` ranks."""
+        from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+
+        address, token = self.connector.offload_address, self.connector.token
+        return (
+            OffloadLookup(OffloadLookupConfig(address, tp_size, token=token)) if address else None
+        )
 
 
 def _events(extra: Mapping[str, Any]) -> tuple[str, str | None] | None:

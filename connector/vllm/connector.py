@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed import kv_events
@@ -45,13 +45,13 @@ from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.events import BlockRemoved, BlockStored
-from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
+from kvbridge.connector.offload.lookup import OffloadLookup
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
 from kvbridge.connector.vllm.kinds import check_vllm_model, layer_groups, vllm_groups
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
-from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler
+from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import ConfigError
@@ -179,7 +179,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._head_size = model.get_head_size()
         # vLLM keeps its hybrid KV cache manager on (SupportsHMA): a KV cache group kind
         # kvbridge cannot move is refused here, at startup
-        self._groups, windows = vllm_groups(kv_cache_config, _architecture(model))
+        self._groups, windows = vllm_groups(
+            kv_cache_config, _architecture(model), bool(self._cfg.connector.offload_address)
+        )
         self._kv_cache_config = kv_cache_config
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
@@ -193,7 +195,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 head_size=self._head_size,
                 block_size=self._block_size,
             )
-            self._lookup = self._offload_lookup()
+            self._lookup = self._cfg.offload_lookup(tp_size)
             self._relay = _offload_relay(self._cfg, vllm_config)
             self._scheduler = VllmScheduler(
                 self._cfg.connector,
@@ -220,11 +222,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 ),
             )
 
-    def _offload_lookup(self) -> OffloadLookup | None:
-        cc = self._cfg.connector
-        address = cc.offload_address
-        return OffloadLookup(OffloadLookupConfig(address, token=cc.token)) if address else None
-
     # ----- worker side ---------------------------------------------------------------------
     @property
     def worker(self) -> VllmWorker:
@@ -238,11 +235,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             head_size=self._head_size,
             block_size=self._block_size,
         )
-        if interior is not None:
-            name = self.worker.settings.model_name + packed_suffix(interior)
-            self.worker.settings = replace(self.worker.settings, model_name=name)
         groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, self._shares())
-        self.worker.register(views, groups)
+        self.worker.register(views, "" if interior is None else packed_suffix(interior), groups)
 
     def _shares(self) -> dict[str, str]:
         """Each KV-sharing layer's target (``kv_sharing_target_layer_name``), from vLLM's
@@ -372,4 +366,5 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             request.kv_transfer_params,
             block_ids,
             done,
+            kv_tokens(request.all_token_ids, request.num_computed_tokens) if done else None,
         )

@@ -16,7 +16,11 @@ objects into plain values. What differs in vLLM:
   hex strings on that side (:func:`to_json_params` / :func:`from_json_params`);
 - block names are kvbridge's own (:class:`~kvbridge.proto.hashing.BlockHasher`
   over the prompt's full blocks, computed only when the planner asks for
-  them), not vLLM's ``request.block_hashes``: see ``docs/VLLM.md`` ("Hashing").
+  them), not vLLM's ``request.block_hashes``: see ``docs/VLLM.md`` ("Hashing");
+- a finished request is named over every token whose KV it computed, its
+  generated tokens included, so the offload store takes the full blocks decode
+  completed too (a hand-over still names the prompt's blocks only: the names are
+  one chain, so the prompt's are a prefix of them).
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["HoldIssuer", "HoldOrder", "VllmScheduler", "to_json_params", "from_json_params"]
+__all__ = [
+    "HoldIssuer",
+    "HoldOrder",
+    "VllmScheduler",
+    "from_json_params",
+    "kv_tokens",
+    "to_json_params",
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +123,12 @@ def from_json_params(raw: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def kv_tokens(all_tokens: Sequence[int], num_computed: int) -> list[int]:
+    """The tokens whose KV a finished request's blocks hold: its prompt and every generated
+    token but the last (sampled, never fed back), or fewer if vLLM computed fewer."""
+    return list(all_tokens[: max(0, min(num_computed, len(all_tokens) - 1))])
+
+
 class HoldIssuer(LeaseIssuer):
     """The planner's lease issuer inside vLLM: a lease is an order to the worker.
 
@@ -167,12 +184,13 @@ class HoldIssuer(LeaseIssuer):
 
 
 class _PromptNames(Mapping[KVGroup, Sequence[BlockHash]]):
-    """``RequestView.block_hashes`` for a vLLM request: the prompt's full-block names,
-    hashed on first use only (most requests are never asked for them)."""
+    """``RequestView.block_hashes`` for a vLLM request: the full-block names of ``tokens``
+    (the prompt, or at the end every token with computed KV), hashed on first use only
+    (most requests are never asked for them)."""
 
-    def __init__(self, hasher: BlockHasher, prompt: Sequence[int]) -> None:
+    def __init__(self, hasher: BlockHasher, tokens: Sequence[int]) -> None:
         self._hasher = hasher
-        self._prompt = prompt
+        self._prompt = tokens
         self._names: tuple[BlockHash, ...] | None = None
 
     def __getitem__(self, group: KVGroup) -> Sequence[BlockHash]:
@@ -225,11 +243,13 @@ class VllmScheduler:
         prompt: Sequence[int],
         raw_params: Mapping[str, Any] | None,
         prompt_computed: bool = True,
+        named: Sequence[int] | None = None,
     ) -> RequestView:
+        """``named``: the tokens whose full blocks are named (default: the prompt)."""
         return RequestView(
             request_id=request_id,
             prompt_token_ids=prompt,
-            block_hashes=_PromptNames(self.hasher, prompt),
+            block_hashes=_PromptNames(self.hasher, prompt if named is None else named),
             kv_transfer_params=from_json_params(raw_params),
             prompt_computed=prompt_computed,
         )
@@ -286,11 +306,18 @@ class VllmScheduler:
         raw_params: Mapping[str, Any] | None,
         block_ids: Sequence[Sequence[int]] | Sequence[int],
         prompt_done: bool,
+        computed: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         """``(delay_free, kv_transfer_params)`` for a finished or aborted request (its block
         ids per KV cache group); ``prompt_done``: it finished normally with its whole prompt
-        computed."""
-        view = self._view(request_id, prompt, raw_params, prompt_done)
+        computed; ``computed``: the tokens whose KV its blocks hold, the prompt followed by
+        generated tokens (default: the prompt). Their full blocks are what an offload store
+        takes."""
+        n = len(prompt)
+        if computed is not None and (len(computed) < n or list(computed[:n]) != list(prompt)):
+            log.warning("request %s: its computed tokens do not extend its prompt", request_id)
+            computed = None
+        view = self._view(request_id, prompt, raw_params, prompt_done, computed)
         delay_free, params = self.planner.request_finished(view, self.by_group(block_ids))
         # a request put under a hold must keep its blocks until the worker reports the
         # lease over (done_sending): vLLM frees them at once otherwise

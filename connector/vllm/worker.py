@@ -2,10 +2,9 @@
 
 Runs in each vLLM worker process (the model runner). It imports no vLLM; the
 adapter (:mod:`kvbridge.connector.vllm`) hands it plain tensors, step plans and
-request ids. It is the composition root of kvbridge inside vLLM (the way
-:class:`kvbridge.worker.serving.node.Node` is for kvbridge's own engine), so it wires
-pieces from ``kvbridge.worker`` (NIXL and gRPC load only when the caches are
-registered):
+request ids. When vLLM registers its KV caches it builds the process's
+:class:`~kvbridge.connector.engine_side.EngineSide` (the same assembly as
+kvbridge's own serving node; NIXL and gRPC load only then):
 
 - one :class:`~kvbridge.connector.transport.nixl.NixlTransport` for the process;
 - decode: :class:`~kvbridge.connector.worker_side.KVBridgeWorker` runs each
@@ -21,9 +20,8 @@ registered):
   (:class:`_Sends`).
 
 The scheduler picks each lease's id (it must put it into
-``kv_transfer_params`` before the worker hears of the request), so the lease
-table here answers to that id: :class:`_NamedLeases` maps it to the table's
-own id.
+``kv_transfer_params`` before the worker hears of the request); the worker makes
+the lease under that id.
 """
 
 from __future__ import annotations
@@ -36,24 +34,25 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import HandOverDigests
-from kvbridge.connector.control.types import PeerInfo, Role
-from kvbridge.connector.vllm.holds import HeldRequests, NamedLeases
+from kvbridge.connector.vllm.holds import HeldRequests
 from kvbridge.connector.vllm.scheduler import HoldOrder
 from kvbridge.connector.vllm.stats import TransferStats
 from kvbridge.proto.errors import ConfigError, KVBridgeError
 from kvbridge.proto.layout import KVGroup, KVLayout
-from kvbridge.proto.types import BlockId, EngineId, RequestId
+from kvbridge.proto.types import BlockId, RequestId
 
 if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.base import LoadResult
-    from kvbridge.connector.control.client import ControlClient
+    from kvbridge.connector.control.leases import LeaseTable
     from kvbridge.connector.control.server import ControlServer
+    from kvbridge.connector.engine_side import EngineSide
+    from kvbridge.connector.server_options import ServerOptions
     from kvbridge.connector.transport.nixl import NixlTransport
     from kvbridge.connector.worker_side import KVBridgeWorker
 
-__all__ = ["VllmWorker", "WorkerSettings", "HeldRequests", "NamedLeases"]
+__all__ = ["VllmWorker", "WorkerSettings", "HeldRequests"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +88,17 @@ class WorkerSettings:
             raise ConfigError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         if self.control_port:  # every rank's port must exist
             rank_port(self.control_port, self.tp_size - 1)
+        _ = self.control_listen(None)  # building it checks the port and the TLS pair
+
+    def control_listen(self, token: str | None) -> ServerOptions:
+        """This rank's control port (``control_port + tp_rank``; 0: any free one)."""
+        from kvbridge.connector.control.peers import rank_port
+        from kvbridge.connector.server_options import ServerOptions
+
+        port = rank_port(self.control_port, self.tp_rank) if self.control_port else 0
+        return ServerOptions(
+            self.control_host, port, token, self.tls_cert, self.tls_key, port_knob="control_port"
+        )
 
 
 class VllmWorker:
@@ -98,10 +108,13 @@ class VllmWorker:
         self.config = config
         self.settings = settings
         self.layout: KVLayout | None = None
+        self.side: EngineSide | None = None
+        """kvbridge's side of this process (transport, loader, leases, control server),
+        built when vLLM registers its KV caches; the attributes below name its parts."""
         self.transport: NixlTransport | None = None
         self.loader: KVBridgeWorker | None = None
         self.held = HeldRequests()
-        self.leases: NamedLeases | None = None
+        self.leases: LeaseTable | None = None
         self.control: ControlServer | None = None
         self.results: dict[RequestId, LoadResult] = {}
         """The newest :data:`RESULTS_KEPT` load reports, oldest first, for stats; vLLM itself
@@ -114,76 +127,40 @@ class VllmWorker:
     def register(
         self,
         kv_caches: Mapping[str, torch.Tensor],
+        model_suffix: str = "",
         layer_groups: Mapping[str, KVGroup] | None = None,
     ) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C);
+        ``model_suffix`` tags the model name with how the views were cut from vLLM's pages
+        (``views.packed_suffix``), so only peers with the same pages negotiate;
         ``layer_groups``: each layer's kvbridge group (a hybrid model's; default ``self``)."""
-        from kvbridge.connector.control.peers import nixl_agent_name, rank_port
-        from kvbridge.connector.control.server import ControlServerConfig, serve
-        from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
-        from kvbridge.connector.worker_side import KVBridgeWorker
+        from kvbridge.connector.engine_side import EngineSide
 
         s = self.settings
         layout = KVLayout.from_tensors(
             kv_caches,
-            model_name=s.model_name,
+            model_name=s.model_name + model_suffix,
             block_size=s.block_size,
             layer_groups=layer_groups,
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
         )
-        # one agent name per rank: a reader of several ranks loads them all (heterogeneous TP)
-        agent = nixl_agent_name(self.config.engine_id, s.tp_rank, s.tp_size)
-        self.transport = NixlTransport(NixlConfig(name=agent))
-        self.loader = KVBridgeWorker(self.config, self.transport, self._client, self._peer_info)
-        self.loader.register_kv_caches(kv_caches, layout)
-        assert self.loader.memory is not None
-        self.layout = self.loader.memory.layout
-        if self.config.produces:
-            self.held.blocks_per_group = {g.name: g.num_blocks for g in layout.groups}
-            self.leases = NamedLeases(self.held, self.loader.seal)
-            self.loader.listen_for_releases(self.leases.release)
-            self.control = serve(
-                self._peer_info(self.layout),
-                self.leases,
-                ControlServerConfig(
-                    host=s.control_host,
-                    port=rank_port(s.control_port, s.tp_rank) if s.control_port else 0,
-                    token=self.config.token,
-                    tls_cert=s.tls_cert,
-                    tls_key=s.tls_key,
-                    default_ttl_s=self.config.lease_ttl_s,
-                    max_ttl_s=self.config.max_lease_ttl_s,
-                ),
-            )
+        produces = self.config.produces
+        side = EngineSide(
+            self.config,
+            control=s.control_listen(self.config.token) if produces else None,
+            tp_rank=s.tp_rank,
+            tp_size=s.tp_size,
+        )
+        self.side, self.transport, self.loader = side, side.transport, side.loader
+        side.loader.register_kv_caches(kv_caches, layout)
+        self.layout = side.layout
+        if produces:
+            self.held = HeldRequests({g.name: g.num_blocks for g in layout.groups})
+            self.leases = side.serve(self.held)
+            self.control = side.control
         log.info("kvbridge registered vLLM's KV cache: %s", self.layout.describe())
         return self.layout
-
-    def _peer_info(self, layout: KVLayout) -> PeerInfo:
-        assert self.transport is not None
-        return PeerInfo(
-            engine_id=EngineId(self.config.engine_id),
-            role=Role(self.config.role),
-            layout=layout,
-            agent_metadata=self.transport.metadata(),
-            control_address=self._own_address(),
-            seal_layout=None if self.loader is None else self.loader.seal_layout,
-        )
-
-    def _own_address(self) -> str:
-        """This rank's control address (the advertised one is rank 0's)."""
-        from kvbridge.connector.control.peers import rank_address
-
-        address, rank = self.config.control_address, self.settings.tp_rank
-        return rank_address(address, rank) if address and rank else address
-
-    def _client(self, address: str, tp_rank: int) -> ControlClient:
-        from kvbridge.connector.control.peers import dial_control
-
-        # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        # (rank 0's address is checked); the remote rank's port is derived from it, never
-        # read (the loader picks the rank from both TP sizes)
-        return dial_control(address, self.config, tp_rank)
 
     # ----- per step ------------------------------------------------------------------------
     def start_step(self, step: StepMetadata, holds: Sequence[HoldOrder]) -> None:
@@ -202,7 +179,14 @@ class VllmWorker:
             return
         self.held.hold(order.request_id, order.block_ids)
         try:
-            self.leases.create_named(order, self._digests(order))
+            self.leases.create(
+                order.blocks(),
+                ttl_s=order.ttl_s,
+                hashes=order.hashes(),
+                request_id=order.request_id,
+                lease_id=order.lease_id,
+                digests=self._digests(order),
+            )
         except Exception as exc:  # e.g. the table is full: decode recomputes, vLLM frees
             log.warning("request %s: could not lease its blocks (%s)", order.request_id, exc)
             self.held.release(order.request_id)
@@ -226,8 +210,6 @@ class VllmWorker:
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
         released = self.held.take_done()
-        if self.leases is not None:
-            self.leases.forget(released)
         stored: set[RequestId] = set()
         receiving: set[RequestId] = set()
         if self.loader is not None:
@@ -254,13 +236,9 @@ class VllmWorker:
         return set() if self.loader is None else self.loader.get_block_ids_with_load_errors()
 
     def close(self) -> None:
-        if self.control is not None:
-            self.control.close()
-        if self.loader is not None:
-            self.loader.close()
-        if self.transport is not None:
-            self.transport.close()
-        self.control = self.loader = self.transport = None
+        if self.side is not None:
+            self.side.close()
+        self.side = self.control = self.loader = self.transport = None
 
 
 class _Sends:

@@ -7,6 +7,8 @@
   (greedy output still depends on the first token of a 92-token prompt).
 - ``gemma4-wide``: ``gemma4`` with a larger head size (128) for the full-attention layers,
   as Gemma-4 has: only started (kvbridge refuses KV cache groups of different page shapes).
+- ``gemma4-kv2``: ``gemma4`` with 2 KV heads, so that TP=2 splits them (one per rank)
+  instead of replicating one.
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
   is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
@@ -93,12 +95,16 @@ Gemma-4's larger global head size vLLM 0.32 fails at startup whenever its hybrid
 manager is off (docs/VLLM.md, "KV-sharing layers")."""
 
 
-def _write_gemma4(path: Path, seed: int) -> None:
+def _write_gemma4(path: Path, seed: int, **overrides: Any) -> None:
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(seed)
-    Gemma4ForCausalLM(Gemma4TextConfig(**GEMMA4)).save_pretrained(str(path))
+    Gemma4ForCausalLM(Gemma4TextConfig(**{**GEMMA4, **overrides})).save_pretrained(str(path))
+
+
+def _write_gemma4_kv2(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, num_key_value_heads=2)
 
 
 def _write_gemma4_wide(path: Path, seed: int) -> None:
@@ -139,6 +145,7 @@ WRITERS = {
     "gemma3": write_gemma3,
     "gemma4": _write_gemma4,
     "gemma4-wide": _write_gemma4_wide,
+    "gemma4-kv2": _write_gemma4_kv2,
     "mamba": _write_mamba,
     "whisper": _write_whisper,
 }

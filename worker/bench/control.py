@@ -58,6 +58,7 @@ def _start_server(preset: str, blocks: int, token: str | None) -> Any:
     """Build a prefill-like control server whose pool caches ``bench_hashes(blocks)``."""
     from kvbridge.connector.control.server import ControlServerConfig, serve
     from kvbridge.connector.control.types import PeerInfo, Role
+    from kvbridge.connector.server_options import ServerOptions
     from kvbridge.proto.presets import preset_layout
     from kvbridge.proto.types import EngineId
     from kvbridge.worker.block_pool import BlockPool
@@ -71,7 +72,7 @@ def _start_server(preset: str, blocks: int, token: str | None) -> Any:
     pool.free(ids)
     owner = PoolBlockOwner({KVGroup.SELF: pool})
     local = PeerInfo(EngineId("bench-prefill"), Role.PREFILL, layout, agent_metadata=b"x" * 512)
-    return serve(local, owner, ControlServerConfig(token=token))
+    return serve(local, owner, ControlServerConfig(listen=ServerOptions(token=token)))
 
 
 def _child(conn: Connection, preset: str, blocks: int, token: str | None) -> None:

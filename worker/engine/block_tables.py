@@ -19,23 +19,17 @@ Every function that touches a pool is called with :attr:`Scheduler.lock` held.
 
 from __future__ import annotations
 
-from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.request import Request
 
 __all__ = [
-    "CROSS",
-    "GROUP",
     "allocate_cross",
     "blocks_needed",
     "cache_cross",
     "cross_fits",
     "fits",
 ]
-
-GROUP = KVGroup.SELF
-CROSS = KVGroup.CROSS
 
 
 def blocks_needed(num_prompt: int, max_tokens: int, block_size: int) -> int:

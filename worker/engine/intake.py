@@ -17,7 +17,7 @@ from kvbridge.proto.hashing import BlockHasher, ExtraKeys
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import RequestId
 from kvbridge.worker.block_pool import BlockPool
-from kvbridge.worker.engine.block_tables import CROSS, GROUP, blocks_needed
+from kvbridge.worker.engine.block_tables import blocks_needed
 from kvbridge.worker.engine.request import Request
 
 __all__ = ["check_request", "name_request"]
@@ -31,7 +31,7 @@ def check_request(
     block_size: int,
 ) -> None:
     """Raise :class:`ConfigError` for a request this engine could never run."""
-    has_cross = CROSS in pools
+    has_cross = KVGroup.CROSS in pools
     if has_cross != bool(encoder_input):
         raise ConfigError(
             "an encoder-decoder engine needs a non-empty encoder_input per request"
@@ -43,10 +43,10 @@ def check_request(
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
     need = blocks_needed(len(prompt), max_tokens, block_size)
-    if need > pools[GROUP].num_blocks:
+    if need > pools[KVGroup.SELF].num_blocks:
         raise ConfigError(
             f"a request of {len(prompt)} prompt tokens and max_tokens={max_tokens} needs "
-            f"{need} blocks; raise num_blocks (now {pools[GROUP].num_blocks})"
+            f"{need} blocks; raise num_blocks (now {pools[KVGroup.SELF].num_blocks})"
         )
 
 
@@ -64,10 +64,10 @@ def name_request(
     cross_hashes: list[Any] = []
     if encoder_input:
         n_cross = -(-len(encoder_input) // hasher.block_size)
-        if n_cross > pools[CROSS].num_blocks:
+        if n_cross > pools[KVGroup.CROSS].num_blocks:
             raise ConfigError(
                 f"an encoder input of {len(encoder_input)} positions needs {n_cross} cross "
-                f"blocks; raise num_cross_blocks (now {pools[CROSS].num_blocks})"
+                f"blocks; raise num_cross_blocks (now {pools[KVGroup.CROSS].num_blocks})"
             )
         encoder_hash = hasher.encoder_input_hash(encoder_input)
         cross_hashes = hasher.cross_block_hashes(encoder_hash, n_cross)

@@ -55,8 +55,6 @@ from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.types import BlockId, RequestId
 from kvbridge.worker.block_pool import BlockPool
 from kvbridge.worker.engine.block_tables import (
-    CROSS,
-    GROUP,
     allocate_cross,
     blocks_needed,
     cache_cross,
@@ -109,7 +107,7 @@ class Scheduler:
         self.lock = threading.Lock()
         """Guards every operation on :attr:`pools`."""
         self.pools: dict[KVGroup, BlockPool] = {
-            g.name: BlockPool(g.num_blocks, events=events if g.name == GROUP else None)
+            g.name: BlockPool(g.num_blocks, events=events if g.name == KVGroup.SELF else None)
             for g in layout.groups
         }
         self._waiting: deque[Request] = deque()
@@ -147,7 +145,7 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED
                 request.finish_reason = "abort"
                 if self.connector is not None:  # it may have pinned remote blocks already
-                    self.connector.request_finished(request.view(), {GROUP: []})
+                    self.connector.request_finished(request.view(), {KVGroup.SELF: []})
                 return request.output(())
         for request in self._running:
             if request.request_id == request_id:
@@ -172,7 +170,7 @@ class Scheduler:
             self._next_chunk(r) for r in self._running if r.status is RequestStatus.RUNNING
         )
         metadata = self.connector.build_connector_meta() if self.connector else StepMetadata()
-        loading_cross = {x.request_id for x in metadata.loads if x.local_ids.get(CROSS)}
+        loading_cross = {x.request_id for x in metadata.loads if x.local_ids.get(KVGroup.CROSS)}
         for r in self._running:
             if r.request_id in loading_cross:
                 r.cross_loading = True
@@ -231,10 +229,10 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         need = blocks_needed(num_prompt, request.max_tokens, n)
         candidates = request.block_hashes[: (num_prompt - 1) // n]
-        pool = self.pools[GROUP]
+        pool = self.pools[KVGroup.SELF]
         with self.lock:
             hits = pool.lookup_prefix(candidates)
-            if not fits(pool, hits, need) or not cross_fits(self.pools.get(CROSS), request):
+            if not fits(pool, hits, need) or not cross_fits(self.pools.get(KVGroup.CROSS), request):
                 return False
         num_local = len(hits) * n
         num_external, is_async = 0, False
@@ -255,20 +253,20 @@ class Scheduler:
             if (
                 pool.lookup_prefix(candidates[: len(hits)]) != hits
                 or not fits(pool, hits, need)
-                or not cross_fits(self.pools.get(CROSS), request)
+                or not cross_fits(self.pools.get(KVGroup.CROSS), request)
             ):
                 return False
             pool.touch(hits)
             request.block_ids = hits + pool.allocate(need - len(hits))
-            allocate_cross(self.pools.get(CROSS), request)
+            allocate_cross(self.pools.get(KVGroup.CROSS), request)
         request.blocks_local_hit = request.num_cached_blocks = len(hits)
         request.num_computed_tokens = num_local + num_external
         request.load_start_block = len(hits)
         request.load_end_block = -(-request.num_computed_tokens // n) if num_external else len(hits)
         if self.connector is not None:
-            tables = {GROUP: list(request.block_ids)}
+            tables = {KVGroup.SELF: list(request.block_ids)}
             if request.cross_hashes and not request.cross_ready:
-                tables[CROSS] = list(request.cross_block_ids)
+                tables[KVGroup.CROSS] = list(request.cross_block_ids)
             self.connector.update_state_after_alloc(request.view(), tables, num_external)
         if num_external:
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -289,7 +287,7 @@ class Scheduler:
     def _cross_done(self, request: Request, source: str) -> None:
         """The request's cross blocks now hold its cross K/V: cache them under their names."""
         with self.lock:
-            cache_cross(self.pools[CROSS], request, source)
+            cache_cross(self.pools[KVGroup.CROSS], request, source)
 
     def _next_chunk(self, request: Request) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -304,7 +302,7 @@ class Scheduler:
         whole = chunk.start % n == 0 and chunk.end - chunk.start == n
         if whole and k == request.num_cached_blocks and k < len(request.block_hashes):
             with self.lock:
-                self.pools[GROUP].cache_block(request.block_ids[k], request.block_hashes[k])
+                self.pools[KVGroup.SELF].cache_block(request.block_ids[k], request.block_hashes[k])
             request.num_cached_blocks += 1
 
     def _resume(self, request: Request) -> None:
@@ -316,7 +314,7 @@ class Scheduler:
         whole = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         with self.lock:
             for k in range(request.num_cached_blocks, whole):
-                self.pools[GROUP].cache_block(request.block_ids[k], request.block_hashes[k])
+                self.pools[KVGroup.SELF].cache_block(request.block_ids[k], request.block_hashes[k])
         request.num_cached_blocks = max(request.num_cached_blocks, whole)
 
     def _apply_load_errors(self, bad_blocks: Set[BlockId]) -> list[RequestOutput]:
@@ -359,9 +357,9 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         delay_free, params = False, None
         if self.connector is not None:
-            tables = {GROUP: list(request.block_ids)}
+            tables = {KVGroup.SELF: list(request.block_ids)}
             if request.cross_ready:
-                tables[CROSS] = list(request.cross_block_ids)
+                tables[KVGroup.CROSS] = list(request.cross_block_ids)
             delay_free, params = self.connector.request_finished(request.view(), tables)
         request.finished_params = params
         request.pending_send = delay_free
@@ -372,7 +370,7 @@ class Scheduler:
         if request.pending_send or request.pending_recv:
             return
         with self.lock:
-            self.pools[GROUP].free(request.block_ids)
+            self.pools[KVGroup.SELF].free(request.block_ids)
             if request.cross_block_ids:
-                self.pools[CROSS].free(request.cross_block_ids)
+                self.pools[KVGroup.CROSS].free(request.cross_block_ids)
         del self._held[request.request_id]

@@ -15,14 +15,13 @@ import argparse
 import logging
 import os
 import re
-import signal
 import sys
-import threading
-from types import FrameType
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
+from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 if TYPE_CHECKING:
@@ -209,16 +208,12 @@ def run(args: argparse.Namespace) -> int:
         layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
     config = OffloadConfig(
         capacity_bytes=capacity,
-        host=args.host,
-        port=args.port,
+        listen=auth.listen(args.host, args.port),
         layout=layout,
         order=None if args.order is None else parse_order(args.order),
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
         expired_grace_s=args.expired_grace,
-        token=auth.token,
-        tls_cert=auth.tls_cert,
-        tls_key=auth.tls_key,
         max_stores_per_writer=args.max_stores_per_writer,
         max_pinned_per_writer=args.max_pinned_per_writer,
         max_sessions=args.max_sessions,
@@ -232,52 +227,39 @@ def run(args: argparse.Namespace) -> int:
         else MetricsServerConfig(host=args.host, port=args.metrics_port)
     )
     warn_if_open(log, args.host, auth, "store and load blocks")
-    instance = new_instance()
-    stop = threading.Event()
-
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
     events_config = kv_events_from_args(args)
-    publisher, events = (
-        (None, None)
-        if events_config is None
-        else open_sink(events_config, MEDIUM_CPU, key_prefix=len(pool_key(0, b"")))
-    )
-    disk_events = None
-    if publisher is not None and config.disk_path is not None:
-        disk_events = storage_sinks(publisher, events_config)
-    previous = signal.signal(signal.SIGTERM, on_term)
-    metrics: MetricsServer | None = None
-    try:
-        with (
-            NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}")) as transport,
-            serve(
-                transport, config, instance=instance, events=events, disk_events=disk_events
-            ) as server,
-        ):
-            if metrics_config is not None:
-                metrics = MetricsServer(offload_registry(server.handlers.snapshot), metrics_config)
-            print(
-                f"kvbridge offload serve: daemon {instance} listening on {server.address}, "
-                f"capacity {config.capacity_bytes} bytes"
-                + (f", metrics on :{metrics.port}/metrics" if metrics else "")
-                + (f", KV events on {publisher.endpoint}" if publisher else ""),
-                flush=True,
-            )
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            log.info("stopping offload daemon on %s", server.address)
-    finally:
-        if metrics is not None:
-            metrics.close()
+
+    def start(stack: ExitStack) -> Ready:
+        instance = new_instance()
+        publisher, events = (
+            (None, None)
+            if events_config is None
+            else open_sink(events_config, MEDIUM_CPU, key_prefix=len(pool_key(0, b"")))
+        )
+        disk_events = None
         if publisher is not None:
-            publisher.close()
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+            stack.callback(publisher.close)
+            if config.disk_path is not None:
+                disk_events = storage_sinks(publisher, events_config)
+        transport = stack.enter_context(
+            NixlTransport(NixlConfig(f"kvbridge-offload-{instance[:12]}"))
+        )
+        server = stack.enter_context(
+            serve(transport, config, instance=instance, events=events, disk_events=disk_events)
+        )
+        metrics = None
+        if metrics_config is not None:
+            registry = offload_registry(server.handlers.snapshot)
+            metrics = stack.enter_context(MetricsServer(registry, metrics_config))
+        line = (
+            f"kvbridge offload serve: daemon {instance} listening on {server.address}, "
+            f"capacity {config.capacity_bytes} bytes"
+            + (f", metrics on :{metrics.port}/metrics" if metrics else "")
+            + (f", KV events on {publisher.endpoint}" if publisher else "")
+        )
+        return Ready(line, f"offload daemon on {server.address}")
+
+    return serve_until_stopped(start)
 
 
 def check_disk_dir(path: str) -> str:
@@ -332,15 +314,7 @@ def daemon_layout(name: str, block_size: int, tp_size: int, seed: int) -> KVLayo
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvbridge.worker.offload.cmd ARGS`` (the same as ``kvbridge offload serve``)."""
-    parser = argparse.ArgumentParser(prog="kvbridge")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["offload", "serve", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    code: int = args.func(args)
-    return code
+    return command_main(add_parser, ["offload", "serve"], argv)
 
 
 if __name__ == "__main__":

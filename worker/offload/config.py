@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from kvbridge.connector.control.server_config import MAX_TTL_CEILING_S
 from kvbridge.connector.control.types import ControlLimits
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVGroup, KVLayout, parse_order
 
@@ -26,19 +27,15 @@ class OffloadConfig:
     """The offload daemon's settings (built once at the edge: ``kvbridge offload serve``)."""
 
     capacity_bytes: int = 8 << 30
-    host: str = "127.0.0.1"
-    port: int = 0
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """Where the daemon listens, the token every call must carry (metadata
+    ``kvbridge-token``; a :class:`~kvbridge.connector.control.auth.TokenSet` from a token
+    file accepts each of its tokens, each a separate peer), TLS."""
     layout: KVLayout | None = None
     """Allocate the pool at start in this layout (block counts ignored); None: at the first
     (authenticated) handshake, in that worker's layout."""
     order: tuple[str, ...] | None = None
     """Pool order; None: block-outermost with the (first) worker's inner order."""
-    token: str | None = None
-    """Token every call must carry (metadata ``kvbridge-token``); None: no auth. A
-    :class:`~kvbridge.connector.control.auth.TokenSet` (a token file) accepts each of its
-    tokens, each a separate peer."""
-    tls_cert: bytes | None = None
-    tls_key: bytes | None = None
     default_ttl_s: float = 30.0
     max_ttl_s: float = 300.0
     reap_interval_s: float = 0.5
@@ -74,16 +71,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         if self.capacity_bytes < 1:
             raise ConfigError(f"capacity_bytes must be >= 1, got {self.capacity_bytes}")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port {self.port} is outside 0..65535 (0 picks a free port)")
         if self.order is not None:
             parse_order(self.order)
-        if self.token is not None and (
-            not self.token or not self.token.isascii() or not self.token.isprintable()
-        ):
-            raise ConfigError("token must be non-empty printable ASCII (it travels as metadata)")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
         if not (math.isfinite(self.max_ttl_s) and 0 < self.max_ttl_s <= MAX_TTL_CEILING_S):
             # a store or load holds pool memory; beyond a day nothing is still writing or
             # reading, and every TTL must fit the replies' millisecond fields

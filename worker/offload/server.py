@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbridge.connector.control.auth import accepted_tokens, caller_identity
 from kvbridge.connector.control.errors import call_handler
-from kvbridge.connector.control.grpc_server import ReapingServer, tls_credentials
+from kvbridge.connector.control.grpc_server import ReapingServer, ServedByReaping
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto import offload_pb2_grpc as pb_grpc
-from kvbridge.proto.closing import Closing
 from kvbridge.worker.offload.config import OffloadConfig
 from kvbridge.worker.offload.handlers import OffloadHandlers
 
@@ -46,7 +45,7 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
 
     def __init__(self, h: OffloadHandlers) -> None:
         self._h = h
-        self._tokens = accepted_tokens(h.config.token)
+        self._tokens = accepted_tokens(h.config.listen.token)
 
     def _as_caller(self, method: Callable[[Req, str], Resp], request: Req, context: Any) -> Resp:
         def as_caller(r: Req) -> Resp:
@@ -80,41 +79,26 @@ class _Servicer(pb_grpc.OffloadStoreServicer):
         return call_handler(self._h.stats, request, context)
 
 
-class OffloadServer(Closing):
+class OffloadServer(ServedByReaping):
     """A running ``OffloadStore`` gRPC server plus the reaper that expires dead stores/loads."""
 
     def __init__(self, handlers: OffloadHandlers) -> None:
         self.handlers = handlers
         config = handlers.config
-        self._grpc = ReapingServer(
-            name="offload",
-            host=config.host,
-            port=config.port,
-            max_workers=config.max_workers,
-            max_message_bytes=config.limits.max_message_bytes,
+        self._grpc = ReapingServer.for_config(
+            "offload",
+            config,
             register=lambda server: pb_grpc.add_OffloadStoreServicer_to_server(
                 _Servicer(handlers), server
             ),
             reap=handlers.expire,
-            reap_interval_s=config.reap_interval_s,
-            max_concurrent_rpcs=config.max_concurrent_rpcs,
-            credentials=tls_credentials(config.tls_cert, config.tls_key),
-            token=config.token,
             idle_timeout_s=config.idle_timeout_s,
         )
-        self.port = self._grpc.port
-
-    @property
-    def address(self) -> str:
-        return self._grpc.address
 
     def start(self) -> OffloadServer:
         self._grpc.start()
         log.info("offload daemon %s listening on %s", self.handlers.instance, self.address)
         return self
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return self._grpc.wait(timeout_s)
 
     def close(self, grace_s: float = 1.0) -> None:
         """Stop serving, stop the reaper, drop pending work and unregister the pool."""

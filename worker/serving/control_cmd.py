@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
-from pathlib import Path
-from types import FrameType
+from contextlib import ExitStack
 
 from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
-from kvbridge.worker.server_auth import read_auth
+from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
+from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 __all__ = ["add_parser", "run", "main"]
 
@@ -31,7 +29,6 @@ log = logging.getLogger(__name__)
 def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> None:  # type: ignore[type-arg]
     from kvbridge.proto.layout import ORDERS
     from kvbridge.proto.presets import PRESETS
-    from kvbridge.worker.server_auth import add_plaintext_argument
 
     p = sub.add_parser(
         name,
@@ -55,23 +52,13 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument("--engine-id", help="unique id of this process (default: HOST-PID)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")
-    auth = p.add_mutually_exclusive_group()
-    auth.add_argument("--token", help="shared token peers must send (visible in `ps`)")
-    auth.add_argument(
-        "--token-file",
-        type=Path,
-        help="read the token(s) from this file, one per line (each a peer)",
-    )
-    p.add_argument("--tls-cert", type=Path, help="PEM server certificate (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    add_plaintext_argument(p)
+    add_auth_arguments(p, callers="the control port", dials=False)
     p.add_argument("--default-ttl", type=float, default=30.0, help="lease TTL in s (default 30)")
     p.add_argument("--max-ttl", type=float, default=600.0, help="longest lease TTL in s")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.connector.control.peers import refuse_plaintext_token
     from kvbridge.connector.control.server import ControlServerConfig, serve
     from kvbridge.connector.control.types import PeerInfo, Role
     from kvbridge.proto.presets import preset_layout
@@ -88,64 +75,32 @@ def run(args: argparse.Namespace) -> int:
         tp_size=args.tp_size,
     )
     auth = read_auth(args)
-    token = auth.token
-    refuse_plaintext_token(
-        args.host,
-        token=bool(token),
-        tls=auth.tls_cert is not None,
-        accepted=args.insecure_plaintext_token,
-        flag="--insecure-plaintext-token",
-        tls_flags="--tls-cert/--tls-key",
-    )
+    warn_if_open(log, args.host, auth, "pin blocks and read their layout")
     config = ControlServerConfig(
-        host=args.host,
-        port=args.port,
-        token=token,
-        tls_cert=auth.tls_cert,
-        tls_key=auth.tls_key,
+        listen=auth.listen(args.host, args.port),
         default_ttl_s=args.default_ttl,
         max_ttl_s=args.max_ttl,
     )
     engine_id = EngineId(args.engine_id or f"{socket.gethostname()}-{os.getpid()}")
     owner = PoolBlockOwner({g.name: BlockPool(g.num_blocks) for g in layout.groups})
     local = PeerInfo(engine_id, Role(args.role), layout)
-    stop = threading.Event()
 
-    def on_term(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+    def start(stack: ExitStack) -> Ready:
+        server = stack.enter_context(serve(local, owner, config))
+        line = (
+            f"kvbridge serve-control: {engine_id} ({args.role}, {args.preset}, "
+            f"{' '.join(layout.order)}) listening on {server.address}"
+            + (" with TLS" if config.listen.tls else "")
+            + (" with token auth" if auth.token else "")
+        )
+        return Ready(line, f"control server on {server.address}")
 
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        with serve(local, owner, config) as server:
-            print(
-                f"kvbridge serve-control: {engine_id} ({args.role}, {args.preset}, "
-                f"{' '.join(layout.order)}) listening on {server.address}"
-                + (" with TLS" if config.tls_cert else "")
-                + (" with token auth" if token else ""),
-                flush=True,
-            )
-            try:
-                while not stop.wait(0.5):
-                    pass
-            except KeyboardInterrupt:
-                pass
-            log.info("stopping control server on %s", server.address)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0
+    return serve_until_stopped(start)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvbridge.worker.serving.control_cmd``: the same as ``kvbridge serve-control``."""
-    parser = argparse.ArgumentParser(prog="kvbridge")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["serve-control", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    code: int = args.func(args)
-    return code
+    return command_main(add_parser, ["serve-control"], argv)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
-"""The reference engine's KV memory as the control plane sees it.
+"""The reference engine's KV memory as the control plane and the planner see it.
 
 :class:`EngineBlockOwner` is the :class:`~kvbridge.connector.control.leases.BlockOwner`
-and the :class:`~kvbridge.connector.planner.LeaseIssuer` of a serving
-engine. Leases hold references of their own on the engine's pool blocks
-(``touch`` to pin, ``free`` to unpin), so a finished prefill request's blocks
-stay put while decode reads them, and become evictable — not wiped — when the
-lease is released or expires. Called from the scheduler thread and from the
-control server's threads; every pool operation holds the engine's lock.
+of a serving engine: the engine side's lease table
+(:class:`~kvbridge.connector.engine_side.EngineSide`) is built over it.
+:class:`EngineLeaseIssuer` is its :class:`~kvbridge.connector.handover.LeaseIssuer`,
+putting finished prefill requests under leases in that table. Leases hold references
+of their own on the engine's pool blocks (``touch`` to pin, ``free`` to unpin), so a
+finished prefill request's blocks stay put while decode reads them, and become
+evictable — not wiped — when the lease is released or expires. Called from the
+scheduler thread and from the control server's threads; every pool operation holds
+the engine's lock.
 """
 
 from __future__ import annotations
@@ -14,23 +17,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes, LeaseTable
-from kvbridge.connector.control.seal import SealTable
-from kvbridge.connector.planner import LeaseIssuer
+from kvbridge.connector.handover import LeaseIssuer
 from kvbridge.kernels import block_digests, digest_algo
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 from kvbridge.worker.engine import Engine
 
-__all__ = ["EngineBlockOwner"]
+__all__ = ["EngineBlockOwner", "EngineLeaseIssuer"]
 
 
-class EngineBlockOwner(BlockOwner, LeaseIssuer):
-    """Pins and unpins blocks in ``engine``'s pools for leases in ``leases``."""
+class EngineBlockOwner(BlockOwner):
+    """Pins and unpins blocks in ``engine``'s pools."""
 
-    def __init__(self, engine: Engine, lease_ttl_s: float, seal: SealTable | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._ttl_s = lease_ttl_s
-        self.leases = LeaseTable(self, seal=seal)
 
     def num_blocks(self, group: KVGroup) -> int:
         pool = self._engine.pools.get(group)
@@ -55,6 +55,15 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
             for group, ids in blocks.items():
                 self._engine.pools[group].free(ids)
 
+
+class EngineLeaseIssuer(LeaseIssuer):
+    """Leases ``engine``'s finished prefill requests in ``leases`` (whose owner pins them)."""
+
+    def __init__(self, engine: Engine, leases: LeaseTable, lease_ttl_s: float) -> None:
+        self._engine = engine
+        self._leases = leases
+        self._ttl_s = lease_ttl_s
+
     def verified_prefix(
         self, group: KVGroup, block_ids: Sequence[BlockId], hashes: Sequence[BlockHash]
     ) -> int:
@@ -76,11 +85,11 @@ class EngineBlockOwner(BlockOwner, LeaseIssuer):
             for group, ids in blocks.items():
                 self._engine.pools[group].touch(ids)
         try:
-            lease = self.leases.create(
+            lease = self._leases.create(
                 blocks, ttl_s=self._ttl_s, hashes=hashes, request_id=request_id
             )
         except BaseException:
-            self.unpin(blocks)
+            self._leases.owner.unpin(blocks)
             raise
         return lease.lease_id, self._ttl_s
 

@@ -16,14 +16,14 @@ from typing import Any, Protocol
 
 import grpc
 
-from kvbridge.connector.control.auth import TokenInterceptor
 from kvbridge.connector.control.errors import MalformedRequest
-from kvbridge.connector.control.grpc_server import LenientRequests
+from kvbridge.connector.control.grpc_server import new_server
 from kvbridge.connector.params import MAX_ID_CHARS
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto import codec
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto import engine_pb2_grpc as epb_grpc
-from kvbridge.proto.errors import ConfigError, KVBridgeError, WireError
+from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.worker.engine import RequestOutput
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "InferenceNode",
     "InferenceServicer",
     "inference_server",
-    "listen",
     "check_request_id",
     "MAX_PROMPT_TOKENS",
     "MAX_ENCODER_INPUT_BYTES",
@@ -44,48 +43,26 @@ MAX_ENCODER_INPUT_BYTES = 1 << 20
 def inference_server(
     servicer: InferenceServicer,
     *,
-    token: str | None,
+    options: ServerOptions,
     max_connection_idle_s: float,
     max_concurrent_requests: int,
 ) -> grpc.Server:
-    """The Inference gRPC server (not yet bound): token-checked, with bounded connections."""
+    """The Inference gRPC server (not yet bound: :func:`~kvbridge.connector.control.
+    grpc_server.bind` it to ``options``): token-checked, with bounded connections."""
     idle_ms = round(max_connection_idle_s * 1000)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(8, thread_name_prefix="kvb-infer"),
-        # LenientRequests: bytes that do not parse reach Generate as a MalformedRequest and
-        # are answered INVALID_ARGUMENT (gRPC alone would answer INTERNAL)
-        interceptors=[*([] if token is None else [TokenInterceptor(token)]), LenientRequests()],
-        options=[
-            ("grpc.so_reuseport", 0),  # a taken port is an error, not a shared one
+    server = new_server(
+        "infer",
+        options,
+        max_workers=8,
+        max_concurrent_rpcs=max_concurrent_requests,
+        grpc_options=[
             ("grpc.max_connection_idle_ms", idle_ms),  # idle clients are disconnected
             ("grpc.keepalive_time_ms", max(idle_ms // 2, 1000)),  # and dead ones found
             ("grpc.keepalive_timeout_ms", 20_000),
         ],
-        maximum_concurrent_rpcs=max_concurrent_requests,
     )
     epb_grpc.add_InferenceServicer_to_server(servicer, server)
     return server
-
-
-def listen(
-    server: grpc.Server, host: str, port: int, tls_cert: bytes | None, tls_key: bytes | None
-) -> int:
-    """Bind ``server`` (with TLS when given a certificate); ConfigError if the port is taken."""
-    bind = f"{host}:{port}"
-    bound: int
-    try:
-        if tls_cert is not None and tls_key is not None:
-            creds = grpc.ssl_server_credentials([(tls_key, tls_cert)])
-            bound = server.add_secure_port(bind, creds)
-        else:
-            bound = server.add_insecure_port(bind)
-    except RuntimeError:
-        bound = 0
-    if bound == 0:
-        raise ConfigError(
-            f"cannot listen on {bind}: address in use or not local; pick another --port"
-        )
-    return bound
 
 
 def check_request_id(request_id: str) -> str:

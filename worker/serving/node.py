@@ -3,8 +3,9 @@
 ``kvbridge serve --role prefill|decode|both`` runs one :class:`Node`:
 
 - the :class:`~kvbridge.worker.engine.Engine` stepping on its own thread,
-- kvbridge's connector halves around it (NIXL transport, control clients),
-- a ``PeerControl`` server (handshake, pins, leases) for peers that read our KV,
+- kvbridge's engine side around it (:class:`~kvbridge.connector.engine_side.EngineSide`:
+  NIXL transport, loader, lease table and a ``PeerControl`` server for peers that read
+  our KV, built as in vLLM's worker) and the planner (the scheduler half),
 - an ``Inference`` server that the router sends requests to.
 
 Requests cross from gRPC threads to the engine thread through a queue; the
@@ -20,33 +21,25 @@ import threading
 import time
 from concurrent import futures
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.client import ControlClient
-from kvbridge.connector.control.peers import dial_control
-from kvbridge.connector.control.server import ControlServer, ControlServerConfig, serve
-from kvbridge.connector.control.types import PeerInfo, Role
+from kvbridge.connector.control.grpc_server import bind
+from kvbridge.connector.control.server import ControlServer
+from kvbridge.connector.engine_side import EngineSide
 from kvbridge.connector.events import MEDIUM_GPU, KVEventsConfig, ZmqEventPublisher
 from kvbridge.connector.offload.lookup import OffloadLookup, OffloadLookupConfig
 from kvbridge.connector.planner import KVBridgePlanner
-from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
-from kvbridge.connector.worker_side import KVBridgeWorker
+from kvbridge.connector.server_options import ServerOptions
 from kvbridge.proto import engine_pb2 as epb
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import ConfigError, KVBridgeError
-from kvbridge.proto.layout import KVLayout
-from kvbridge.proto.types import EngineId, RequestId
+from kvbridge.proto.types import RequestId
 from kvbridge.worker.engine import Engine, EngineConfig, RequestOutput
 from kvbridge.worker.kv_events import open_sink
-from kvbridge.worker.serving.engine_owner import EngineBlockOwner
-from kvbridge.worker.serving.inference import (
-    GenerateResult,
-    InferenceServicer,
-    inference_server,
-    listen,
-)
+from kvbridge.worker.serving.engine_owner import EngineBlockOwner, EngineLeaseIssuer
+from kvbridge.worker.serving.inference import GenerateResult, InferenceServicer, inference_server
 from kvbridge.worker.serving.metrics import NodeMetrics
 
 __all__ = ["NodeConfig", "Node"]
@@ -60,14 +53,11 @@ class NodeConfig:
 
     engine: EngineConfig
     connector: ConnectorConfig
-    host: str = "127.0.0.1"
-    port: int = 0
-    """Inference API port (0: pick a free one)."""
+    listen: ServerOptions = field(default_factory=ServerOptions)
+    """The Inference port (0: pick a free one), the token callers must send, and the TLS
+    pair; the control server takes the same, on ``control_port``."""
     control_port: int = 0
     request_timeout_s: float = 120.0
-    tls_cert: bytes | None = None
-    """PEM certificate both servers (Inference, control) present; with ``tls_key``."""
-    tls_key: bytes | None = None
     max_connection_idle_s: float = 300.0
     """The Inference server closes connections idle this long."""
     max_concurrent_requests: int = 64
@@ -77,14 +67,15 @@ class NodeConfig:
     device: str = "cpu"
     """torch device of the engine's model and KV cache (``cpu``, ``cuda``, ``cuda:N``)."""
 
+    @property
+    def control_listen(self) -> ServerOptions:
+        """The control port: the Inference port's host, token and TLS on ``control_port``."""
+        return replace(self.listen, port=self.control_port, port_knob="control_port")
+
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device {self.device!r} must be cpu, cuda or cuda:N")
-        for knob in ("port", "control_port"):
-            if not 0 <= getattr(self, knob) <= 65535:
-                raise ConfigError(f"{knob} {getattr(self, knob)} is outside 0..65535")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("tls_cert and tls_key go together: give both or neither")
+        _ = self.control_listen  # building it checks the control port
         if self.max_connection_idle_s <= 0:
             raise ConfigError(
                 f"max_connection_idle_s must be > 0, got {self.max_connection_idle_s}"
@@ -115,31 +106,29 @@ class Node(Closing):
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        cc = config.connector
         with ExitStack() as built:
-            self.transport = NixlTransport(NixlConfig(name=cc.engine_id))
-            built.callback(self.transport.close)
+            # transport, loader, control port: the engine side, the same assembly as vLLM's
+            self.side = EngineSide(config.connector, control=config.control_listen)
+            built.callback(self.side.close)
+            cc = self.side.config  # with the control address peers find us at
+            self.transport = self.side.transport
+            self.worker_connector = self.side.loader
             self.scheduler_connector = KVBridgePlanner(cc, config.engine.block_size)
-            self.worker_connector = KVBridgeWorker(
-                cc, self.transport, self._client, self._peer_info
-            )
-            built.callback(self.worker_connector.close)
             self.kv_events: ZmqEventPublisher | None = None
             events = None
             if config.kv_events is not None:
                 self.kv_events, make_sink = open_sink(config.kv_events, MEDIUM_GPU, group_idx=0)
                 built.callback(self.kv_events.close)
                 events = make_sink(config.engine.block_size)
-            self.engine = Engine(
+            self.engine = Engine(  # registers its KV cache with the loader
                 config.engine,
                 connector_scheduler=self.scheduler_connector,
                 connector_worker=self.worker_connector,
                 events=events,
                 device=config.device,
             )
-            self.owner = EngineBlockOwner(self.engine, cc.lease_ttl_s, self.worker_connector.seal)
-            self.worker_connector.listen_for_releases(self.owner.leases.release)
-            self.metrics = NodeMetrics(lambda: len(self.owner.leases))
+            self.leases = self.side.serve(EngineBlockOwner(self.engine))
+            self.metrics = NodeMetrics(lambda: len(self.leases))
             # the scheduler asks the daemon on its own thread: a bounded lookup-only client
             # (as vLLM's scheduler uses): a hung daemon costs one short deadline, then a backoff
             self.offload_lookup = (
@@ -149,25 +138,11 @@ class Node(Closing):
             )
             if self.offload_lookup is not None:
                 built.callback(self.offload_lookup.close)
-            self.scheduler_connector.attach(self.owner, self.offload_lookup)
-            assert self.worker_connector.memory is not None
-            self.layout = self.worker_connector.memory.layout
-            self.control: ControlServer = serve(
-                self._peer_info(self.layout),
-                self.owner.leases,
-                ControlServerConfig(
-                    host=config.host,
-                    port=config.control_port,
-                    token=cc.token,
-                    tls_cert=config.tls_cert,
-                    tls_key=config.tls_key,
-                    default_ttl_s=cc.lease_ttl_s,
-                    max_ttl_s=cc.max_lease_ttl_s,
-                ),
-            )
-            built.callback(self.control.close)
-            # the address peers find us at goes into kv_transfer_params
-            self.scheduler_connector.config = _with_address(cc, self.control.address)
+            issuer = EngineLeaseIssuer(self.engine, self.leases, cc.lease_ttl_s)
+            self.scheduler_connector.attach(issuer, self.offload_lookup)
+            self.layout = self.side.layout
+            assert self.side.control is not None
+            self.control: ControlServer = self.side.control
             self._inbox: queue.Queue[_Submission] = queue.Queue()
             self._waiting: dict[RequestId, _Submission] = {}
             self._stop = threading.Event()
@@ -177,44 +152,27 @@ class Node(Closing):
             built.callback(self._stop_engine)
             self._grpc = inference_server(
                 InferenceServicer(self, config.request_timeout_s),
-                token=config.connector.token,
+                options=config.listen,
                 max_connection_idle_s=config.max_connection_idle_s,
                 max_concurrent_requests=config.max_concurrent_requests,
             )
             built.callback(lambda: self._grpc.stop(grace=0.5).wait())
-            self.port = listen(
-                self._grpc, config.host, config.port, config.tls_cert, config.tls_key
-            )
+            self.port = bind(self._grpc, config.listen, "; pick another --port")
             self._grpc.start()
             self._closer = built.pop_all()
         log.info(
             "%s (%s) serving requests on %s:%d%s, control on %s",
             cc.engine_id,
             cc.role,
-            config.host,
+            config.listen.host,
             self.port,
-            " with TLS" if config.tls_cert else "",
+            " with TLS" if config.listen.tls else "",
             self.control.address,
         )
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
-
-    # ----- wiring --------------------------------------------------------------------------
-    def _peer_info(self, layout: KVLayout) -> PeerInfo:
-        cc = self.config.connector
-        return PeerInfo(
-            engine_id=EngineId(cc.engine_id),
-            role=Role(cc.role),
-            layout=layout,
-            agent_metadata=self.transport.metadata(),
-            seal_layout=self.worker_connector.seal_layout,
-        )
-
-    def _client(self, address: str, tp_rank: int = 0) -> ControlClient:
-        # an address from kv_transfer_params is a claim: dial only peers the operator allowed
-        return dial_control(address, self.config.connector, tp_rank)
+        return f"{self.config.listen.host}:{self.port}"
 
     # ----- requests ------------------------------------------------------------------------
     def submit(
@@ -309,22 +267,16 @@ class Node(Closing):
             role=self.config.connector.role,
             free_blocks=free,
             total_blocks=total,
-            active_leases=len(self.owner.leases),
+            active_leases=len(self.leases),
             running_requests=len(self._waiting),
         )
 
     def close(self) -> None:
-        """Stop the Inference server, the engine thread, the control server, the
-        connector and the NIXL agent (the reverse of construction)."""
+        """Stop the Inference server, the engine thread, then the engine side (control
+        server, connector, NIXL agent): the reverse of construction."""
         self._closer.close()
 
     def _stop_engine(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         self._fail_all("server shutting down")
-
-
-def _with_address(cc: ConnectorConfig, address: str) -> ConnectorConfig:
-    from dataclasses import replace
-
-    return replace(cc, control_address=cc.control_address or address)

@@ -7,15 +7,13 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
 from contextlib import ExitStack
 from pathlib import Path
-from types import FrameType
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args
+from kvbridge.worker.run_loop import Ready, serve_until_stopped
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
 __all__ = [
@@ -299,12 +297,9 @@ def _run(args: argparse.Namespace) -> int:
             offload_verify=not args.no_offload_verify,
             verify_loads=args.verify_loads,
         ),
-        host=args.host,
+        listen=security.listen(args.host, args.port),
         device=args.device,
-        port=args.port,
         control_port=args.control_port,
-        tls_cert=security.tls_cert,
-        tls_key=security.tls_key,
         kv_events=kv_events_from_args(args),
     )
     metrics_config = (
@@ -312,14 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.metrics_port is None
         else MetricsServerConfig(host=args.host, port=args.metrics_port)
     )
-    stop = threading.Event()
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with ExitStack() as stack:
+    def start(stack: ExitStack) -> Ready:
         node = stack.enter_context(Node(config))
         ready = {"inference": node.address, "control": node.control.address, "engine_id": engine_id}
         if metrics_config is not None:
@@ -327,11 +316,6 @@ def _run(args: argparse.Namespace) -> int:
             ready["metrics"] = metrics.url
         if node.kv_events is not None:
             ready["kv_events"] = node.kv_events.endpoint
-        print(json.dumps(ready), flush=True)
-        if args.ready_file is not None:
-            tmp = args.ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(ready))
-            tmp.rename(args.ready_file)
-        stop.wait()
-        log.info("%s stopping", engine_id)
-    return 0
+        return Ready(json.dumps(ready), engine_id)
+
+    return serve_until_stopped(start, ready_file=args.ready_file)

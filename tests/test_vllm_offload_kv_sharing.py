@@ -1,0 +1,173 @@
+"""The CPU offload daemon with a KV-sharing model inside real vLLM (CPU).
+
+The tiny Gemma-4-style model (:mod:`tests.harness.tiny_models` ``gemma4``: 4 layers,
+the last two reading the KV of the first two). vLLM hands the connector the target layer's
+tensor under a sharing layer's name; kvbridge counts each tensor once, so a block is the
+pages of the 2 layers that own KV and the daemon's blocks are that size: the sharing layers
+own no memory and are never stored or loaded. A *writer* computes the prompts and stores
+their full blocks (those its generated tokens completed included); a fresh *reader* loads
+them from the daemon and must produce the writer's tokens. The same at TP=2 with
+``gemma4-kv2`` (2 KV heads, one per rank): every rank stores and loads its own. The
+engines run with vLLM's hybrid KV cache manager off (``--disable-hybrid-kv-cache-manager``):
+the daemon keeps one KV cache group's blocks, and kvbridge refuses offload with several.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.worker import vllm as harness
+from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
+from tests.harness.vllm import model_or_skip, write_tiny_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.extended,
+    pytest.mark.timeout(1200),
+]
+
+PROMPTS = [[5, *range(10, 100), 7 + i] for i in range(2)]  # 92 tokens: 2 full blocks + 28
+OTHER_FIRST = [9, *PROMPTS[0][1:]]
+MAX_TOKENS = 8  # 99 tokens with KV: the generated tokens complete a third block
+PAGE = 32 * 1 * 64 * 2 * 4  # one layer's page of a block: 1 KV head of 64, K and V, fp32
+
+
+def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, Any]]:
+    """A daemon and a writer (core 0) and reader (core 1) of the tiny ``kind`` model."""
+    model_or_skip(tmp)  # the venv
+    model = write_tiny_model(kind, tmp / kind)
+    with start_offload_daemon(tmp, 60, "64MiB") as daemon:
+        started = {
+            name: harness.Engine(
+                model,
+                core=core,
+                kv=harness.kv_config(
+                    "kvbridge",
+                    "kv_both",
+                    control_port=port + tp * core,
+                    offload_address=daemon.address,
+                    lease_ttl_s=20,
+                    load_timeout_s=10,
+                ),
+                log=tmp / f"{name}.log",
+                wait=False,
+                max_model_len=512,
+                startup_timeout_s=600.0,
+                log_stats=tp > 1,
+                tp=tp,
+                # the daemon keeps one KV cache group's blocks: kvbridge refuses offload
+                # with vLLM's hybrid KV cache groups, so they are turned off here
+                llm_args={"disable_hybrid_kv_cache_manager": True},
+            )
+            for core, name in enumerate(("writer", "reader"))
+        }
+        with harness.running(started) as ready:
+            yield {**ready, "daemon": daemon}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing")
+    yield from _pair(tmp, "gemma4", 25000 + (hash(str(tmp)) % 1000) * 2)
+
+
+@pytest.fixture(scope="module")
+def engines_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing-tp2")
+    yield from _pair(tmp, "gemma4-kv2", 27000 + (hash(str(tmp)) % 1000) * 4, tp=2)
+
+
+def _daemon_stats(address: str) -> dict[str, Any]:
+    import grpc
+
+    from kvbridge.proto import offload_pb2 as pb
+    from kvbridge.proto import offload_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+
+
+def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(
+    engines: dict[str, Any],
+) -> None:
+    writer, reader = engines["writer"], engines["reader"]
+    daemon: OffloadDaemonProcess = engines["daemon"]
+    expected = harness.tokens(writer.generate(PROMPTS, MAX_TOKENS))
+    assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
+    held = writer.call(cmd="drain", timeout_s=30)
+    assert held["blocks_in_use"] == 0 and held["requests"] == 0, held
+    stored = _daemon_stats(daemon.address)
+    # the daemon's block: the 2 layers that own KV, not 4
+    assert stored["block_bytes"] == 2 * PAGE, stored
+    # 2 shared prompt blocks, each prompt's third (completed by its generated tokens), and
+    # OTHER_FIRST's 3
+    assert stored["stored_blocks"] == 2 + len(PROMPTS) + 3, stored
+
+    before = set(reader.call(cmd="stats")["loads"])
+    got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
+    got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
+    assert got == expected
+    stats = reader.call(cmd="drain", timeout_s=30)
+    assert stats["layout"]["block_bytes"] == 2 * PAGE
+    loads = [v for k, v in stats["loads"].items() if k not in before]
+    # the first prompt's 2 full blocks; the second finds them in the reader's own cache
+    assert [(x["offloaded"], x["moved"], x["error"]) for x in loads] == [(2, 0, "")], loads
+    loaded = _daemon_stats(daemon.address)
+    assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2
+    assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * PAGE
+    assert stats["blocks_in_use"] == 0 and stats["requests"] == 0, stats
+
+
+def _metric(text: str, name: str, *, before: bool = False) -> float:
+    """The one sample of ``name``; 0 for a ``before`` snapshot taken before vLLM exported it."""
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
+    if before and not values:
+        return 0.0
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
+    engines_tp2: dict[str, Any],
+) -> None:
+    writer, reader = engines_tp2["writer"], engines_tp2["reader"]
+    daemon: OffloadDaemonProcess = engines_tp2["daemon"]
+    expected = harness.tokens(writer.generate(PROMPTS, MAX_TOKENS))
+    assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
+    held = writer.call(cmd="drain", timeout_s=30)
+    assert held["tp"] == 2 and held["blocks_in_use"] == 0 and held["requests"] == 0, held
+    stored = _daemon_stats(daemon.address)
+    # a rank's block: its 1 of the 2 KV heads in the 2 KV-owning layers
+    assert stored["block_bytes"] == 2 * PAGE, stored
+    assert stored["stored_blocks"] == 2 * (2 + len(PROMPTS) + 3), stored  # per rank
+
+    before = reader.call(cmd="metrics")["text"]
+    got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
+    got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
+    assert got == expected
+    after = reader.call(cmd="metrics")["text"]
+
+    def grew(name: str) -> float:
+        return _metric(after, name) - _metric(before, name, before=True)
+
+    for _ in range(3):  # vLLM publishes a step's connector stats with a later step
+        if grew("vllm:kvbridge_num_offloaded_blocks_total") >= 2 * 2:
+            break
+        reader.generate([[1, 2, 3, 4]], 1)
+        after = reader.call(cmd="metrics")["text"]
+    # the first prompt's 2 full blocks on each rank (a rank loads at most the 2 planned)
+    assert grew("vllm:kvbridge_num_offloaded_blocks_total") == 2 * 2
+    assert grew("vllm:kvbridge_xfer_time_seconds_count") == 2
+    assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
+    loaded = _daemon_stats(daemon.address)
+    assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2 * 2
+    assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * 2 * PAGE
+    held = reader.call(cmd="drain", timeout_s=30)
+    assert held["blocks_in_use"] == 0 and held["requests"] == 0, held
