@@ -154,6 +154,9 @@ class LoadResult:
     """The backend's own timing of the block READs, summed (NIXL telemetry, post to
     completion): the span vLLM's NixlConnector reports as its transfer time. None where the
     backend does not say; ``transfer_ms`` is the whole load (link, READs, proof, release)."""
+    link_ms: float = 0.0
+    """Of ``transfer_ms``, the time spent waiting for a new link to the peer (handshake and
+    the link's warm-up READ); 0 when the link was already made."""
     offload_bad_digest: int = 0
     """``self`` blocks read from the offload daemon whose bytes failed their writer's digest
     (re-read from the peer or recomputed, never used)."""

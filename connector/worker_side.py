@@ -30,7 +30,8 @@ from kvbridge.connector.base import (
     WorkerConnector,
 )
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import ReleaseListener, SealTable
+from kvbridge.connector.control.releases import ReleaseListener
+from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
@@ -111,6 +112,9 @@ class KVBridgeWorker(WorkerConnector):
             self.memory,
             kv_caches,
         )
+        if self.config.consumes and self.config.allowed_peers:
+            # the peers the operator named: linked now, so no load waits for the first link
+            self._remote.connect_to(self.config.allowed_peers)
         if self.config.offload_address:
             from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
 

@@ -8,13 +8,15 @@ counts links, since the peers here have no KV memory to connect to.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
 from kvbridge.connector import BlockLoad
 from kvbridge.connector.control import ControlClient, ControlServer, PeerInfo, Role, serve
+from kvbridge.connector.control.seal import seal_layout
 from kvbridge.connector.load import LinkCache, Peer
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.proto import (
@@ -51,6 +53,26 @@ class LinkCounter:
             self.disconnected += 1
 
 
+class WarmCounter:
+    """Stands in for the seal reader: links to seal tables through ``links`` and records
+    each warm-up READ (which link, and how many links existed when it ran)."""
+
+    def __init__(self, links: LinkCounter, fail: int = 0) -> None:
+        self.links = links
+        self.fail = fail
+        self.warmed: list[tuple[object, int]] = []
+
+    def connect(self, engine: str, metadata: bytes, layout: KVLayout) -> object:
+        return self.links.connect(engine, metadata, layout, None)
+
+    def warm(self, link: object, timeout_s: float) -> float:
+        if self.fail:
+            self.fail -= 1
+            raise TransferTimeoutError("warm-up READ refused by the test")
+        self.warmed.append((link, len(self.links.connected)))
+        return 0.001
+
+
 @dataclass
 class Prefill:
     """A real control server whose handshakes a test can hold, refuse and count."""
@@ -61,10 +83,15 @@ class Prefill:
     arrived: threading.Event = field(default_factory=threading.Event)
     refuse: int = 0
     handshakes: int = 0
+    seals: bool = False
+    """Whether it publishes a lease seal table (its links are then warmed)."""
 
     def __post_init__(self) -> None:
         self.gate.set()
-        self.server = serve(peer(LAYOUT, self.engine, Role.PREFILL), FakeOwner(LAYOUT), None, self)
+        info = peer(LAYOUT, self.engine, Role.PREFILL)
+        if self.seals:
+            info = replace(info, seal_layout=seal_layout(8))
+        self.server = serve(info, FakeOwner(LAYOUT), None, self)
 
     def __call__(self, remote: PeerInfo, negotiation: Negotiation) -> None:
         self.handshakes += 1
@@ -86,6 +113,19 @@ def prefills() -> Iterator[dict[str, Prefill]]:
     for p in started.values():
         p.gate.set()
         p.server.close()
+
+
+def _cache(counter: LinkCounter, seals: WarmCounter | None = None) -> LinkCache:
+    return LinkCache(
+        counter,  # type: ignore[arg-type]
+        lambda address, rank: ControlClient(address, timeout_s=5.0),
+        lambda layout: peer(layout, "decode-0", Role.DECODE),
+        LocalMemory(1, LAYOUT, "cpu"),
+        {},
+        seals,  # type: ignore[arg-type]
+        max_handshakes=4,
+        handshake_wait_s=WAIT_S,
+    )
 
 
 @pytest.fixture
@@ -188,3 +228,69 @@ def test_a_load_waits_for_a_handshake_no_longer_than_its_deadline(
         a.gate.set()
         cache.close()  # waits for the held handshake, then drops its link
     assert counter.disconnected == len(counter.connected)
+
+
+def test_a_new_link_is_warmed_by_a_seal_read_before_any_load_gets_it() -> None:
+    """The first READ over a new NIXL link pays UCX's endpoint wireup (measured 25-350 ms);
+    the link's own warm-up READ of a seal slot pays it inside the handshake instead."""
+    a = Prefill("prefill-a", seals=True)
+    counter = LinkCounter()
+    seals = WarmCounter(counter)
+    cache = _cache(counter, seals)
+    try:
+        got, cached = cache.get(a.load())
+        assert not cached and got.seal_link is not None
+        # one warm-up, on the seal link, once both links were made, before get() returned
+        assert seals.warmed == [(got.seal_link, 2)]
+        assert got.warm_ms is not None
+        cache.get(a.load("r2"))
+        assert len(seals.warmed) == 1  # a cached link is not warmed again
+    finally:
+        cache.close()
+        a.server.close()
+    assert counter.disconnected == len(counter.connected) == 2
+
+
+def test_a_failed_warm_up_fails_the_handshake_and_leaves_no_link() -> None:
+    a = Prefill("prefill-a", seals=True)
+    counter = LinkCounter()
+    cache = _cache(counter, WarmCounter(counter, fail=1))
+    try:
+        with pytest.raises(TransferTimeoutError, match="warm-up READ refused"):
+            cache.get(a.load())
+        assert counter.disconnected == len(counter.connected) == 2  # both links undone
+        _, cached = cache.get(a.load())  # the next load links again
+        assert not cached and a.handshakes == 2
+    finally:
+        cache.close()
+        a.server.close()
+
+
+def test_an_allowed_peer_is_linked_at_start_so_its_first_load_finds_the_link(
+    links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
+) -> None:
+    cache, counter = links
+    a = prefills["prefill-a"]
+    cache.connect_address(a.server.address, lambda tp_size: [0])
+    deadline = time.monotonic() + WAIT_S
+    while not counter.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counter.connected == ["prefill-a"]
+    peer_a, cached = cache.get(a.load())
+    assert cached, "the first load made its own link"
+    assert peer_a.address == a.server.address
+
+
+def test_an_allowed_peer_that_refuses_at_first_is_tried_again_and_linked_before_its_loads(
+    links: tuple[LinkCache, LinkCounter], prefills: dict[str, Prefill]
+) -> None:
+    cache, counter = links
+    a = prefills["prefill-a"]
+    a.refuse = 1  # e.g. still starting: the first early handshake fails
+    cache.connect_address(a.server.address, lambda tp_size: [0])
+    deadline = time.monotonic() + WAIT_S
+    while not counter.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counter.connected == ["prefill-a"]
+    _, cached = cache.get(a.load())
+    assert cached and a.handshakes == 3  # refused, then one to learn the engine, one to link

@@ -46,7 +46,7 @@ from kvbridge.connector.control.peers import (
     rank_address,
     rank_port,
 )
-from kvbridge.connector.control.seal import ReleaseListener, parse_release, release_message
+from kvbridge.connector.control.releases import ReleaseListener, parse_release, release_message
 from kvbridge.connector.load import LinkCache
 from kvbridge.connector.transport import LocalMemory
 from kvbridge.connector.vllm.config import VllmConnectorConfig
@@ -424,9 +424,14 @@ class FakeSeals:
     def __init__(self, holds: dict[int, bool]) -> None:
         self._holds = holds
         self.released: list[int] = []
+        self.calls: list[list[int]] = []
+        """The seal links of each holds_all call."""
 
-    def holds(self, link: int, lease_id: str, digest: bytes, timeout_s: float) -> bool:
-        return self._holds[link]
+    def holds_all(
+        self, links: list[int], lease_id: str, digest: bytes, timeout_s: float
+    ) -> list[bool]:
+        self.calls.append(list(links))
+        return [self._holds[link] for link in links]
 
     def release(self, link: int, lease_id: str, reader: int = 0, readers: int = 1) -> None:
         self.released.append(link)
@@ -436,7 +441,8 @@ class FakeLinks:
     """Stands in for LinkCache: a peer per rank whose seal link is the rank."""
 
     def get(self, load: BlockLoad, rank: int) -> tuple[object, bool]:
-        return dataclasses.make_dataclass("P", ["rank", "seal_link"])(rank, rank), True
+        peer = dataclasses.make_dataclass("P", ["rank", "link", "seal_link"])
+        return peer(rank, rank, rank), True
 
 
 @pytest.mark.parametrize(
@@ -456,9 +462,9 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
     seals, reads = FakeSeals(holds), []
 
-    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
-        reads.append(peer.rank)
-        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+    def read(requests: list[Any]) -> list[ReadFigures]:
+        reads.append([r.link for r in requests])
+        return [ReadFigures(len(r.local) * 8, len(r.local), len(r.local), 0.001) for r in requests]
 
     result = load_from_ranks(
         load,
@@ -471,8 +477,8 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     )
     assert result.blocks_moved == moved and seals.released == released
     assert result.bad_block_ids == (() if moved else ids["self"])
-    if seal:
-        assert reads == [0, 1]  # every rank's blocks before any seal
+    if seal:  # every rank's slices posted in one go, then every rank's seal in one go
+        assert reads == [[0, 1]] and seals.calls == [[0, 1]]
 
 
 def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unverified() -> None:
@@ -493,9 +499,9 @@ def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unver
     )
     seals, reads = FakeSeals({0: True, 1: True}), []
 
-    def read(peer: Any, group: str, local: list[BlockId], remote: list[BlockId]) -> ReadFigures:
-        reads.append(peer.rank)
-        return ReadFigures(len(local) * 8, len(local), len(local), 0.001)
+    def read(requests: list[Any]) -> list[ReadFigures]:
+        reads.append([r.link for r in requests])
+        return [ReadFigures(len(r.local) * 8, len(r.local), len(r.local), 0.001) for r in requests]
 
     result = load_from_ranks(
         load,

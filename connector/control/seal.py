@@ -1,8 +1,8 @@
 """Lease seals: a one-sided proof that leased blocks were not reused while a peer read them.
 
-Both ends live here: the owner's :class:`SealTable` and :class:`ReleaseListener`
-(beside its lease table), and the reader's :class:`SealReader` (decode's worker
-half).
+Both ends live here: the owner's :class:`SealTable` (beside its lease table)
+and the reader's :class:`SealReader` (decode's worker half); leases given back
+by notification are :mod:`kvbridge.connector.control.releases`.
 
 The owner of leased blocks (a prefill's control server, in kvbridge's node or
 in vLLM's worker) keeps a small table in NIXL-registered memory. While a lease
@@ -27,10 +27,7 @@ seal it expects knows three things without a control RPC:
 Anything else (no slot, another seal, a READ error) sends the load to the slow
 path, where the owner names the blocks over the control plane. A good seal lets
 the load finish without a control RPC; the reader then gives the lease back by
-a NIXL notification (:func:`release_message`), which costs no round trip, and
-the owner's :class:`ReleaseListener` releases it. A notification is only a hint
-to free early: a forged one can end a lease sooner, which makes its reader
-recompute, never read reused blocks.
+a NIXL notification, which costs no round trip (:mod:`.releases`).
 
 The table itself is described by a tiny :class:`KVLayout` (``seal_layout``:
 one group ``seal``, 64 bytes per "block") so the transport moves it like any
@@ -43,26 +40,23 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from kvbridge.connector.control.releases import release_message
 from kvbridge.proto.errors import KVBridgeError, LayoutError, OutOfBlocksError
 from kvbridge.proto.layout import GroupSpec, KVGroup, KVLayout, LayerSpec, ModelSpec
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId
+from kvbridge.proto.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.connector.transport.base import PeerLink, Transport
+    from kvbridge.connector.transport.base import PeerLink, TransferHandle, Transport
 
 __all__ = [
     "PROBES",
-    "RELEASE_PREFIX",
-    "ReleaseListener",
     "SealReader",
-    "MAX_READERS",
-    "parse_release",
-    "release_message",
     "SEAL_BYTES",
     "SEAL_GROUP",
     "SealTable",
@@ -81,6 +75,9 @@ SEAL_GROUP = KVGroup.SELF
 PROBES = 4
 """A lease's seal sits in one of the ``PROBES`` slots after its home slot."""
 _MODEL = "kvbridge-seal-v1"
+RANKS_AT_ONCE = 8
+"""Owners whose seals one :meth:`SealReader.holds_all` READs at once (scratch is sized so
+that every concurrent load can)."""
 
 log = logging.getLogger(__name__)
 
@@ -199,46 +196,12 @@ class SealTable:
             return len(self._taken)
 
 
-RELEASE_PREFIX = b"kvbridge-release\0"
-_RELEASE = re.compile(rb"([0-9a-f]{32})(?:/([0-9]{1,4})/([0-9]{1,4}))?")
-MAX_READERS = 1024
-"""Most readers one release may name (decode TP ranks reading one prefill rank)."""
-MAX_PARTIAL = 4096
-"""Leases with some but not all of their readers' releases that a listener remembers."""
-
-
-def release_message(lease_id: str, reader: int = 0, readers: int = 1) -> bytes:
-    """The notification that gives a lease back; ``reader`` of ``readers`` when several
-    decode ranks read one lease (heterogeneous TP): the owner releases once every one of
-    them has (or the lease expires)."""
-    if readers == 1:
-        return RELEASE_PREFIX + lease_id.encode()
-    if not 0 <= reader < readers <= MAX_READERS:
-        raise ValueError(f"reader {reader} of {readers} is not a reader")
-    return RELEASE_PREFIX + f"{lease_id}/{reader}/{readers}".encode()
-
-
-def parse_release(message: bytes) -> tuple[str, int, int] | None:
-    """``(lease id, reader, readers)`` of a release notification; None if it is none."""
-    if not message.startswith(RELEASE_PREFIX):
-        return None
-    m = _RELEASE.fullmatch(message[len(RELEASE_PREFIX) :])
-    if m is None:
-        return None
-    if m.group(2) is None:
-        return m.group(1).decode(), 0, 1
-    reader, readers = int(m.group(2)), int(m.group(3))
-    if not 0 <= reader < readers <= MAX_READERS:
-        return None
-    return m.group(1).decode(), reader, readers
-
-
 class SealReader:
     """Decode's side: scratch slots and seal checks; thread-safe (loads run in a pool)."""
 
     def __init__(self, transport: Transport, max_concurrent: int) -> None:
         self.transport = transport
-        layout = seal_layout(PROBES * max(1, max_concurrent))
+        layout = seal_layout(PROBES * RANKS_AT_ONCE * max(1, max_concurrent))
         self._caches = layout.allocate("cpu")
         (tensor,) = self._caches.values()
         self._slots = slot_rows(tensor, layout.groups[0].num_blocks)
@@ -261,30 +224,90 @@ class SealReader:
         """READ the lease's probe slots from the owner; True if one holds exactly the
         expected seal. Any failure is False (the caller takes the slow path).
         ``meanwhile`` runs while the seal READ is in flight (it must not raise)."""
+        return self.holds_all([link], lease_id, digest, timeout_s, meanwhile)[0]
+
+    def holds_all(
+        self,
+        links: Sequence[PeerLink],
+        lease_id: str,
+        digest: bytes,
+        timeout_s: float,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> list[bool]:
+        """:meth:`holds` for the same lease at several owners (the TP ranks of one engine),
+        every seal READ posted before the first is waited for (at most
+        :data:`RANKS_AT_ONCE` at a time)."""
+        if len(links) > RANKS_AT_ONCE:
+            head = self.holds_all(links[:RANKS_AT_ONCE], lease_id, digest, timeout_s, meanwhile)
+            return head + self.holds_all(links[RANKS_AT_ONCE:], lease_id, digest, timeout_s)
         try:
             want = expected_seal(lease_id, digest)
         except ValueError:
-            return False
+            return [False] * len(links)
+        n = PROBES * len(links)
         with self._lock:
-            if len(self._free) < PROBES:
+            if len(self._free) < n:
                 raise OutOfBlocksError("no free seal scratch slots (more loads than configured)")
-            mine, self._free = self._free[:PROBES], self._free[PROBES:]
+            mine, self._free = self._free[:n], self._free[n:]
+        handles: list[TransferHandle | None] = []
         try:
-            remote = probe_slots(lease_id, link.remote_layout.groups[0].num_blocks)
-            handle = self.transport.read_blocks(link, SEAL_GROUP, mine, remote, timeout_s=timeout_s)
+            for i, link in enumerate(links):
+                remote = probe_slots(lease_id, link.remote_layout.groups[0].num_blocks)
+                slots = mine[i * PROBES : (i + 1) * PROBES]
+                try:
+                    handles.append(
+                        self.transport.read_blocks(
+                            link, SEAL_GROUP, slots, remote, timeout_s=timeout_s
+                        )
+                    )
+                except KVBridgeError as exc:
+                    log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
+                    handles.append(None)
+            if meanwhile is not None:
+                meanwhile()
+            held = []
+            for i, handle in enumerate(handles):
+                if handle is None:
+                    held.append(False)
+                    continue
+                try:
+                    handle.wait(timeout_s)
+                except KVBridgeError as exc:
+                    log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
+                    held.append(False)
+                    continue
+                slots = mine[i * PROBES : (i + 1) * PROBES]
+                held.append(any(self._slots[s].numpy().tobytes() == want for s in slots))
+            return held
+        finally:
+            for handle in handles:
+                if handle is not None:
+                    handle.release()
+            with self._lock:
+                self._free.extend(mine)
+
+    def warm(self, link: PeerLink, timeout_s: float) -> float:
+        """READ one of the peer's seal slots and throw it away: a new link's first transfer
+        pays UCX's endpoint wireup (tens to hundreds of ms on a busy peer, which must
+        progress it), and this makes the handshake pay it instead of the first loads. The
+        KV link to the same peer shares the endpoint. Seconds it took; raises on failure."""
+        with self._lock:
+            if not self._free:
+                raise OutOfBlocksError("no free seal scratch slot for the link warm-up")
+            mine = self._free.pop()
+        t0 = time.perf_counter()
+        try:
+            handle = self.transport.read_blocks(
+                link, SEAL_GROUP, [mine], [BlockId(0)], timeout_s=timeout_s
+            )
             try:
-                if meanwhile is not None:
-                    meanwhile()
                 handle.wait(timeout_s)
             finally:
                 handle.release()
-            return any(self._slots[s].numpy().tobytes() == want for s in mine)
-        except KVBridgeError as exc:
-            log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
-            return False
         finally:
             with self._lock:
-                self._free.extend(mine)
+                self._free.append(mine)
+        return time.perf_counter() - t0
 
     def release(self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1) -> None:
         """Give a lease back without a round trip (best effort: unsent, it expires); as
@@ -296,66 +319,3 @@ class SealReader:
 
     def close(self) -> None:
         self.transport.unregister(self.memory)
-
-
-class ReleaseListener:
-    """The owner's side: a thread that releases the leases peers' notifications name.
-
-    A release naming ``readers > 1`` (decode ranks sharing one lease) releases the lease
-    only once that many distinct readers sent theirs; at most ``MAX_PARTIAL`` such leases
-    are remembered (the oldest forgotten: it then expires). Counting is a performance
-    matter only: a reader whose seal no longer holds asks the owner and recomputes.
-    """
-
-    def __init__(
-        self,
-        transport: Transport,
-        release: Callable[[LeaseId], object],
-        interval_s: float = 0.005,
-    ) -> None:
-        self._transport = transport
-        self._release = release
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._partial: dict[str, set[int]] = {}
-        """Readers heard from, per lease still waiting for others (listener thread only)."""
-        self._thread = threading.Thread(target=self._run, name="kvb-release", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                notes = self._transport.poll_notifications()
-            except KVBridgeError as exc:
-                log.debug("polling notifications: %s", exc)
-                continue
-            for peer, messages in notes.items():
-                for message in messages:
-                    parsed = parse_release(message)
-                    if parsed is None:
-                        log.debug("ignoring a notification from %s", peer)
-                        continue
-                    lease = self._complete(*parsed)
-                    if lease is None:
-                        continue
-                    try:
-                        self._release(LeaseId(lease))
-                    except Exception:  # the listener must outlive one bad release
-                        log.exception("releasing lease %s for %s failed", lease, peer)
-
-    def _complete(self, lease: str, reader: int, readers: int) -> str | None:
-        """``lease`` once all of its readers released it, else None."""
-        if readers == 1:
-            return lease
-        seen = self._partial.pop(lease, set())  # re-inserted last: the oldest go first
-        seen.add(reader)
-        if len(seen) >= readers:
-            return lease
-        self._partial[lease] = seen
-        while len(self._partial) > MAX_PARTIAL:
-            del self._partial[next(iter(self._partial))]
-        return None
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()

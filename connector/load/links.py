@@ -3,8 +3,10 @@
 :class:`LinkCache` belongs to :class:`~kvbridge.connector.load.RemoteLoader`
 and is used from its load threads. A link is made once per engine (handshake
 over gRPC, then ``Transport.connect`` to the peer's KV memory and, if it
-publishes one, to its lease seal table) and reused while the engine answers at
-the same address. The handshake runs on a small pool of its own (at most
+publishes one, to its lease seal table, warmed by one READ of a seal slot so that
+UCX's endpoint wireup is paid here, not by the first loads) and reused while the
+engine answers at the same address. Peers the operator named are linked at
+start (:meth:`LinkCache.connect_address`). The handshake runs on a small pool of its own (at most
 ``max_handshakes`` at once), started by :meth:`LinkCache.connect_ahead` as soon
 as a step names a new engine; every load from that engine waits for that one
 handshake, and a slow engine never holds up loads from the others. An address
@@ -24,9 +26,10 @@ order (registered once per order) that blocks land in before conversion.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -43,7 +46,7 @@ from kvbridge.proto.errors import (
 )
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, source_ranks
-from kvbridge.proto.types import BlockId, EngineId
+from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 ClientFactory = Callable[[str, int], "ControlClient"]
 """``(rank-0 address, remote TP rank)`` → a client for that rank's control port."""
 
+EARLY_LINK_TRIES = 20
+"""Handshakes tried with a peer named at start (pauses 0.5 s doubling to 5 s: ~1.5 min)."""
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
 
@@ -104,6 +109,9 @@ class Peer:
     """To the peer's lease seal table, if it publishes one (the no-RPC load)."""
     rank: int = 0
     """The peer's TP rank (its control port is the rank-0 address's port + ``rank``)."""
+    warm_ms: float | None = None
+    """How long the link's warm-up READ took while the link was made (None: not warmed,
+    the peer publishes no seal table to read from)."""
 
 
 class LinkCache:
@@ -120,6 +128,7 @@ class LinkCache:
         *,
         max_handshakes: int = 1,
         handshake_wait_s: float = 15.0,
+        warm_timeout_s: float = 5.0,
     ) -> None:
         self.transport = transport
         self._client_factory = client_factory
@@ -134,7 +143,11 @@ class LinkCache:
         """Handshakes in flight, by (engine, address): loads from it wait for this one."""
         self._handshakes = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kvb-handshake")
         self._wait_s = handshake_wait_s
+        self._warm_s = warm_timeout_s
         self._closed = False
+        self._stop = threading.Event()
+        """Set at close: early links stop trying."""
+        self._early: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def connect_ahead(self, load: BlockLoad, rank: int = 0) -> None:
@@ -146,6 +159,40 @@ class LinkCache:
         with self._lock:
             if not self._closed and self._cached(load, rank) is None:
                 self._start(load, rank)
+
+    def connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
+        """Link soon (own thread) to the engine at ``address``, a peer the operator named: its
+        rank 0's handshake names the engine and TP size ``n``, then the ranks ``ranks(n)`` are
+        linked as :meth:`connect_ahead` does. One not up yet is tried again (a load from it
+        meanwhile links it as usual). Never blocks."""
+        with self._lock:
+            if self._closed:
+                return
+            thread = threading.Thread(
+                target=self._connect_address, args=(address, ranks), name="kvb-early-link"
+            )
+            self._early.append(thread)
+        thread.start()
+
+    def _connect_address(self, address: str, ranks: Callable[[int], Sequence[int]]) -> None:
+        pause = 0.5
+        for attempt in range(1, EARLY_LINK_TRIES + 1):
+            try:
+                client = self._client_factory(address, 0)
+                try:
+                    hs = client.handshake(self._local_info(self._memory.layout))
+                finally:
+                    client.close()
+                break
+            except Exception as exc:  # not up yet, refused, ...
+                log.info("no early link to %s yet (try %d): %s", address, attempt, exc)
+                if attempt == EARLY_LINK_TRIES or self._stop.wait(pause):
+                    return
+                pause = min(2 * pause, 5.0)
+        size = hs.peer.layout.tp_size
+        load = BlockLoad(RequestId(""), hs.peer.engine_id, address, {}, {}, remote_tp_size=size)
+        for rank in ranks(size):
+            self.connect_ahead(load, rank)
 
     def get(self, load: BlockLoad, rank: int = 0) -> tuple[Peer, bool]:
         """The link to ``load``'s engine and whether it was cached; handshakes (again) when
@@ -246,6 +293,9 @@ class LinkCache:
         caches."""
         with self._lock:
             self._closed = True
+        self._stop.set()
+        for thread in self._early:
+            thread.join()  # its handshake is under the control deadline
         self._handshakes.shutdown(wait=True, cancel_futures=True)  # each under its deadline
         with self._lock:
             peers, self._peers = self._peers, {}
@@ -274,7 +324,9 @@ class LinkCache:
         return client, hs
 
     def _link(self, load: BlockLoad, client: ControlClient, hs: HandshakeResult, rank: int) -> Peer:
-        """Connect the transport to a handshaken peer (closes ``client`` on failure)."""
+        """Connect the transport to a handshaken peer and warm the link (a READ of one seal
+        slot); closes ``client`` and disconnects on failure."""
+        made: list[PeerLink] = []
         try:
             staging = None
             target = self._memory
@@ -284,6 +336,7 @@ class LinkCache:
             remote = hs.peer.layout
             agent = nixl_agent_name(hs.peer.engine_id, remote.tp_rank, remote.tp_size)
             link = self.transport.connect(agent, hs.peer.agent_metadata, remote, target)
+            made.append(link)
             seal_link = None
             if hs.peer.seal_layout is not None:
                 try:
@@ -292,18 +345,26 @@ class LinkCache:
                     )
                 except KVBridgeError as exc:  # no fast path with this peer, still correct
                     log.warning("no seal link to %s: %s", hs.peer.engine_id, exc)
+            warm_ms = None
+            if seal_link is not None:
+                made.append(seal_link)
+                # the endpoint's wireup: here, once, not inside the first loads' READs
+                warm_ms = self._seal_reader.warm(seal_link, self._warm_s) * 1e3
         except BaseException:
+            for made_link in made:
+                with contextlib.suppress(KVBridgeError):
+                    self.transport.disconnect(made_link)
             client.close()
             raise
         log.info(
-            "connected to %s at %s (%s)",
+            "connected to %s at %s (%s, warm-up READ %s)",
             hs.peer.engine_id,
             client.address,  # a TP rank's own port, derived from the request's rank-0 address
             hs.negotiation.mode.value,
+            "none" if warm_ms is None else f"{warm_ms:.1f} ms",
         )
-        return Peer(
-            client, link, load.remote_address, hs.peer.agent_metadata, staging, seal_link, rank
-        )
+        md = hs.peer.agent_metadata
+        return Peer(client, link, load.remote_address, md, staging, seal_link, rank, warm_ms)
 
     def _staging_for(self, remote: KVLayout) -> Staging:
         """The staging cache in ``remote``'s order (made and registered once per order)."""

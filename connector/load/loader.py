@@ -20,25 +20,24 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import SealReader
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
+from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks
-from kvbridge.connector.load.reads import ReadFigures, read_blocks
+from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
 from kvbridge.connector.load.verify import Checked, Expected, fetch_expected
 from kvbridge.proto.errors import (
     KVBridgeError,
-    LeaseError,
-    WireError,
 )
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, source_ranks
-from kvbridge.proto.types import BlockId, LeaseId, RequestId
+from kvbridge.proto.types import BlockId, LeaseId
 
 if TYPE_CHECKING:
     import torch
@@ -66,6 +65,8 @@ class _Attempt:
     peer: Peer | None = None
     cached: bool = False
     """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
+    link_ms: float = 0.0
+    """How long this load waited for a new link (handshake and warm-up); 0 when cached."""
     lease: LeaseId | None = None
     """The lease the owner named for this load: the only lease this load may release (the
     lease id in the params is a claim, maybe another request's)."""
@@ -106,6 +107,7 @@ class RemoteLoader:
             self._seal_reader,
             max_handshakes=config.max_concurrent_loads,
             handshake_wait_s=config.control_timeout_s + config.load_timeout_s,
+            warm_timeout_s=config.load_timeout_s,
         )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
@@ -124,6 +126,16 @@ class RemoteLoader:
         for load in loads:
             for rank in self._ranks(load):
                 self._links.connect_ahead(load, rank)
+
+    def connect_to(self, addresses: Sequence[str]) -> None:
+        """Link now to the engines at ``addresses`` (rank-0 control addresses the operator
+        allowed), each rank this worker will read from, so that not even the first load
+        from them waits for a handshake; best effort, never blocks."""
+        own = self.memory.layout
+        for address in addresses:
+            self._links.connect_address(
+                address, lambda size: source_ranks(own.tp_rank, own.tp_size, size)
+            )
 
     def _ranks(self, load: BlockLoad) -> list[int]:
         """The remote TP ranks holding this rank's heads (one unless the remote's TP size
@@ -153,8 +165,14 @@ class RemoteLoader:
                 lambda engine, peer: self._forget(engine, peer, None),
             )
         job = _Attempt(load)
+        result = self._load(job, ranks[0], retry_stale)
+        return replace(result, link_ms=job.link_ms) if job.link_ms else result
+
+    def _load(self, job: _Attempt, rank: int, retry_stale: bool) -> LoadResult:
+        load = job.load
         try:
-            job.peer, job.cached = self._links.get(load, ranks[0])
+            job.peer, job.cached = self._links.get(load, rank)
+            job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
             if job.expected is not None and job.peer.link.mode is TransferMode.HEAD_SLICE:
                 return unverifiable(load)
             if job.expected is not None and load.digests_at_owner:
@@ -179,10 +197,12 @@ class RemoteLoader:
             return None
         if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
             return None
-        # blocks READ straight into the cache are checked while the seal READ is in flight
-        # (staged blocks are checked before conversion, inside the read)
+        # every group's READ at once; blocks READ straight into the cache are checked while
+        # the seal READ is in flight (staged blocks before conversion, inside the read). The
+        # seal READ is posted only once the block READs are done: that order is the proof.
         direct = peer.staging is None
-        done = {g: self._read(job, g, job.local[g], job.remote[g], not direct) for g in job.local}
+        wanted = {g: (job.local[g], job.remote[g]) for g in job.local}
+        done = self._read(job, wanted, check=not direct)
         failed: list[BaseException] = []
 
         def check() -> None:
@@ -215,16 +235,18 @@ class RemoteLoader:
         load, peer = job.load, job.peer
         assert peer is not None
         claimed = LeaseId(load.lease_id) if load.lease_id else None
-        job.lease, remote = self._owner_blocks(peer, load, claimed, job.local)
+        ttl = self.config.lease_ttl_s
+        job.lease, remote = owner_blocks(peer, load, claimed, job.local, ttl)
         local_self, remote_self = job.local.get(KVGroup.SELF, []), remote.get(KVGroup.SELF, [])
-        done: dict[KVGroup, tuple[ReadFigures, Checked]] = {}
+        wanted: dict[KVGroup, tuple[list[BlockId], list[BlockId]]] = {}
         if n := len(remote_self):
-            done[KVGroup.SELF] = self._read(job, KVGroup.SELF, local_self[:n], remote_self[:n])
+            wanted[KVGroup.SELF] = (local_self[:n], remote_self[:n])
         # every other group (cross attention, a hybrid model's further ones): all or nothing
         whole = [g for g in job.local if g != KVGroup.SELF]
         gone = [g for g in whole if len(remote[g]) != len(job.local[g])]
         for g in [] if gone else whole:
-            done[g] = self._read(job, g, job.local[g], remote[g])
+            wanted[g] = (job.local[g], remote[g])
+        done = self._read(job, wanted) if wanted else {}
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
@@ -290,21 +312,18 @@ class RemoteLoader:
     def _read(
         self,
         job: _Attempt,
-        group: KVGroup,
-        local: list[BlockId],
-        remote: list[BlockId],
+        groups: Mapping[KVGroup, tuple[list[BlockId], list[BlockId]]],
         check: bool = True,
-    ) -> tuple[ReadFigures, Checked]:
-        """READ ``remote`` into ``local`` (through the staging cache if the orders differ),
-        checked against the load's digests before the engine may use the blocks (unless
-        ``check`` is False: the caller then checks them with :meth:`_check`)."""
+    ) -> dict[KVGroup, tuple[ReadFigures, Checked]]:
+        """READ each group's ``(local, remote)`` blocks, posted together (through the
+        staging cache if the orders differ), checked against the load's digests before the
+        engine may use the blocks (unless ``check`` is False: the caller then checks them
+        with :meth:`_check`)."""
         assert job.peer is not None
-        return read_blocks(
+        return read_groups(
             self.transport,
             job.peer,
-            group,
-            local,
-            remote,
+            groups,
             self.config.load_timeout_s,
             self.memory,
             self.kv_caches,
@@ -317,61 +336,10 @@ class RemoteLoader:
             return Checked(len(local), 0)
         return job.expected.check(self.memory.layout, group, local)
 
-    def _read_unchecked(
-        self, peer: Peer, group: KVGroup, local: list[BlockId], remote: list[BlockId]
-    ) -> ReadFigures:
-        """A READ across TP ranks (head slices): not checked yet (no per-slice digests)."""
-        job = _Attempt(BlockLoad(RequestId(""), "", "", {}, {}), peer=peer)
-        return self._read(job, group, local, remote)[0]
-
-    def _owner_blocks(
-        self,
-        peer: Peer,
-        load: BlockLoad,
-        lease: LeaseId | None,
-        local: Mapping[KVGroup, list[BlockId]],
-    ) -> tuple[LeaseId | None, dict[KVGroup, list[BlockId]]]:
-        """The remote ids to read, as the blocks' owner names them: ``(lease, ids per group)``.
-
-        Block ids in ``kv_transfer_params`` are a router's claim and never read.
-        The owner answers with its lease for the request (extending it), and its
-        names for those blocks must be exactly the names this engine computed
-        from its own prompt. If the lease is gone, the longest prefix the owner
-        still holds under those names is pinned anew (the rest is recomputed).
-        """
-        ttl = self.config.lease_ttl_s
-        groups = list(local)
-        pinned = None
-        if lease is not None and load.remote_request_id:
-            try:
-                pinned = peer.client.pin_request(RequestId(load.remote_request_id), ttl_s=ttl)
-            except LeaseError:
-                log.info("request %s: the owner's lease is gone", load.request_id)
-        if pinned is not None and pinned.lease_id is not None:
-            remote: dict[KVGroup, list[BlockId]] = {}
-            for g in groups:
-                first = load.lease_offset(g)
-                want = tuple(load.remote_hashes.get(g, ()))
-                names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
-                ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]
-                if names != want or len(ids) != len(local[g]):
-                    # not released: the lease belongs to whichever request the params named
-                    raise WireError(
-                        f"the owner's lease for request {load.remote_request_id!r} holds other "
-                        f"{g!r} blocks than this prompt's (forged or mismatched params)"
-                    )
-                remote[g] = ids
-            return pinned.lease_id, remote
-        # no lease (expired, released, or never made): pin what is still there by name
-        hashes = {g: list(load.remote_hashes.get(g, ())) for g in groups}
-        again = peer.client.pin_hashes(hashes, ttl_s=ttl)
-        remote = {g: list(again.blocks.get(g, ())) for g in groups}
-        log.info(
-            "request %s: lease gone; %s blocks still pinned",
-            load.request_id,
-            {g: f"{len(remote[g])}/{len(local[g])}" for g in groups},
-        )
-        return again.lease_id, remote
+    def _read_unchecked(self, reads: Sequence[ReadRequest]) -> list[ReadFigures]:
+        """READs across TP ranks (head slices), posted together: not checked (no per-slice
+        digests)."""
+        return post_reads(self.transport, reads, self.config.load_timeout_s)
 
     def _release(self, peer: Peer, lease: LeaseId | None) -> bool:
         """Give the lease back; True only if the owner still held it, which proves the blocks

@@ -6,12 +6,13 @@ holds the heads of prefill ranks ``r * k .. r * k + k - 1``, so it READs each of
 those ranks' pages into slice ``j`` of its own pages (``HEAD_SLICE`` links, one
 per rank, see :func:`kvbridge.proto.negotiate.head_slices`).
 
-Only the fast path proves such a load: every rank's blocks are READ, then
-every rank's lease seal (:mod:`kvbridge.connector.control.seal`); the load is
-good only if every seal holds. Each rank whose seal held gets its lease back by
-notification. Anything else (no seal in the params, a seal that does not hold,
-a READ or link failure) reports every block bad: the engine recomputes, and the
-leases not given back expire. There is no owner (slow) path across ranks yet.
+Only the fast path proves such a load: every rank's blocks are READ (all
+posted at once), then every rank's lease seal (all posted at once,
+:mod:`kvbridge.connector.control.seal`); the load is good only if every seal
+holds. Each rank whose seal held gets its lease back by notification. Anything
+else (no seal in the params, a seal that does not hold, a READ or link failure)
+reports every block bad: the engine recomputes, and the leases not given back
+expire. There is no owner (slow) path across ranks yet.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
-from kvbridge.connector.load.reads import ReadFigures
+from kvbridge.connector.load.reads import ReadFigures, ReadRequest
 from kvbridge.connector.load.result import load_result, unverifiable
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
@@ -30,13 +32,13 @@ from kvbridge.proto.layout import KVGroup
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
-    from kvbridge.proto.types import BlockId
 
 __all__ = ["load_from_ranks"]
 
 log = logging.getLogger(__name__)
 
-ReadFn = Callable[["Peer", KVGroup, "list[BlockId]", "list[BlockId]"], "ReadFigures"]
+ReadFn = Callable[[Sequence[ReadRequest]], list[ReadFigures]]
+"""Posts every READ given, then waits for them all (:func:`.reads.post_reads`)."""
 
 
 def load_from_ranks(
@@ -57,19 +59,22 @@ def load_from_ranks(
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()
     peers: list[Peer] = []
+    link_ms = 0.0
     try:
         if not load.lease_id or not load.seal:
             raise LeaseError("no lease seal in the params: a load across TP ranks needs one")
         if any(len(remote[g]) != len(local[g]) for g in groups):
             raise LeaseError("the params name fewer remote blocks than the load needs")
-        peers = [links.get(load, rank)[0] for rank in ranks]
+        got = [links.get(load, rank) for rank in ranks]
+        peers = [p for p, _ in got]
+        if not all(cached for _, cached in got):
+            link_ms = (time.perf_counter() - t0) * 1e3
         if any(p.seal_link is None for p in peers):
             raise LeaseError("a TP rank publishes no lease seal table")
-        reads = [read(p, g, local[g], remote[g]) for p in peers for g in groups]
-        held = [
-            seals.holds(p.seal_link, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
-            for p in peers
-        ]
+        # every rank's slices at once, then (the proof's order) every rank's seal at once
+        reads = read([ReadRequest(p.link, g, local[g], remote[g]) for p in peers for g in groups])
+        seal_links = [p.seal_link for p in peers]
+        held = seals.holds_all(seal_links, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
         for peer, ok in zip(peers, held, strict=True):
             if ok:  # proven ours: give it back; the others expire
                 seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
@@ -84,7 +89,8 @@ def load_from_ranks(
                 forget(load.remote_engine, peer)
         return _failed(load, t0, str(exc) or repr(exc))
     moved = {g: len(ids) for g, ids in local.items()}
-    return load_result(load, t0, moved=moved, path="sealed", reads=reads)
+    result = load_result(load, t0, moved=moved, path="sealed", reads=reads)
+    return replace(result, link_ms=link_ms) if link_ms else result
 
 
 def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:

@@ -1,4 +1,10 @@
-"""Posting one group's block READ from a linked peer, and what it moved."""
+"""Posting a load's block READs from linked peers, all at once, and what they moved.
+
+Every READ a load needs (each group, each TP rank's slice) is posted before the
+first is waited for (:func:`post_reads`): on same-host CMA each completes inside
+its post, elsewhere they are in flight together, and the load thread takes the
+interpreter back once per load rather than once per READ.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,14 @@ if TYPE_CHECKING:
 
     from kvbridge.connector.load.links import Peer
     from kvbridge.connector.load.verify import Expected
-    from kvbridge.connector.transport.base import LocalMemory, TransferHandle, Transport
+    from kvbridge.connector.transport.base import (
+        LocalMemory,
+        PeerLink,
+        TransferHandle,
+        Transport,
+    )
 
-__all__ = ["ReadFigures", "read_blocks"]
+__all__ = ["ReadFigures", "ReadRequest", "post_reads", "read_groups"]
 
 
 class ReadFigures(NamedTuple):
@@ -51,58 +62,80 @@ class ReadFigures(NamedTuple):
         }
 
 
-def read_blocks(
+class ReadRequest(NamedTuple):
+    """One READ of ``remote`` blocks over ``link`` into ``local`` blocks of ``group``."""
+
+    link: PeerLink
+    group: KVGroup
+    local: list[BlockId]
+    remote: list[BlockId]
+
+
+def post_reads(
+    transport: Transport, requests: Sequence[ReadRequest], timeout_s: float
+) -> list[ReadFigures]:
+    """Post every READ in ``requests``, then wait for them all (one deadline); the figures
+    in order. A failed READ raises its error once every handle was released."""
+    handles: list[TransferHandle] = []
+    try:
+        for r in requests:
+            handles.append(
+                transport.read_blocks(r.link, r.group, r.local, r.remote, timeout_s=timeout_s)
+            )
+        for handle in handles:
+            handle.wait(timeout_s)
+        return [ReadFigures.of(h) for h in handles]
+    finally:
+        for handle in handles:
+            handle.release()
+
+
+def read_groups(
     transport: Transport,
     peer: Peer,
-    group: KVGroup,
-    local: list[BlockId],
-    remote: list[BlockId],
+    groups: Mapping[KVGroup, tuple[list[BlockId], list[BlockId]]],
     timeout_s: float,
     memory: LocalMemory,
     kv_caches: Mapping[str, torch.Tensor],
     expected: Expected | None = None,
-) -> tuple[ReadFigures, Checked]:
-    """READ ``remote`` into ``local`` (through the peer's staging cache if the inner orders
-    differ) and check the blocks as they landed against ``expected``: only the leading
-    blocks that match are converted out of the staging cache. Without ``expected`` every
-    block counts as good."""
+) -> dict[KVGroup, tuple[ReadFigures, Checked]]:
+    """READ each group's ``(local, remote)`` blocks, posted together (through the peer's
+    staging cache if the inner orders differ), and check the blocks as they landed against
+    ``expected``: only the leading blocks that match are converted out of the staging
+    cache. Without ``expected`` every block counts as good."""
     staging = peer.staging
-    if staging is None:
-        read = _read_into(transport, peer, group, local, remote, timeout_s)
-        return read, _check(expected, memory.layout, group, local)
-    slots = staging.take(group, len(remote))  # OutOfBlocksError: the request recomputes
+    slots: dict[KVGroup, list[BlockId]] = {}
     try:
-        read = _read_into(transport, peer, group, slots, remote, timeout_s)
-        checked = _check(expected, staging.memory.layout, group, slots)
-        if checked.good:
-            convert_blocks(
-                staging.caches,
-                staging.memory.layout,
-                kv_caches,
-                memory.layout,
-                BlockMapping(slots[: checked.good], local[: checked.good]),
-                group=group,
-            )
+        if staging is not None:  # OutOfBlocksError: the request recomputes
+            for g, (_, remote) in groups.items():
+                slots[g] = staging.take(g, len(remote))
+        requests = [
+            ReadRequest(peer.link, g, slots.get(g, local), remote)
+            for g, (local, remote) in groups.items()
+        ]
+        figures = post_reads(transport, requests, timeout_s)
+        out: dict[KVGroup, tuple[ReadFigures, Checked]] = {}
+        for (g, (local, _)), read in zip(groups.items(), figures, strict=True):
+            if staging is None:
+                out[g] = read, _check(expected, memory.layout, g, local)
+                continue
+            checked = _check(expected, staging.memory.layout, g, slots[g])
+            if checked.good:
+                convert_blocks(
+                    staging.caches,
+                    staging.memory.layout,
+                    kv_caches,
+                    memory.layout,
+                    BlockMapping(slots[g][: checked.good], local[: checked.good]),
+                    group=g,
+                )
+            out[g] = read, checked
+        return out
     finally:
-        staging.give_back(group, slots)
-    return read, checked
+        if staging is not None:
+            for g, taken in slots.items():
+                staging.give_back(g, taken)
 
 
 def _check(expected: Expected | None, layout: Any, group: KVGroup, ids: list[BlockId]) -> Checked:
     return Checked(len(ids), 0) if expected is None else expected.check(layout, group, ids)
-
-
-def _read_into(
-    transport: Transport,
-    peer: Peer,
-    group: KVGroup,
-    local: list[BlockId],
-    remote: list[BlockId],
-    timeout_s: float,
-) -> ReadFigures:
-    handle = transport.read_blocks(peer.link, group, local, remote, timeout_s=timeout_s)
-    try:
-        handle.wait(timeout_s)
-        return ReadFigures.of(handle)
-    finally:
-        handle.release()

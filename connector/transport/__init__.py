@@ -11,6 +11,7 @@ from kvbridge.connector.transport.base import (
     LocalMemory,
     PeerLink,
     TransferHandle,
+    TransferOp,
     TransferState,
     Transport,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "NixlTransport",
     "PeerLink",
     "TransferHandle",
+    "TransferOp",
     "TransferState",
     "Transport",
 ]

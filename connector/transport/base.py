@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvbridge.proto.negotiate import TransferMode
 
 __all__ = [
+    "TransferOp",
     "TransferState",
     "LocalMemory",
     "PeerLink",
@@ -85,6 +86,22 @@ class PeerLink:
     mode: TransferMode
     descriptors_per_block: int
     prep_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOp:
+    """One transfer to post over ``link``: ``READ`` moves the remote blocks ``remote_ids``
+    into the local blocks ``local_ids`` of ``group``, ``WRITE`` the other way;
+    ``notify`` reaches the owner once the transfer is done; ``timeout_s`` is kvbridge's
+    own deadline (a hung peer never finishes a transfer)."""
+
+    kind: Literal["READ", "WRITE"]
+    link: PeerLink
+    group: KVGroup
+    local_ids: Sequence[int]
+    remote_ids: Sequence[int]
+    timeout_s: float
+    notify: bytes | None = None
 
 
 class TransferHandle(abc.ABC):
@@ -187,9 +204,10 @@ class Transport(Closing, abc.ABC):
     """Moves blocks between registered KV memories of two processes; one per process.
 
     Lifecycle: ``register`` → ``metadata`` (send to peers) → ``connect`` →
-    ``read_blocks``/``write_blocks`` → ``disconnect`` → ``unregister`` →
-    ``close``. Register before exporting metadata: a peer only sees memory
-    registered before it loaded our metadata. Use as a context manager.
+    ``transfer`` (or its shorthands ``read_blocks``/``write_blocks``) and
+    notifications → ``disconnect`` → ``unregister`` → ``close``. Register before
+    exporting metadata: a peer only sees memory registered before it loaded our
+    metadata. Use as a context manager.
     """
 
     @abc.abstractmethod
@@ -219,6 +237,9 @@ class Transport(Closing, abc.ABC):
         """Drop the link's prepped lists; pending transfers on it fail with LinkDownError."""
 
     @abc.abstractmethod
+    def transfer(self, op: TransferOp) -> TransferHandle:
+        """Post ``op`` (ids checked against both layouts first); the caller owns the handle."""
+
     def read_blocks(
         self,
         link: PeerLink,
@@ -230,8 +251,10 @@ class Transport(Closing, abc.ABC):
         timeout_s: float,
     ) -> TransferHandle:
         """Post a READ of remote blocks into local blocks; ``notify`` reaches the owner."""
+        return self.transfer(
+            TransferOp("READ", link, group, local_ids, remote_ids, timeout_s, notify)
+        )
 
-    @abc.abstractmethod
     def write_blocks(
         self,
         link: PeerLink,
@@ -243,6 +266,9 @@ class Transport(Closing, abc.ABC):
         timeout_s: float,
     ) -> TransferHandle:
         """Post a WRITE of local blocks into remote blocks; ``notify`` reaches the owner."""
+        return self.transfer(
+            TransferOp("WRITE", link, group, local_ids, remote_ids, timeout_s, notify)
+        )
 
     @abc.abstractmethod
     def send_notification(self, link: PeerLink, message: bytes) -> None:

@@ -34,7 +34,8 @@ keeps both lists equal to ``_KNOWN``):
                          is a ConfigError
 ``allowed_peers``        list of prefill control addresses (``host:port``) decode may dial;
                          default: loopback addresses only. A request naming another address
-                         is recomputed and the token is never sent there
+                         is recomputed and the token is never sent there; decode links
+                         to each at start
 ``lease_ttl_s``          how long prefill holds blocks for decode (default 30)
 ``max_lease_ttl_s``      longest lease a decode peer may ask for; longer asks are clamped
                          (default 600, at least ``lease_ttl_s``)

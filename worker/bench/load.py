@@ -64,7 +64,8 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
 
     from kvbridge.connector.control import LeaseTable, PeerInfo, Role, serve
     from kvbridge.connector.control.leases import BlockOwner, GroupBlocks, GroupHashes
-    from kvbridge.connector.control.seal import ReleaseListener, SealTable
+    from kvbridge.connector.control.releases import ReleaseListener
+    from kvbridge.connector.control.seal import SealTable
     from kvbridge.connector.transport import NixlConfig, NixlTransport
     from kvbridge.kernels import block_digests, new_key
     from kvbridge.proto import BlockHash, BlockId, EngineId, RequestId, preset_layout

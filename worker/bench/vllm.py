@@ -1,21 +1,17 @@
 """``kvbridge bench vllm``: the same vLLM P/D workload through kvbridge and NixlConnector.
 
-Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas
-(:mod:`kvbridge.worker.vllm.tiny_llama`) and a tiny hybrid Gemma-3-style model
-(:data:`HYBRID_MODELS`: vLLM keeps its hybrid KV cache groups with both connectors). A
-*round* is, for each model and each connector in turn (kvbridge, NixlConnector, kvbridge,
-...), a fresh prefill engine on core 0 and decode engine on core 1 that serve one
-uncounted warm-up request (it pays the peer handshake) and then the same seeded random
-prompts, short and long interleaved, one at a time: prefill with ``max_tokens=1`` and
-``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and ``max_tokens=1``.
-Prompts differ from their first token on, so decode never hits its prefix cache. Per
-request it records the KV bytes decode read, decode TTFT (decode's ``generate``, timed in
-the engine: transfer + first token), NIXL's own timing of the KV READ (telemetry, post to
-completion: the same span for both connectors), the connector's own transfer figure
-(kvbridge: the whole load's ``transfer_ms``; NixlConnector: that telemetry, its
-``transfer_duration``) and end to end (prefill + decode, client side); it checks that
-decode's first token is prefill's and that the KV came over the connector (a recompute
-is flagged, not measured).
+Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas and a hybrid
+Gemma-3-style model (:data:`HYBRID_MODELS`). A *round* is, for each model and connector in
+turn, a fresh prefill engine (core 0) and decode engine (core 1) that serve one uncounted
+warm-up request (it pays the peer handshake), then the same seeded random prompts, short
+and long interleaved, one at a time: prefill with ``max_tokens=1`` and ``do_remote_decode``,
+decode with prefill's ``kv_transfer_params`` and ``max_tokens=1``. Prompts differ from
+their first token on (no prefix-cache hits). Per request it records the KV bytes decode
+read, decode TTFT (decode's ``generate``, timed in the engine: transfer + first token),
+NIXL's own timing of the KV READ (telemetry, post to completion: the same span for both),
+the connector's own transfer figure (kvbridge: the whole load's ``transfer_ms``;
+NixlConnector: that telemetry) and end to end (client side); it checks that decode's first
+token is prefill's and that the KV came over the connector (a recompute is flagged).
 Figures: :mod:`kvbridge.worker.bench.vllm_report`.
 """
 
@@ -43,11 +39,8 @@ MODELS: dict[str, dict[str, int]] = {
 """Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
 8 layers x 8 KV heads of 128 (2 MiB per block)."""
 HYBRID_MODELS = ("gemma3",)
-"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_gemma`): ``gemma3``, one sliding-window
-layer (32 tokens) and one full-attention layer, 2 KV heads of 64; vLLM keeps one KV cache
-group per attention kind (32 KiB per block and group), and both connectors move a long
-prompt's full-attention blocks but only the sliding group's last 1-2 blocks."""
-DEFAULT_MODELS = ("4L", "8L", "gemma3")
+"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_gemma`: sliding-window + full-attention
+layers, 2 KV heads of 64; vLLM keeps one KV cache group per attention kind)."""
 CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc")
 """``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
 ``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
@@ -55,9 +48,7 @@ kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU defaul
 DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
-STARTUP_TIMEOUT_S = 600.0
-"""How long an engine may take to start: ~1.5 min on 2 idle cores, 3 and more when other
-work shares them (startup is not measured, only reported)."""
+STARTUP_TIMEOUT_S = 600.0  # ~1.5 min to start on 2 idle cores, up to 9 on a loaded machine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -75,9 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
     p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
     p.add_argument(
-        "--models", nargs="+", choices=[*sorted(MODELS), *HYBRID_MODELS],
-        default=list(DEFAULT_MODELS),
-        help="tiny Llamas 4L, 8L and the hybrid gemma3 (sliding window + full attention)",
+        "--models", nargs="+", choices=[*MODELS, *HYBRID_MODELS],
+        default=[*MODELS, *HYBRID_MODELS], help="tiny Llamas 4L, 8L; hybrid gemma3",
     )  # fmt: skip
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
@@ -95,12 +85,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--port", type=int, default=18600,
         help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
     )  # fmt: skip
+    p.add_argument(
+        "--burst", type=int, default=0, metavar="N",
+        help="first, before the warm-up, send N short prompts at once to the fresh pair (rows "
+        "'burst': the first loads from a new peer, as a burst of traffic to new engines sees)",
+    )  # fmt: skip
     p.add_argument("--work", type=Path, help="models and engine logs here (default: a temp dir)")
     add_output_arguments(p, "vllm")
     p.set_defaults(func=run)
 
 
 def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.burst <= 64:
+        raise ConfigError(f"--burst must be 0-64 prompts, got {args.burst}")
     if args.rounds < 1 or args.requests < 1:
         raise ConfigError(
             f"--rounds and --requests must be >= 1, got {args.rounds}, {args.requests}"
@@ -118,9 +115,10 @@ def _check(args: argparse.Namespace) -> None:
 
 def make_prompts(
     args: argparse.Namespace,
-) -> tuple[list[tuple[str, list[int]]], list[int]]:
-    """The measured prompts as (length name, ids), short and long interleaved, and the
-    warm-up prompt: seeded, each with its own random first block (no prefix-cache hits)."""
+) -> tuple[list[tuple[str, list[int]]], list[int], list[list[int]]]:
+    """The measured prompts as (length name, ids), short and long interleaved, the warm-up
+    prompt and the ``--burst`` prompts (short): seeded, each with its own random first
+    block (no prefix-cache hits)."""
     rng = random.Random(args.seed)
 
     def prompt(lo: int, hi: int) -> list[int]:
@@ -131,7 +129,8 @@ def make_prompts(
     for _ in range(args.requests):
         for name in args.lengths:
             out.append((name, prompt(*getattr(args, name))))
-    return out, warm
+    burst = [prompt(*args.short) for _ in range(args.burst)]
+    return out, warm, burst
 
 
 def _say(text: str) -> None:
@@ -147,7 +146,9 @@ def _engines(
     if connector.startswith("kvbridge"):
         shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
         p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port)
-        d_kv = harness.kv_config("kvbridge", "kv_consumer")
+        # the decode names its prefill, as a deployment that limits dialing does: it links
+        # to it at start (kvbridge's early link), not at its first load
+        d_kv = harness.kv_config("kvbridge", "kv_consumer", allowed_peers=[f"127.0.0.1:{port}"])
         p_env: dict[str, str] = {}
         d_env: dict[str, str] = {}
     else:
@@ -182,12 +183,8 @@ class _Loads:
             self.seen.update(stats["loads"])
             if len(new) != 1:
                 return None, False, f"{len(new)} new kvbridge load results"
-            load = new[0]
-            keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms")
-            self.detail = {k: load.get(k) for k in keys}
-            if load["error"] or not load["moved"]:
-                return load["transfer_ms"], False, load["error"] or "no block moved"
-            return float(load["transfer_ms"]), True, None
+            self.detail, transfer, loaded, error = self.one(new[0])
+            return transfer, loaded, error
         durations = stats.get("nixl_transfer_s") or []
         # NixlConnector's figures are NIXL's telemetry: descriptors after merging, the READ
         merged = sum(stats.get("nixl_descriptors") or [])
@@ -203,6 +200,64 @@ class _Loads:
         if not durations:
             return None, False, "no NixlConnector transfer reported"
         return 1e3 * sum(durations), True, None
+
+    @staticmethod
+    def one(load: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool, str | None]:
+        """``(detail, transfer figure, loaded, error)`` of one kvbridge load result."""
+        keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms", "link_ms")
+        detail = {k: load.get(k) for k in keys}
+        if load["error"] or not load["moved"]:
+            return detail, load["transfer_ms"], False, load["error"] or "no block moved"
+        return detail, float(load["transfer_ms"]), True, None
+
+    def take_all(self, stats: dict[str, Any], n: int) -> list[dict[str, Any]]:
+        """The ``n`` loads of a burst (in the order the connector reports them, which need
+        not be the prompts' order): their figures, as rows' fields."""
+        if "loads" in stats:
+            new = [v for k, v in stats["loads"].items() if k not in self.seen]
+            self.seen.update(stats["loads"])
+            if len(new) != n:
+                error = f"{len(new)} new kvbridge load results for {n} prompts"
+                return [{"transfer_ms": None, "loaded": False, "error": error}] * n
+            out = []
+            for load in new:
+                detail, transfer, loaded, why = self.one(load)
+                out.append(detail | {"transfer_ms": transfer, "loaded": loaded, "error": why})
+            return out
+        durations = stats.get("nixl_transfer_s") or []
+        if stats.get("nixl_failed") or len(durations) != n:
+            error = f"{len(durations)} NixlConnector transfers, {stats.get('nixl_failed')} failed"
+            return [{"transfer_ms": None, "loaded": False, "error": error}] * n
+        return [
+            {"transfer_ms": 1e3 * d, "read_ms": 1e3 * d, "loaded": True, "error": None}
+            for d in durations
+        ]
+
+
+def _burst(prefill: Any, decode: Any, prompts: list[list[int]], loads: _Loads) -> list[Any]:
+    """``prompts`` at once (one ``generate`` each side): one row per load; decode TTFT and
+    end to end are the whole batch's."""
+    t0 = time.perf_counter()
+    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    t1 = time.perf_counter()
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    dec = decode.generate(prompts, 1, params)
+    t2 = time.perf_counter()
+    figures = loads.take_all(decode.call(cmd="stats"), len(prompts))
+    rows = []
+    for i, prompt in enumerate(prompts):
+        same = dec["outputs"][i]["tokens"][:1] == pre["outputs"][i]["tokens"][:1]
+        rows.append(
+            {
+                "prompt_tokens": len(prompt),
+                "prefill_ms": (t1 - t0) * 1e3,
+                "decode_ttft_ms": float(dec["wall_ms"]),
+                "e2e_ms": (t2 - t0) * 1e3,
+                "same_first_token": same and bool(params[i]),
+            }
+            | figures[i]
+        )
+    return rows
 
 
 def _request(prefill: Any, decode: Any, prompt: list[int], loads: _Loads) -> dict[str, Any]:
@@ -232,6 +287,7 @@ def run_pair(
     model: Path,
     prompts: list[tuple[str, list[int]]],
     warm: list[int],
+    burst: list[list[int]],
     port: int,
     logs: Path,
     max_model_len: int,
@@ -249,6 +305,8 @@ def run_pair(
         startup_s = time.perf_counter() - t0
         _say(f"  engines ready in {startup_s:.1f} s; warm-up, then {len(prompts)} requests")
         loads = _Loads()
+        for i, row in enumerate(_burst(prefill, decode, burst, loads) if burst else []):
+            rows.append(where | {"index": i, "prompts": "burst"} | row)
         _request(prefill, decode, warm, loads)
         for i, (name, prompt) in enumerate(prompts):
             rows.append(
@@ -278,17 +336,18 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     harness.ensure_venv()
     work = args.work or Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-"))
-    prompts, warm = make_prompts(args)
+    prompts, warm, burst = make_prompts(args)
     longest = max(len(p) for _, p in prompts)
     max_model_len = min(2048, -(-(max(longest, len(warm)) + 8) // BLOCK) * BLOCK)
     models = {}
     for name in args.models:
-        if name in HYBRID_MODELS:
-            _say(f"writing the {name} tiny hybrid model under {work}")
-            models[name] = harness.write_hybrid_model(work / f"model-{name}", args.seed)
-            continue
-        _say(f"writing the {name} tiny Llama ({MODELS[name]}) under {work}")
-        models[name] = harness.write_model(work / f"model-{name}", args.seed, **MODELS[name])
+        _say(f"writing the {name} tiny model ({MODELS.get(name, 'hybrid')}) under {work}")
+        path = work / f"model-{name}"
+        models[name] = (
+            harness.write_hybrid_model(path, args.seed)
+            if name in HYBRID_MODELS
+            else harness.write_model(path, args.seed, **MODELS[name])
+        )
     pairs = [
         {"round": r, "model": m, "connector": c}
         for r in range(args.rounds)
@@ -303,7 +362,14 @@ def run(args: argparse.Namespace) -> int:
         )
         logs = work / f"r{where['round']}-{where['model']}-{where['connector']}"
         round_row, rows = run_pair(
-            where, models[where["model"]], prompts, warm, args.port + 2 * k, logs, max_model_len
+            where,
+            models[where["model"]],
+            prompts,
+            warm,
+            burst,
+            args.port + 2 * k,
+            logs,
+            max_model_len,
         )
         rounds.append(round_row)
         requests.extend(rows)

@@ -214,6 +214,7 @@ class Instance:
                     "descriptors": r.descriptors,
                     "wire_descriptors": r.wire_descriptors,
                     "read_ms": r.read_ms,
+                    "link_ms": r.link_ms,
                     "path": r.path,
                     "error": r.error,
                     "verified": r.verified,

@@ -30,7 +30,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.connector.transport.base import LinkDownError, LocalMemory, PeerLink, Transport
+from kvbridge.connector.transport.base import (
+    LinkDownError,
+    LocalMemory,
+    PeerLink,
+    TransferOp,
+    Transport,
+)
 from kvbridge.connector.transport.checks import (
     check_memory_unlinked,
     check_remote_regions,
@@ -226,29 +232,10 @@ class NixlTransport(Transport):
                 self._nixl.remove_peer(link.peer_name)
 
     # ----- transfers -----------------------------------------------------------------------
-    def read_blocks(
-        self,
-        link: PeerLink,
-        group: KVGroup,
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int],
-        *,
-        notify: bytes | None = None,
-        timeout_s: float,
-    ) -> NixlTransferHandle:
-        return self._post("READ", link, group, local_ids, remote_ids, notify, timeout_s)
-
-    def write_blocks(
-        self,
-        link: PeerLink,
-        group: KVGroup,
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int],
-        *,
-        notify: bytes | None = None,
-        timeout_s: float,
-    ) -> NixlTransferHandle:
-        return self._post("WRITE", link, group, local_ids, remote_ids, notify, timeout_s)
+    def transfer(self, op: TransferOp) -> NixlTransferHandle:
+        return self._post(
+            op.kind, op.link, op.group, op.local_ids, op.remote_ids, op.notify, op.timeout_s
+        )
 
     def _post(
         self,

@@ -46,7 +46,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.transport.base import LinkDownError, LocalMemory, PeerLink, Transport
+from kvbridge.connector.transport.base import (
+    LinkDownError,
+    LocalMemory,
+    PeerLink,
+    TransferOp,
+    Transport,
+)
 from kvbridge.connector.transport.checks import check_memory_unlinked, checked_request
 from kvbridge.connector.transport.nixl_descs import descriptor_indices
 from kvbridge.connector.transport.ucxx import wire
@@ -163,29 +169,10 @@ class UcxxTransport(Transport):
         self._links.disconnect(link)
 
     # ----- transfers -----------------------------------------------------------------------
-    def read_blocks(
-        self,
-        link: PeerLink,
-        group: KVGroup,
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int],
-        *,
-        notify: bytes | None = None,
-        timeout_s: float,
-    ) -> UcxxTransferHandle:
-        return self._post("READ", link, group, local_ids, remote_ids, notify, timeout_s)
-
-    def write_blocks(
-        self,
-        link: PeerLink,
-        group: KVGroup,
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int],
-        *,
-        notify: bytes | None = None,
-        timeout_s: float,
-    ) -> UcxxTransferHandle:
-        return self._post("WRITE", link, group, local_ids, remote_ids, notify, timeout_s)
+    def transfer(self, op: TransferOp) -> UcxxTransferHandle:
+        return self._post(
+            op.kind, op.link, op.group, op.local_ids, op.remote_ids, op.notify, op.timeout_s
+        )
 
     def _post(
         self,
