@@ -17,7 +17,8 @@ loads on first use of a name below, cupy only when a CUDA tensor is passed.
 - :func:`block_digests` — keyed digests of blocks, checked by a reader after a READ:
   XXH3-128 over CPU memory (:mod:`kvbridge.kernels.digest`), a multilinear hash computed
   on the device over CUDA memory (:mod:`kvbridge.kernels.digest_cuda`, with its CPU
-  reference :func:`reference_block_digests`).
+  reference :func:`reference_block_digests`); :func:`page_slice_digests` — per head slice
+  of each page, for readers of another TP size.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ if TYPE_CHECKING:
         DIGEST_BYTES,
         block_digests,
         digest_algo,
+        head_digest_parts,
         new_key,
+        page_slice_digests,
         span_digest,
     )
     from kvbridge.kernels.digest_cuda import reference_block_digests, reference_digests
@@ -50,11 +53,13 @@ __all__ = [
     "ALGO_XXH3",
     "DIGEST_BYTES",
     "digest_algo",
+    "head_digest_parts",
     "reference_block_digests",
     "reference_digests",
     "BlockMapping",
     "block_digests",
     "new_key",
+    "page_slice_digests",
     "span_digest",
     "copy_blocks",
     "convert_blocks",
@@ -69,10 +74,12 @@ _HOME = {
     "ALGO_XXH3": "kvbridge.kernels.digest",
     "DIGEST_BYTES": "kvbridge.kernels.digest",
     "digest_algo": "kvbridge.kernels.digest",
+    "head_digest_parts": "kvbridge.kernels.digest",
     "reference_block_digests": "kvbridge.kernels.digest_cuda",
     "reference_digests": "kvbridge.kernels.digest_cuda",
     "block_digests": "kvbridge.kernels.digest",
     "new_key": "kvbridge.kernels.digest",
+    "page_slice_digests": "kvbridge.kernels.digest",
     "span_digest": "kvbridge.kernels.digest",
     "BlockMapping": "kvbridge.kernels.mapping",
     "copy_blocks": "kvbridge.kernels.ops",

@@ -26,9 +26,13 @@ computes the same one on whatever device the bytes landed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import itertools
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
 
 import xxhash
 
@@ -42,7 +46,9 @@ __all__ = [
     "digest_algo",
     "DIGEST_BYTES",
     "block_digests",
+    "head_digest_parts",
     "new_key",
+    "page_slice_digests",
     "span_digest",
 ]
 
@@ -116,7 +122,12 @@ def digest_algo(layout: KVLayout, group: KVGroup) -> str:
 
 
 def block_digests(
-    layout: KVLayout, group: KVGroup, block_ids: Sequence[int], key: int, algo: str | None = None
+    layout: KVLayout,
+    group: KVGroup,
+    block_ids: Sequence[int],
+    key: int,
+    algo: str | None = None,
+    helper: Executor | None = None,
 ) -> list[bytes]:
     """One :data:`DIGEST_BYTES`-byte digest per block of ``group``, for a *bound* layout
     (its regions are the registered addresses).
@@ -125,6 +136,10 @@ def block_digests(
     device digest on CUDA memory, computed on the device). A reader passes the writer's
     algorithm: ``ALGO_DEVICE`` over CPU memory runs its CPU reference; XXH3 over CUDA
     memory is refused (it would need a host copy).
+
+    ``helper``: a thread pool that may take a share of the XXH3 blocks (the hash releases
+    the interpreter lock, so two threads hash two blocks at once on two cores); see
+    :func:`_shared`. Without it, or with a busy one, this thread hashes every block.
     """
     algo = digest_algo(layout, group) if algo is None else algo
     if algo == ALGO_DEVICE:
@@ -137,4 +152,95 @@ def block_digests(
         raise ValueError(f"unknown digest algorithm {algo!r}: use {ALGO_XXH3!r} or {ALGO_DEVICE!r}")
     if not layout.regions:
         raise LayoutError("block_digests needs a bound layout (registered regions)")
-    return [span_digest(layout.regions, layout.block_spans(group, b), key) for b in block_ids]
+    spans = [layout.block_spans(group, b) for b in block_ids]
+    if helper is None or len(spans) < 2:
+        return [span_digest(layout.regions, s, key) for s in spans]
+    jobs = [functools.partial(span_digest, layout.regions, s, key) for s in spans]
+    return _shared(helper, jobs)
+
+
+def _shared(helper: Executor, jobs: Sequence[Callable[[], bytes]]) -> list[bytes]:
+    """Run ``jobs`` in this thread and, once it starts, one thread of ``helper``: each takes
+    the next job not taken yet, last first (the blocks that landed last are the likeliest
+    still in the cache). This thread never waits for the helper: once nothing is left to
+    take, it runs itself any job the helper took and has not finished (a helper that is
+    preempted or busy elsewhere costs at most the work it would have saved). A job's
+    exception is raised here (the helper's own copy of it is dropped)."""
+    n = len(jobs)
+    out: list[bytes | None] = [None] * n
+    taken = itertools.count()
+
+    def help_out() -> None:
+        while (i := next(taken)) < n:
+            with contextlib.suppress(BaseException):  # this thread redoes a failed job
+                out[n - 1 - i] = jobs[n - 1 - i]()
+
+    with contextlib.suppress(RuntimeError):  # shut down: this thread does it all
+        helper.submit(help_out)
+    while (i := next(taken)) < n:
+        out[n - 1 - i] = jobs[n - 1 - i]()
+    # the helper's unfinished jobs: done here (the same bytes give the same digest)
+    return [d if d is not None else jobs[j]() for j, d in enumerate(out)]
+
+
+def head_digest_parts(layout: KVLayout) -> int:
+    """How many head digests a writer of ``layout`` records per block for readers of a
+    bigger TP size (each reads a run of every page's heads): its heads per rank, when its
+    pages can be read in head slices (vLLM's packed head-major pages, one span each) and
+    hold more than one head; else 0 (no such reader can exist)."""
+    from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
+
+    sliceable = layout.model.name.endswith(HEAD_MAJOR_SUFFIX) and layout.order[2] == "KV"
+    return layout.num_heads if sliceable and layout.num_heads > 1 else 0
+
+
+def page_slice_digests(
+    layout: KVLayout,
+    group: KVGroup,
+    block_ids: Sequence[int],
+    key: int,
+    parts: int,
+    algo: str = ALGO_XXH3,
+) -> list[list[bytes]]:
+    """Per block, ``parts`` digests: digest ``i`` is XXH3-128 (seeded with ``key``) over
+    slice ``i`` of ``parts`` equal slices of each of the block's pages, owning layers in
+    layout order, for a *bound* layout whose pages are each one span (vLLM's packed
+    head-major pages, ``KV`` third in the order: what ``HEAD_SLICE`` moves).
+
+    A slice is a run of heads (heads are contiguous in such a page), so this is how one
+    TP size checks head slices another wrote: ``parts=1`` is :func:`block_digests`
+    (a page is its K and V spans, adjacent); ``parts`` = the heads per rank gives one
+    digest per head; a reader's slice ``j`` of ``k`` holds exactly the bytes of the
+    ``j``-th writer's whole pages. Computed in place (no copy). CPU memory and XXH3 only:
+    any other ``algo`` is a ValueError (the reader then recomputes).
+    """
+    if algo != ALGO_XXH3:
+        raise ValueError(f"head-slice digests are computed with {ALGO_XXH3!r} only, not {algo!r}")
+    if not layout.regions:
+        raise LayoutError("page_slice_digests needs a bound layout (registered regions)")
+    if parts < 1:
+        raise LayoutError(f"a page is cut into at least 1 slice, not {parts}")
+    page = 2 * layout.span_bytes
+    if page % parts:
+        raise LayoutError(f"a page of {page} bytes does not split into {parts} slices")
+    step = page // parts
+    seed = _check_key(key)
+    out = []
+    for b in block_ids:
+        hashers = [xxhash.xxh3_128(seed=seed) for _ in range(parts)]
+        for span in _pages(layout.block_spans(group, b), page):
+            view = _cpu_view(layout.regions[span.region], span)
+            for i, h in enumerate(hashers):
+                h.update(view[i * step : (i + 1) * step])
+        out.append([h.digest() for h in hashers])
+    return out
+
+
+def _pages(spans: Sequence[Span], page: int) -> Iterable[Span]:
+    """``spans`` (one block's) cut into its ``page``-byte pages, each one span; LayoutError
+    if a page is not one span (its K and V halves apart)."""
+    for run in _coalesced(spans):
+        if run.length % page:
+            raise LayoutError(f"a page of {page} bytes is not one span in this layout")
+        for off in range(0, run.length, page):
+            yield Span(run.region, run.offset + off, page)

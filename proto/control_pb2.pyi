@@ -459,21 +459,31 @@ class DigestsResponse(_message.Message):
 
     ALGO_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
+    HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_GROUPS_FIELD_NUMBER: _builtins.int
     algo: _builtins.str
     """the digest algorithm ("xxh3-128", "kvb-mlh32x4")"""
+    heads: _builtins.int
+    """Head-slice digests for a reader of another TP size: ``heads`` per leased block, block
+    after block (digest h of a block covers head h of each of its pages); 0: none recorded.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupHashes]:
         """one 16-byte digest per leased block, per group"""
 
+    @_builtins.property
+    def head_groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupHashes]: ...
     def __init__(
         self,
         *,
         algo: _builtins.str = ...,
         groups: _abc.Iterable[Global___GroupHashes] | None = ...,
+        heads: _builtins.int = ...,
+        head_groups: _abc.Iterable[Global___GroupHashes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algo", b"algo", "groups", b"groups"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algo", b"algo", "groups", b"groups", "head_groups", b"head_groups", "heads", b"heads"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -246,3 +246,43 @@ def test_the_owner_path_checks_the_blocks_it_reads_too(tmp_path: Path, attacker:
 
 def params_a_block(first: Any, i: int) -> int:
     return int(codec.unpack(first.kv_transfer_params, "KVTransferParams")["block_ids"]["self"][i])
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "victim_rank"), [(1, 2, 0), (2, 1, 1)])
+def test_junk_written_into_a_head_slice_is_recomputed_not_loaded(
+    attacker: PeerProc, prefill_tp: int, decode_tp: int, victim_rank: int
+) -> None:
+    """Heterogeneous TP (vLLM-like workers, verification on): a token holder claims twice
+    the prefill's TP size, so its link to one prefill rank is a head slice, and WRITEs junk
+    into the last heads of one handed-over block. The decode rank that reads those heads
+    finds the slice's digest differs and recomputes from that block on; a rank that reads
+    only other heads loads everything; no loaded block differs from the prefill's KV."""
+    from tests.harness.tp_pair import PREFILL_IDS, Prefill, claimed_layout, run_decode
+
+    prefill = Prefill(prefill_tp)
+    try:
+        claim = claimed_layout(2 * victim_rank + 1, 2 * prefill_tp)  # the victim's last heads
+        me = PeerInfo(engine_id=EngineId("mallory"), role=Role.DECODE, layout=claim)
+        with ControlClient(prefill.address(victim_rank)) as client:
+            peer = client.handshake(me).peer
+        attacker.call(
+            "forge",
+            peer=nixl_agent_name(peer.engine_id, victim_rank, prefill_tp),
+            metadata=peer.agent_metadata,
+            layout=peer.layout.to_bytes(),
+            claim=claim.to_bytes(),
+            block_id=int(PREFILL_IDS[2]),
+            payload=b"\x7f\x00junk",
+        )
+        ranks = run_decode(decode_tp, prefill.params)
+    finally:
+        prefill.close()
+    hit = {"moved": 2, "bad": [2, 3], "mismatches": 1, "verified": True, "wrong": []}
+    clean = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "wrong": [], "error": ""}
+    if decode_tp == 2:  # rank 0 reads heads 0-1 (clean), rank 1 heads 2-3 (the junk)
+        assert ranks[0] == clean, ranks
+        got = ranks[1]
+    else:  # the one rank fills its pages from both prefill ranks
+        (got,) = ranks
+    assert "digest mismatch" in got.pop("error"), ranks
+    assert got == hit, ranks

@@ -11,16 +11,18 @@ from 127.0.0.N.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from kvbridge.connector import ServerOptions
-from kvbridge.connector.control import ControlClient, ControlServerConfig
-from kvbridge.connector.control.auth import token_identity
+from kvbridge.connector.control import ControlClient, ControlServerConfig, LeaseTable, Role, serve
+from kvbridge.connector.control.auth import TokenSet, token_identity
 from kvbridge.connector.control.server import ControlHandlers
 from kvbridge.proto import (
     ConfigError,
@@ -32,7 +34,14 @@ from kvbridge.proto import (
 )
 from kvbridge.proto import control_pb2 as pb
 from kvbridge.proto import control_pb2_grpc as pb_grpc
-from tests.harness.control import Cluster, hashes, start_cluster, stop_cluster
+from tests.harness.control import (
+    Cluster,
+    FakeOwner,
+    hashes,
+    peer,
+    start_cluster,
+    stop_cluster,
+)
 
 U64_MAX = (1 << 64) - 1
 
@@ -326,3 +335,74 @@ def test_the_client_asks_for_any_long_ttl_and_gets_the_servers_maximum(
     assert client.release(lease.lease_id)
     with pytest.raises(ConfigError, match="ttl_s must be > 0"):
         client.heartbeat([lease.lease_id], ttl_s=float("nan"))
+
+
+class LateDigests(LeaseTable):
+    """An owner whose digests never arrive while ``arrive`` is unset: a ``Digests`` call
+    that waits for them parks its server thread until then (a flood of unknown leases)."""
+
+    def __init__(self, owner: FakeOwner) -> None:
+        super().__init__(owner)
+        self.arrive = threading.Event()
+        self.waited: list[str] = []
+        self._lock = threading.Lock()
+
+    def digests(self, lease_id: LeaseId, wait_s: float = 0.0) -> None:
+        if wait_s > 0:
+            with self._lock:
+                self.waited.append(lease_id)
+            self.arrive.wait(30)
+        return None
+
+
+def test_a_token_holder_flooding_digests_parks_at_most_its_share_of_server_threads() -> None:
+    """Each Digests call for an unknown lease used to hold a server thread for the whole
+    wait: a token holder asking for a few made-up leases at once stalled every control call.
+    Now a caller waits only while it holds one of its per-peer wait slots (and all callers
+    only half the threads); the rest are answered NOT_FOUND at once."""
+    layout = preset_layout("tiny", num_blocks=16)
+    table = LateDigests(FakeOwner(layout))
+    tokens = TokenSet(["mallory", "alice", "bob"])
+    config = ControlServerConfig(listen=ServerOptions(token=tokens), max_workers=8)
+    server = serve(peer(layout, "prefill-0", Role.PREFILL), table, config)
+    clients = {t: ControlClient(server.address, token=t, timeout_s=20) for t in tokens.accepted}
+    answered: list[str] = []
+    lock = threading.Lock()
+
+    def ask(who: str) -> None:
+        with contextlib.suppress(LeaseError):
+            clients[who].digests(LeaseId(secrets.token_hex(16)))
+        with lock:
+            answered.append(who)
+
+    def settle(waited: int, done: int) -> None:
+        deadline = time.monotonic() + 20
+        while (len(table.waited), len(answered)) != (waited, done):
+            assert time.monotonic() < deadline, (table.waited, answered)
+            time.sleep(0.01)
+
+    threads: list[threading.Thread] = []
+    try:
+        for who, n, waited, done in (
+            ("mallory", 12, 2, 10),
+            ("alice", 3, 4, 11),
+            ("bob", 1, 4, 12),
+        ):
+            for _ in range(n):
+                threads.append(threading.Thread(target=ask, args=(who,)))
+                threads[-1].start()
+            settle(waited, done)
+        # mallory holds its 2 wait slots, alice 2: the cap of 4 (half the threads); bob
+        # could not wait, and every other call was answered at once
+        assert answered.count("mallory") == 10 and answered.count("alice") == 1
+        assert answered.count("bob") == 1 and server.handlers.digest_waits.waiting() == 4
+        # the other half of the threads still serves everyone
+        assert clients["bob"].health(timeout_s=10).engine_id == "prefill-0"
+    finally:
+        table.arrive.set()
+        for t in threads:
+            t.join(30)
+        for c in clients.values():
+            c.close()
+        server.close()
+    assert len(answered) == 16 and server.handlers.digest_waits.waiting() == 0

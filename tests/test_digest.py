@@ -64,3 +64,92 @@ def test_bad_keys_and_spans_outside_their_region_are_refused() -> None:
         span_digest(bound.regions, [Span(0, region.length - 8, 16)], 0)
     with pytest.raises(LayoutError, match="bound layout"):
         block_digests(layout, "self", [0], 0)
+
+
+def _packed(order: str, heads: int = 4, seed: int = 5) -> tuple[KVLayout, dict[str, torch.Tensor]]:
+    """vLLM's packed head-major pages (a page is ``(H, N, 2C)``, one span) of the tiny model."""
+    import dataclasses
+
+    from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
+
+    base = preset_layout("tiny", num_blocks=8, order=order)
+    model = dataclasses.replace(
+        base.model, name=base.model.name + HEAD_MAJOR_SUFFIX, num_kv_heads=heads
+    )
+    layout = dataclasses.replace(base, model=model)
+    caches = layout.allocate()
+    gen = torch.Generator().manual_seed(seed)
+    for t in caches.values():
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return layout.bind(caches), caches
+
+
+@pytest.mark.parametrize("order", ["layer-nhd", "block-nhd"])
+def test_page_slice_digests_cover_each_run_of_heads_of_every_page_in_layer_order(
+    order: str,
+) -> None:
+    import xxhash
+
+    from kvbridge.kernels import head_digest_parts, page_slice_digests
+
+    layout, _ = _packed(order)
+    key = new_key()
+    assert head_digest_parts(layout) == 4  # one digest per head of this rank
+    # one slice: the whole-block digest (a page is its two adjacent halves)
+    whole = page_slice_digests(layout, "self", [3, 6], key, 1)
+    assert [d for (d,) in whole] == block_digests(layout, "self", [3, 6], key)
+    # slice i of each page, layers in order: exactly those bytes, hashed with the key
+    import ctypes
+
+    page = 2 * layout.span_bytes
+    for parts in (2, 4):
+        (got,) = page_slice_digests(layout, "self", [6], key, parts)
+        step = page // parts
+        for i in range(parts):
+            h = xxhash.xxh3_128(seed=key)
+            for x in range(len(layout.owning_layers("self"))):
+                k_span = layout.block_spans("self", 6)[2 * x] if order == "layer-nhd" else None
+                if k_span is None:  # block-outermost: the block's pages back to back
+                    (span,) = layout.block_spans("self", 6)
+                    start = layout.regions[span.region].addr + span.offset + x * page
+                else:
+                    start = layout.regions[k_span.region].addr + k_span.offset
+                h.update(ctypes.string_at(start + i * step, step))
+            assert got[i] == h.digest(), (parts, i)
+    # a page split in slices it does not divide into, another algorithm: refused
+    with pytest.raises(LayoutError, match="does not split"):
+        page_slice_digests(layout, "self", [0], key, 3)
+    with pytest.raises(ValueError, match="xxh3-128"):
+        page_slice_digests(layout, "self", [0], key, 2, "kvb-mlh32x4")
+
+
+def test_only_head_major_pages_of_several_heads_get_head_digests() -> None:
+    from kvbridge.kernels import head_digest_parts, page_slice_digests
+
+    layout, _ = _filled("layer-kv-nhd")  # kvbridge's own pages: K and V apart
+    assert head_digest_parts(layout.bind(_)) == 0
+    with pytest.raises(LayoutError, match="not one span"):
+        page_slice_digests(layout.bind(_), "self", [0], 1, 2)
+    one, _ = _packed("layer-nhd", heads=1)
+    assert head_digest_parts(one) == 0  # one head: a reader of a bigger TP size cannot exist
+
+
+def test_a_helper_thread_hashes_a_share_of_the_blocks_and_changes_no_digest() -> None:
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    layout, caches = _filled("block-nhd")
+    bound = layout.bind(caches)
+    key = new_key()
+    alone = block_digests(bound, "self", range(8), key)
+    with ThreadPoolExecutor(1) as helper:
+        assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+        # a helper busy elsewhere never starts in time: this thread hashes every block
+        gate = threading.Event()
+        helper.submit(gate.wait, 10)
+        assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+        gate.set()
+    # a helper already shut down: the same
+    assert block_digests(bound, "self", range(8), key, helper=helper) == alone
+    with ThreadPoolExecutor(1) as helper, pytest.raises(ValueError, match="digest key"):
+        block_digests(bound, "self", range(8), -1, helper=helper)

@@ -233,7 +233,10 @@ def test_bad_disk_flags_are_one_line_errors_naming_the_flag(
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-@pytest.mark.parametrize("restart", [False, True])
+# the live-daemon variant runs with -m extended: the restart variant is the stronger check (all
+# of pass 2 served from disk after a SIGKILL), and a live daemon's demote/promote round trip
+# is test_evicted_blocks_go_to_disk_and_come_back_bit_exact's
+@pytest.mark.parametrize("restart", [pytest.param(False, marks=pytest.mark.extended), True])
 def test_the_demo_offload_pass_with_a_small_pool_over_a_disk_tier(
     tmp_path: Path, restart: bool
 ) -> None:

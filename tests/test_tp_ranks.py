@@ -481,7 +481,7 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
         assert reads == [[0, 1]] and seals.calls == [[0, 1]]
 
 
-def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unverified() -> None:
+def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unverified() -> None:
     from kvbridge.connector.load import ReadFigures, load_from_ranks
 
     ids = {"self": (BlockId(4), BlockId(5))}
@@ -495,7 +495,7 @@ def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unver
         seal=b"s" * 32,
         remote_tp_size=2,
         digest_key=7,
-        digests_at_owner=True,
+        digests={"self": (b"d" * 16, b"e" * 16)},
     )
     seals, reads = FakeSeals({0: True, 1: True}), []
 
@@ -512,6 +512,39 @@ def test_a_load_across_ranks_with_a_digest_key_recomputes_rather_than_load_unver
         1.0,
         lambda e, p: None,  # type: ignore[arg-type]
     )
-    # whole-block digests cannot check head slices: nothing is read, every block recomputed
+    # one rank's whole-block digests cannot check slices of several: nothing is read, every
+    # block recomputed (a vLLM owner keeps per-rank and per-head digests instead)
     assert result.blocks_moved == 0 and result.bad_block_ids == ids["self"] and reads == []
     assert "cannot be verified" in result.error
+
+
+# ----- heterogeneous TP, verified: real NIXL, one process per side -------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    """A vLLM-like prefill of one TP size hands a request over with verification on (the
+    default); a decode of the other reads its head slices and checks them against the
+    digests each prefill rank recorded: per head (decode TP bigger) or each rank's whole
+    pages (decode TP smaller). Every block loads, byte for byte."""
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
+    from tests.harness.tp_pair import Prefill, run_decode
+
+    prefill = Prefill(prefill_tp)
+    try:
+        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
+        ranks = run_decode(decode_tp, prefill.params)
+    finally:
+        prefill.close()
+    assert len(ranks) == decode_tp
+    for got in ranks:
+        assert got == {
+            "moved": 4,
+            "bad": [],
+            "mismatches": 0,
+            "verified": True,
+            "error": "",
+            "wrong": [],
+        }, ranks

@@ -248,3 +248,32 @@ def test_params_name_the_issuers_algorithm_and_a_reader_computes_that_one() -> N
     # a reader that computed its own default (XXH3 on CPU memory) would mismatch every block
     xxh3 = Expected(parsed.digest_key or 0, parsed.digests, ALGO_XXH3)
     assert xxh3.check(bound, "self", [5, 6, 7]) == (0, 3)
+
+
+def test_a_worker_with_head_major_pages_records_and_serves_head_digests() -> None:
+    """Pages a reader of a bigger TP size reads in head slices are digested head by head at
+    hand-over too, and the ``Digests`` reply carries them (real gRPC on loopback)."""
+    import dataclasses
+
+    from kvbridge.kernels import page_slice_digests
+    from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
+
+    worker, _ = _worker()
+    assert worker.layout is not None
+    model = worker.layout.model
+    worker.layout = dataclasses.replace(
+        worker.layout,
+        model=dataclasses.replace(model, name=model.name + HEAD_MAJOR_SUFFIX, num_kv_heads=2),
+    )
+    key = new_key()
+    worker.start_step(_empty_step(), [_order(key)])
+    assert worker.leases is not None
+    got = worker.leases.digests(LeaseId("ab" * 16))
+    per_head = page_slice_digests(worker.layout, "self", [4, 9, 2], key, 2)
+    assert got is not None and got.heads == 2
+    assert list(got.head_groups["self"]) == [d for block in per_head for d in block]
+    info = PeerInfo(EngineId("engine-a"), Role.PREFILL, preset_layout("tiny", num_blocks=32))
+    server = serve(info, worker.leases, ControlServerConfig())
+    with server, ControlClient(server.address) as client:
+        served = client.digests(LeaseId("ab" * 16), timeout_s=5)
+    assert served == got

@@ -29,10 +29,20 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harness.Engine]]:
-    tmp = tmp_path_factory.mktemp("vllm-kv-sharing")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Gemma-4-style model every engine of the module runs: one directory, because
+    vLLM's model path is the connector's default ``model_id``, which roots the block names
+    (an engine on a copy elsewhere names its blocks differently, and decode recomputes)."""
+    tmp = tmp_path_factory.mktemp("gemma4")
     model_or_skip(tmp)  # the venv
-    model = write_tiny_model("gemma4", tmp / "gemma4")
+    return write_tiny_model("gemma4", tmp / "gemma4")
+
+
+@pytest.fixture(scope="module")
+def engines(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, harness.Engine]]:
+    tmp = tmp_path_factory.mktemp("vllm-kv-sharing")
     port = 20000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
     started = pd_trio(model, tmp, port, **common)
@@ -78,12 +88,11 @@ def test_vllm_keeps_its_hybrid_groups_on_every_engine(
 
 @pytest.mark.extended
 def test_prefill_with_kv_sharing_fast_prefill_hands_over_the_same_kv(
-    engines: dict[str, harness.Engine], tmp_path: Path
+    engines: dict[str, harness.Engine], model: Path, tmp_path: Path
 ) -> None:
     """vLLM's prefill skip (``kv_sharing_fast_prefill``) on a prefill: the sharing layers
     write no KV, so decode's tokens are the plain engine's (and the prefill's wall time,
     for docs/VLLM.md, is printed)."""
-    model = write_tiny_model("gemma4", tmp_path / "gemma4")
     prompts = [[3, *range(200, 290), 4 + i] for i in range(2)]  # not in any cache yet
     expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
     port = 20500 + (hash(str(tmp_path)) % 400)

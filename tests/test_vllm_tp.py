@@ -89,14 +89,6 @@ def _handed_over(prefill: harness.Engine, prompts: list[list[int]]) -> list[dict
     return params
 
 
-def _unverified(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``params`` without the digest key: head-slice loads cannot be verified yet, and one
-    with a key recomputes (fail closed; docs/VLLM.md, "Not yet"). What a decode with
-    ``"verify_loads": false`` does."""
-    drop = ("digest_key", "digests_at_owner", "digest_algo")
-    return [{k: v for k, v in p.items() if k not in drop} for p in params]
-
-
 def _record(tmp: Path, name: str, figures: dict[str, Any]) -> None:
     """Keep a test's measured figures next to the engines' logs (``figures.json``)."""
     path = tmp / "figures.json"
@@ -178,8 +170,9 @@ def test_no_blocks_held_on_either_side_afterwards(tp: tuple[dict[str, Any], Path
 def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], Path]) -> None:
     engines, tmp = tp
     expected = harness.tokens(engines["tp1"].generate(TP1_TO_TP2, MAX_TOKENS))
-    params = _unverified(_handed_over(engines["tp1"], TP1_TO_TP2))
+    params = _handed_over(engines["tp1"], TP1_TO_TP2)
     assert {p["tp_size"] for p in params} == {1}
+    assert all(p["digest_key"] is not None for p in params)  # verified: per-head digests
     decode = engines["decode"]
     before = decode.call(cmd="metrics")["text"]
     assert harness.tokens(decode.generate(TP1_TO_TP2, MAX_TOKENS, params)) == expected
@@ -219,7 +212,8 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     engines, tmp = tp
     # the reference from the TP=2 engine, so that the TP=1 decode has never seen these
     expected = harness.tokens(engines["decode"].generate(TP2_TO_TP1, MAX_TOKENS))
-    params = _unverified(_handed_over(engines["prefill"], TP2_TO_TP1))
+    params = _handed_over(engines["prefill"], TP2_TO_TP1)
+    assert all(p["digest_key"] is not None for p in params)  # verified: each rank's digests
     decode = engines["tp1"]
     before = set(decode.call(cmd="stats")["loads"])
     assert harness.tokens(decode.generate(TP2_TO_TP1, MAX_TOKENS, params)) == expected
@@ -228,7 +222,7 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     assert len(loads) == len(TP2_TO_TP1), stats["loads"]
     full_block = 4 * 32 * 2 * 2 * 64 * 4
     for load in loads:  # 2 blocks each, read from both prefill ranks into their two halves
-        assert load["moved"] == 2 and not load["error"], load
+        assert load["moved"] == 2 and not load["error"] and load["verified"], load
         assert load["bytes"] == 2 * full_block and load["path"] == "sealed", load
         assert load["descriptors"] == 2 * 2 * 4, load  # one per (rank, block, layer) page
     _record(tmp, "tp2_to_tp1", {"loads": loads})

@@ -1,7 +1,7 @@
 """What every ``kvbridge`` command checks before it starts anything, and how it says no.
 
-Argument types (:func:`positive_int`, :func:`port`) make argparse refuse a bad
-number with the flag's name; :func:`preflight` checks the files and ports a
+Argument types (:func:`positive_int`, :func:`positive_float`, :func:`port`, ...) make
+argparse refuse a bad number with the flag's name; :func:`preflight` checks the files and ports a
 command was given (token and TLS files readable and PEM where they must be,
 ports free on ``--host``) before NIXL or gRPC start, so the user reads one
 line naming the flag instead of a library's traceback or its misleading
@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
+    "int_at_least",
     "merge_negative_values",
+    "non_negative_float",
     "non_negative_int",
     "plain_text",
     "port",
+    "positive_float",
     "positive_int",
     "preflight",
     "quiet_libraries",
@@ -38,10 +42,38 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+
+    def check(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
+        return value
+
+    return check
+
+
 def non_negative_int(text: str) -> int:
     """An argparse type: an integer >= 0."""
     value = _int(text)
     if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, sizes in MiB)."""
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    value = _float(text)
+    if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
     return value
 
@@ -59,6 +91,16 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def merge_negative_values(argv: Sequence[str]) -> list[str]:

@@ -19,6 +19,7 @@ from kvbridge.connector.events import (
     KVEventSource,
     ZmqEventPublisher,
 )
+from kvbridge.worker.cli_checks import positive_int
 
 __all__ = ["add_kv_events_arguments", "kv_events_from_args", "open_sink"]
 
@@ -52,7 +53,7 @@ def add_kv_events_arguments(p: argparse.ArgumentParser, what: str) -> None:
     )
     g.add_argument(
         "--kv-events-buffer",
-        type=int,
+        type=positive_int,
         default=10_000,
         metavar="N",
         help="batches kept for replay (vLLM's buffer_steps, default 10000)",

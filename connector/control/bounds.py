@@ -8,15 +8,17 @@ caller's authenticated identity
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
-__all__ = ["Claimant", "PeerCaps", "PeerUse", "block_keys", "check_ttl"]
+__all__ = ["Claimant", "PeerCaps", "PeerUse", "WaitSlots", "block_keys", "check_ttl"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +63,41 @@ def check_ttl(ttl_s: float) -> None:
     # and keeping every later lease from expiring too; infinity would never expire either
     if not math.isfinite(ttl_s) or ttl_s <= 0:
         raise ConfigError(f"lease ttl_s must be a finite number > 0, got {ttl_s}")
+
+
+class WaitSlots:
+    """How many calls may wait at once on a server thread (``Digests`` for a lease whose
+    hold order has not reached the owner yet): at most ``total`` in all and ``per_peer``
+    per caller identity. A call over either cap does not wait: it gets the answer as it
+    stands now (for an unknown lease, NOT_FOUND: its reader recomputes). So a token holder
+    flooding unknown leases parks at most ``per_peer`` threads, and all peers together
+    ``total``, never the whole pool. Thread-safe; keeps an entry only per waiting peer."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        if total < 1 or per_peer < 1:
+            raise ConfigError(f"wait slots must be >= 1, got total {total}, per peer {per_peer}")
+        self.total = total
+        self.per_peer = per_peer
+        self._lock = threading.Lock()
+        self._waiting: Counter[str] = Counter()
+
+    @contextmanager
+    def slot(self, peer: str) -> Iterator[bool]:
+        """Whether ``peer`` may wait now; the slot is held until the block ends."""
+        with self._lock:
+            got = self._waiting.total() < self.total and self._waiting[peer] < self.per_peer
+            if got:
+                self._waiting[peer] += 1
+        try:
+            yield got
+        finally:
+            if got:
+                with self._lock:
+                    self._waiting[peer] -= 1
+                    if not self._waiting[peer]:
+                        del self._waiting[peer]
+
+    def waiting(self) -> int:
+        """Calls waiting now (all peers)."""
+        with self._lock:
+            return self._waiting.total()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -176,13 +176,15 @@ class ControlClient(Closing):
         (NOT_FOUND) if it recorded none."""
         req = pb.DigestsRequest(lease_id=lease_id)
         resp: pb.DigestsResponse = self._call("Digests", req, timeout_s, retry=True)
-        groups: dict[KVGroup, tuple[bytes, ...]] = {}
-        for g in resp.groups:
-            group = parse_group(g.group, WireError)
-            if group in groups or any(len(d) != DIGEST_BYTES for d in g.hashes):
-                raise WireError(f"digests reply: bad or repeated group {group!r}")
-            groups[group] = tuple(bytes(d) for d in g.hashes)
-        return HandOverDigests(resp.algo, groups)
+        groups = _digest_groups(resp.groups)
+        heads = _digest_groups(resp.head_groups)
+        for g, d in heads.items():
+            if len(d) != resp.heads * len(groups.get(g, ())):
+                raise WireError(
+                    f"digests reply: {len(d)} head digests of group {g!r} are not "
+                    f"{resp.heads} per block"
+                )
+        return HandOverDigests(resp.algo, groups, resp.heads if heads else 0, heads)
 
     def health(self, *, timeout_s: float | None = None) -> HealthInfo:
         resp: pb.HealthResponse = self._call("Health", pb.HealthRequest(), timeout_s, retry=True)
@@ -276,3 +278,13 @@ def _ttl_ms(ttl_s: float | None) -> int:
         raise ConfigError(f"ttl_s must be > 0, got {ttl_s}")
     # the field is a uint64 and the server clamps to its maximum anyway: ask for at most that
     return max(1, min(_U64_MAX, round(ttl_s * 1000) if math.isfinite(ttl_s) else _U64_MAX))
+
+
+def _digest_groups(got: Iterable[pb.GroupHashes]) -> dict[KVGroup, tuple[bytes, ...]]:
+    groups: dict[KVGroup, tuple[bytes, ...]] = {}
+    for g in got:
+        group = parse_group(g.group, WireError)
+        if group in groups or any(len(d) != DIGEST_BYTES for d in g.hashes):
+            raise WireError(f"digests reply: bad or repeated group {group!r}")
+        groups[group] = tuple(bytes(d) for d in g.hashes)
+    return groups

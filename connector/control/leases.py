@@ -30,7 +30,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from kvbridge.connector.control.block_owner import BlockOwner, GroupBlocks, GroupHashes
@@ -42,6 +42,7 @@ from kvbridge.connector.control.bounds import (
     check_ttl,
 )
 from kvbridge.connector.control.seal import SealTable, seal_digest
+from kvbridge.connector.control.types import HandOverDigests
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -58,15 +59,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class HandOverDigests:
-    """What a hand-over lease's owner recorded of its blocks: ``algo`` (a
-    :mod:`kvbridge.kernels.digest` algorithm name) and, per group, one digest per leased block."""
-
-    algo: str
-    groups: Mapping[KVGroup, Sequence[bytes]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.connector.control.auth import accepted_tokens, caller_identity
+from kvbridge.connector.control.bounds import WaitSlots
 from kvbridge.connector.control.errors import call_handler, lease_not_found
 from kvbridge.connector.control.grpc_server import ReapingServer, ServedByReaping
 from kvbridge.connector.control.leases import BlockOwner, Claimant, Lease, LeaseTable, PeerCaps
@@ -86,6 +87,9 @@ class ControlHandlers:
         self._on_handshake = on_handshake
         self._groups = tuple(g.name for g in local.layout.groups)
         self._local_pb = peer_to_pb(local)
+        waits = config.max_digest_waits or max(1, config.max_workers // 2)
+        self.digest_waits = WaitSlots(waits, config.max_digest_waits_per_peer)
+        """Bounds the ``Digests`` calls that park a server thread (see :meth:`digests`)."""
 
     @property
     def owner(self) -> BlockOwner:
@@ -142,17 +146,28 @@ class ControlHandlers:
         lease_id = check_lease_id(request.lease_id)
         return pb.ReleaseResponse(released=self.leases.release(lease_id))
 
-    def digests(self, request: pb.DigestsRequest) -> pb.DigestsResponse:
+    def digests(self, request: pb.DigestsRequest, peer: str = "") -> pb.DigestsResponse:
         """The digests recorded for a hand-over lease. Not secret: without the lease's key
         (only in kv_transfer_params) no one can make other bytes match them. An owner that
-        digests after making the lease (vLLM's worker) is waited for a bounded time."""
+        digests after making the lease (vLLM's worker) is waited for up to
+        ``DIGESTS_WAIT_S``, but only by a bounded number of calls at once, in all and per
+        caller ``peer`` (:class:`WaitSlots`): a call over the caps answers at once, so
+        asking for unknown leases cannot hold the server's threads."""
         lease_id = check_lease_id(request.lease_id)
-        got = self.leases.digests(lease_id, wait_s=DIGESTS_WAIT_S)
+        got = self.leases.digests(lease_id)
+        if got is None:
+            with self.digest_waits.slot(peer) as may_wait:
+                if may_wait:
+                    got = self.leases.digests(lease_id, wait_s=DIGESTS_WAIT_S)
         if got is None:
             raise lease_not_found(f"no digests recorded for lease {lease_id}")
         return pb.DigestsResponse(
             algo=got.algo,
             groups=[pb.GroupHashes(group=g, hashes=list(d)) for g, d in got.groups.items()],
+            heads=got.heads,
+            head_groups=[
+                pb.GroupHashes(group=g, hashes=list(d)) for g, d in got.head_groups.items()
+            ],
         )
 
     def health(self, request: pb.HealthRequest) -> pb.HealthResponse:
@@ -305,7 +320,7 @@ class _Servicer(pb_grpc.PeerControlServicer):
         return call_handler(self._h.health, request, context)
 
     def Digests(self, request: pb.DigestsRequest, context: Any) -> pb.DigestsResponse:
-        return call_handler(self._h.digests, request, context)
+        return call_handler(lambda r: self._h.digests(r, self._caller(context)), request, context)
 
 
 class ControlServer(ServedByReaping):

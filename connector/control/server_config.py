@@ -34,6 +34,12 @@ class ControlServerConfig:
     through Pin, hand-overs it claimed included."""
     max_blocks_per_peer: int | None = None
     """Most blocks one peer may pin through Pin; None: half of the owner's blocks."""
+    max_digest_waits: int | None = None
+    """Most ``Digests`` calls that wait at once for a lease the owner has not made yet (each
+    holds a server thread up to ``DIGESTS_WAIT_S``); None: half of ``max_workers`` (at
+    least 1), so the other half always serves. Calls over the cap answer at once."""
+    max_digest_waits_per_peer: int = 2
+    """Of those, most from one peer (authenticated identity)."""
     limits: ControlLimits = field(default_factory=ControlLimits)
 
     def __post_init__(self) -> None:
@@ -60,5 +66,11 @@ class ControlServerConfig:
             raise ConfigError(f"max_leases_per_peer must be >= 1, got {self.max_leases_per_peer}")
         if self.max_blocks_per_peer is not None and self.max_blocks_per_peer < 1:
             raise ConfigError(f"max_blocks_per_peer must be >= 1, got {self.max_blocks_per_peer}")
+        waits = self.max_digest_waits
+        if (waits is not None and waits < 1) or self.max_digest_waits_per_peer < 1:
+            raise ConfigError(
+                f"max_digest_waits ({waits}) and max_digest_waits_per_peer "
+                f"({self.max_digest_waits_per_peer}) must be >= 1"
+            )
         if not (math.isfinite(self.reap_interval_s) and self.reap_interval_s > 0):
             raise ConfigError(f"reap_interval_s must be > 0, got {self.reap_interval_s}")

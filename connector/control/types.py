@@ -24,6 +24,7 @@ from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestI
 from kvbridge.proto.version import PROTOCOL_VERSION
 
 __all__ = [
+    "HandOverDigests",
     "ControlLimits",
     "Role",
     "PeerInfo",
@@ -277,3 +278,19 @@ def role_to_pb(role: Role) -> int:
 
 def role_from_pb(value: int) -> Role | None:
     return _ROLE_FROM_PB.get(value)
+
+
+@dataclass(frozen=True, slots=True)
+class HandOverDigests:
+    """What a hand-over lease's owner recorded of its blocks (kept in its own memory, sent by
+    ``Digests``): ``algo`` (a :mod:`kvbridge.kernels.digest` algorithm name) and, per group,
+    one digest per leased block."""
+
+    algo: str
+    groups: Mapping[KVGroup, Sequence[bytes]]
+    heads: int = 0
+    """Head-slice digests per block in ``head_groups`` (0: none; see
+    :func:`kvbridge.kernels.page_slice_digests`): what a reader of a bigger TP size, which
+    reads a run of each page's heads, checks."""
+    head_groups: Mapping[KVGroup, Sequence[bytes]] = field(default_factory=dict)
+    """Per group, ``heads`` digests per leased block, block after block (always XXH3)."""

@@ -31,12 +31,12 @@ from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
-from kvbridge.connector.load.verify import Checked, Expected, fetch_expected
+from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
 from kvbridge.proto.errors import (
     KVBridgeError,
 )
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.negotiate import TransferMode, source_ranks
+from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class RemoteLoader:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
-        ranks = self._ranks(load)
+        ranks, fetches = self._ranks(load), self._digest_fetches
         if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
             return load_from_ranks(
                 load,
@@ -163,6 +163,8 @@ class RemoteLoader:
                 self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
+                lambda peers: fetch_from_ranks(fetches, peers, load, self.config.control_timeout_s),
+                self.memory.layout,
             )
         job = _Attempt(load)
         result = self._load(job, ranks[0], retry_stale)
@@ -173,11 +175,12 @@ class RemoteLoader:
         try:
             job.peer, job.cached = self._links.get(load, rank)
             job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
-            if job.expected is not None and job.peer.link.mode is TransferMode.HEAD_SLICE:
-                return unverifiable(load)
-            if job.expected is not None and load.digests_at_owner:
-                timeout = self.config.control_timeout_s
-                job.expected = fetch_expected(self._digest_fetches, job.peer, load, timeout)
+            if job.expected is not None:
+                fetches, timeout = self._digest_fetches, self.config.control_timeout_s
+                args = (load, job.peer, self.memory.layout, fetches, timeout)
+                job.expected = expect_from(job.expected, *args)
+                if job.expected is None:  # whole-block digests in the params: no slices
+                    return unverifiable(load)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
@@ -337,8 +340,8 @@ class RemoteLoader:
         return job.expected.check(self.memory.layout, group, local)
 
     def _read_unchecked(self, reads: Sequence[ReadRequest]) -> list[ReadFigures]:
-        """READs across TP ranks (head slices), posted together: not checked (no per-slice
-        digests)."""
+        """READs across TP ranks (head slices), posted together; checked once every rank's
+        slice landed."""
         return post_reads(self.transport, reads, self.config.load_timeout_s)
 
     def _release(self, peer: Peer, lease: LeaseId | None) -> bool:

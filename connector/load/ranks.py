@@ -13,6 +13,12 @@ holds. Each rank whose seal held gets its lease back by notification. Anything
 else (no seal in the params, a seal that does not hold, a READ or link failure)
 reports every block bad: the engine recomputes, and the leases not given back
 expire. There is no owner (slow) path across ranks yet.
+
+With a digest key, each rank's digests (asked for beside the READs) check the
+slice of this rank's pages it filled (:class:`~kvbridge.connector.load.verify.Expected`):
+``self`` blocks are good up to the first block one of whose slices differs.
+Digests in the params (whole blocks of one rank) cannot check slices: such a load
+fails closed.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest
-from kvbridge.connector.load.result import load_result, unverifiable
+from kvbridge.connector.load.result import load_result, unverifiable, verdict
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
     from kvbridge.connector.control.seal import SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
+    from kvbridge.connector.load.verify import Expected
+    from kvbridge.proto.layout import KVLayout
 
 __all__ = ["load_from_ranks"]
 
@@ -49,11 +57,15 @@ def load_from_ranks(
     read: ReadFn,
     timeout_s: float,
     forget: Callable[[str, Peer], None],
+    expect: Callable[[Sequence[Peer]], Expected] | None = None,
+    layout: KVLayout | None = None,
 ) -> LoadResult:
     """READ ``load``'s blocks from each of ``ranks`` of its engine and prove every rank's
-    seal; never raises (fail closed: every block bad)."""
-    if load.digest_key is not None:  # whole-block digests cannot check head slices
-        return unverifiable(load)
+    seal; never raises (fail closed: every block bad). With a digest key, ``expect``
+    gives what the ranks' slices must match (asked for once the links are up) and the
+    blocks landed in bound ``layout`` are checked."""
+    if load.digest_key is not None and (not load.digests_at_owner or expect is None):
+        return unverifiable(load)  # whole-block digests in the params cannot check slices
     groups = [g for g, ids in load.local_ids.items() if ids]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
@@ -71,6 +83,7 @@ def load_from_ranks(
             link_ms = (time.perf_counter() - t0) * 1e3
         if any(p.seal_link is None for p in peers):
             raise LeaseError("a TP rank publishes no lease seal table")
+        expected = None if expect is None or load.digest_key is None else expect(peers)
         # every rank's slices at once, then (the proof's order) every rank's seal at once
         reads = read([ReadRequest(p.link, g, local[g], remote[g]) for p in peers for g in groups])
         seal_links = [p.seal_link for p in peers]
@@ -81,6 +94,15 @@ def load_from_ranks(
         if not all(held):
             bad = [r for r, ok in zip(ranks, held, strict=True) if not ok]
             return _failed(load, t0, f"the lease seal of TP rank(s) {bad} does not hold")
+        if expected is not None:
+            assert layout is not None
+            done = {
+                g: (_merged(reads[i :: len(groups)]), expected.check(layout, g, local[g]))
+                for i, g in enumerate(groups)
+            }
+            address = peers[0].address if peers else load.remote_address
+            result = verdict(load, t0, local, done, "sealed", address=address, verified=True)
+            return replace(result, link_ms=link_ms) if link_ms else result
     except Exception as exc:
         if not isinstance(exc, KVBridgeError):
             log.exception("request %s: unexpected load failure", load.request_id)
@@ -91,6 +113,18 @@ def load_from_ranks(
     moved = {g: len(ids) for g, ids in local.items()}
     result = load_result(load, t0, moved=moved, path="sealed", reads=reads)
     return replace(result, link_ms=link_ms) if link_ms else result
+
+
+def _merged(reads: Sequence[ReadFigures]) -> ReadFigures:
+    """One group's READs from every rank, as one."""
+    total = ReadFigures.total(reads)
+    read_ms = total["read_ms"]
+    return ReadFigures(
+        total["bytes_moved"],
+        total["descriptors"],
+        total["wire_descriptors"],
+        None if read_ms is None else read_ms / 1e3,
+    )
 
 
 def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:

@@ -104,9 +104,10 @@ def verdict(
 
 
 def unverifiable(load: BlockLoad) -> LoadResult:
-    """A load with a digest key that reads head slices (heterogeneous TP): the owner's
-    whole-block digests cannot check a slice, so it fails closed (every block recomputed)."""
-    error = "head-slice loads (heterogeneous TP) cannot be verified yet: recomputing"
+    """A load with a digest key that reads head slices (heterogeneous TP) but carries its
+    digests in the params (whole blocks only, no owner to ask for head digests): they
+    cannot check a slice, so it fails closed (every block recomputed)."""
+    error = "head-slice load with whole-block digests in the params cannot be verified: recomputing"
     log.info("request %s: %s", load.request_id, error)
     return load_result(
         load, time.perf_counter(), bad=load.local_ids.get(KVGroup.SELF, []), error=error

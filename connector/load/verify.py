@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvbridge.kernels import block_digests
+from kvbridge.kernels import ALGO_XXH3, block_digests, page_slice_digests
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.negotiate import TransferMode, head_slices
 from kvbridge.proto.types import LeaseId
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
     from kvbridge.proto.types import BlockId
 
-__all__ = ["Checked", "Expected", "fetch_expected"]
+__all__ = ["Checked", "Expected", "expect_from", "fetch_expected", "fetch_from_ranks"]
 
 
 class Checked(NamedTuple):
@@ -53,9 +54,22 @@ class Expected:
     digests: Mapping[KVGroup, Sequence[bytes]]
     algo: str | None = None
     pending: Future[HandOverDigests] | None = None
+    first_block: int = 0
+    """Where the load's ``self`` blocks start in the owner's lease (fetched digests cover it
+    all)."""
+    head_slice: tuple[int, int] | None = None
+    """``(part, parts)``: this reader's heads are slice ``part`` of ``parts`` of each of the
+    owner's pages (a bigger TP size reading a smaller one); checked against the owner's
+    head digests."""
+    ranks: tuple[Future[HandOverDigests], ...] = ()
+    """The digests of each remote TP rank whose whole pages fill slice ``j`` of this
+    reader's pages (a smaller TP size reading a bigger one), rank after rank."""
+    helper: Executor | None = None
+    """A thread that may hash a share of the blocks beside the checking thread
+    (:func:`kvbridge.kernels.block_digests`)."""
     offsets: Mapping[KVGroup, int] | None = None
     """Per group, where the load's blocks start in the owner's lease (fetched digests cover
-    it all): :meth:`BlockLoad.lease_offset`."""
+    it all): :meth:`BlockLoad.lease_offset`; None: ``first_block`` for ``self``, else 0."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -65,27 +79,51 @@ class Expected:
         return cls(load.digest_key, load.digests, load.digest_algo)
 
     @classmethod
-    def fetching(cls, load: BlockLoad, pending: Future[HandOverDigests]) -> Expected:
+    def fetching(
+        cls,
+        load: BlockLoad,
+        pending: Future[HandOverDigests],
+        head_slice: tuple[int, int] | None = None,
+    ) -> Expected:
         """The load's key, with the digests the owner will send (``pending``)."""
         assert load.digest_key is not None
         offsets = {g: load.lease_offset(g) for g in load.local_ids}
-        return cls(load.digest_key, {}, None, pending, offsets)
+        return cls(
+            load.digest_key, {}, None, pending, load.first_block, head_slice, offsets=offsets
+        )
+
+    @classmethod
+    def from_ranks(cls, load: BlockLoad, pending: Sequence[Future[HandOverDigests]]) -> Expected:
+        """The load's key, with the digests each remote rank will send (rank ``j``'s whole
+        pages are slice ``j`` of this reader's)."""
+        assert load.digest_key is not None
+        offsets = {g: load.lease_offset(g) for g in load.local_ids}
+        return cls(
+            load.digest_key, {}, None, None, load.first_block, None, tuple(pending), offsets=offsets
+        )
 
     def _want(self, group: KVGroup, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
             return list(self.digests.get(group, ()))[:n], self.algo
         got = self.pending.result()  # the fetch has its own deadline; its error fails the load
-        first = (self.offsets or {}).get(group, 0)
+        first = self._first(group)
         return list(got.groups.get(group, ()))[first : first + n], got.algo
+
+    def _first(self, group: KVGroup) -> int:
+        """Where the load's ``group`` blocks start in the owner's lease."""
+        default = self.first_block if group == KVGroup.SELF else 0
+        return default if self.offsets is None else self.offsets.get(group, default)
 
     def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
         in order, with this group's first ``len(ids)`` digests."""
+        if self.head_slice is not None or self.ranks:
+            return self._check_slices(layout, group, ids)
         want, algo = self._want(group, len(ids))
         if len(want) != len(ids):  # fail closed: a block without a digest is not used
             return Checked(0, len(ids))
         try:
-            got = block_digests(layout, group, list(ids), self.key, algo)
+            got = block_digests(layout, group, list(ids), self.key, algo, self.helper)
         except ValueError as exc:  # an algorithm this reader does not know
             raise WireError(f"cannot check the blocks: {exc}") from None
         bad = [
@@ -95,13 +133,91 @@ class Expected:
         ]
         return Checked(bad[0] if bad else len(ids), len(bad))
 
+    def _check_slices(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
+        """:meth:`check` for head slices: each of a block's slices against the digest its
+        writer recorded for exactly those bytes; a block is good if every slice matches."""
+        first = self._first(group)
+        n = len(ids)
+        if self.ranks:  # slice j of each page: rank j's whole pages
+            fetched = [f.result() for f in self.ranks]  # a failed fetch fails the load
+            parts = len(fetched)
+            want = [list(got.groups.get(group, ()))[first : first + n] for got in fetched]
+            algos = {got.algo for got in fetched}
+            whole = all(len(w) == n for w in want)
+            rows = [[w[i] for w in want] for i in range(n)] if whole else []
+        else:
+            assert self.head_slice is not None and self.pending is not None
+            part, k = self.head_slice
+            got = self.pending.result()
+            parts = layout.num_heads  # one digest per head of this reader's pages
+            flat = list(got.head_groups.get(group, ()))
+            algos = {ALGO_XXH3}
+            rows = []
+            if got.heads == parts * k and len(flat) >= (first + n) * got.heads:
+                rows = [flat[(first + i) * got.heads + part * parts :][:parts] for i in range(n)]
+        if len(rows) != n or len(algos) != 1:  # fail closed: a slice without a digest
+            return Checked(0, n)
+        try:
+            have = page_slice_digests(layout, group, list(ids), self.key, parts, algos.pop())
+        except ValueError as exc:  # e.g. a device writer: no slice digests to compare with
+            raise WireError(f"cannot check the head slices: {exc}") from None
+        bad = [
+            i
+            for i, (a, b) in enumerate(zip(have, rows, strict=True))
+            if not all(hmac.compare_digest(x, y) for x, y in zip(a, b, strict=True))
+        ]
+        return Checked(bad[0] if bad else n, len(bad))
 
-def fetch_expected(pool: Executor, peer: Peer, load: BlockLoad, timeout_s: float) -> Expected:
+
+def expect_from(
+    expected: Expected,
+    load: BlockLoad,
+    peer: Peer,
+    layout: KVLayout,
+    pool: Executor,
+    timeout_s: float,
+) -> Expected | None:
+    """What ``load``'s blocks read from ``peer`` into bound ``layout`` must match:
+    ``expected`` (the params' digests) or, when the owner keeps them, the owner's, asked
+    for on ``pool`` now (its head digests, for a head-slice link); a thread of ``pool`` helps
+    hash the blocks. None: the link reads head slices but the digests in the params are of
+    whole blocks, so the load cannot be verified."""
+    sliced = peer.link.mode is TransferMode.HEAD_SLICE
+    if load.digests_at_owner:
+        part = head_slices(layout, peer.link.remote_layout)[1] if sliced else None
+        expected = fetch_expected(pool, peer, load, timeout_s, part)
+    elif sliced:
+        return None
+    return replace(expected, helper=pool)
+
+
+def fetch_expected(
+    pool: Executor,
+    peer: Peer,
+    load: BlockLoad,
+    timeout_s: float,
+    head_slice: tuple[int, int] | None = None,
+) -> Expected:
     """The load's key with the digests its owner keeps, asked for on ``pool`` (concurrently
     with the READ; the first check waits for them). Without a lease id there is nothing to
-    ask for: no block has a digest, so none is used (fail closed)."""
+    ask for: no block has a digest, so none is used (fail closed). ``head_slice``: the
+    load reads slice ``(part, parts)`` of each of the owner's pages (checked against its
+    head digests)."""
     assert load.digest_key is not None
     if not load.lease_id:
         return Expected(load.digest_key, {})
     pending = pool.submit(peer.client.digests, LeaseId(load.lease_id), timeout_s=timeout_s)
-    return Expected.fetching(load, pending)
+    return Expected.fetching(load, pending, head_slice)
+
+
+def fetch_from_ranks(
+    pool: Executor, peers: Sequence[Peer], load: BlockLoad, timeout_s: float
+) -> Expected:
+    """:func:`fetch_expected` for a load that fills slice ``j`` of each page from
+    ``peers[j]`` (each rank digested its own pages under the hand-over's one key)."""
+    assert load.digest_key is not None
+    if not load.lease_id:
+        return Expected(load.digest_key, {})
+    lease = LeaseId(load.lease_id)
+    pending = [pool.submit(p.client.digests, lease, timeout_s=timeout_s) for p in peers]
+    return Expected.from_ranks(load, pending)

@@ -193,19 +193,35 @@ class VllmWorker:
 
     def _digests(self, order: HoldOrder) -> HandOverDigests | None:
         """The held blocks' digests under the order's key (None: no key, or they could not
-        be digested: a reader that asks then recomputes). Kept in this process only."""
+        be digested: a reader that asks then recomputes). Kept in this process only.
+
+        Pages a reader of a bigger TP size can read in head slices are also digested head
+        by head (XXH3 over CPU memory only: a device writer records none, and such a
+        reader recomputes)."""
         if order.digest_key is None or self.layout is None:
             return None
-        from kvbridge.kernels import block_digests, digest_algo
+        from kvbridge.kernels import (
+            ALGO_XXH3,
+            block_digests,
+            digest_algo,
+            head_digest_parts,
+            page_slice_digests,
+        )
 
-        got: dict[KVGroup, tuple[bytes, ...]] = {}
+        layout, key, group = self.layout, order.digest_key, KVGroup.SELF
+        algo = digest_algo(layout, group)
+        ids = list(order.block_ids)
         try:
-            for group, ids in order.blocks().items():
-                got[group] = tuple(block_digests(self.layout, group, list(ids), order.digest_key))
+            got = {
+                g: tuple(block_digests(layout, g, list(b), key)) for g, b in order.blocks().items()
+            }
+            heads = head_digest_parts(layout) if algo == ALGO_XXH3 else 0
+            per_head = page_slice_digests(layout, group, ids, key, heads) if heads else []
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        return HandOverDigests(digest_algo(self.layout, KVGroup.SELF), got)
+        flat = tuple(d for block in per_head for d in block)
+        return HandOverDigests(algo, got, heads, {group: flat} if heads else {})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""

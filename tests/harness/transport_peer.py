@@ -213,13 +213,17 @@ class Peer:
         block_id: int,
         payload: bytes,
         group: str = "self",
+        claim: bytes | None = None,
     ) -> dict[str, Any]:
         """A token holder's attack: WRITE ``payload`` (repeated to fill the block) into block
         ``block_id`` of a remote memory described by ``layout`` (a KV cache or a seal table),
-        with the agent metadata a handshake gave it."""
+        with the agent metadata a handshake gave it. ``claim``: the layout of the memory it
+        writes from (default ``layout``); one of another TP size writes a head slice of
+        each of the block's pages (``HEAD_SLICE``)."""
         remote = KVLayout.from_bytes(layout)
-        kv = remote.allocate()
-        memory = self.transport.register(remote, kv)
+        mine = remote if claim is None else KVLayout.from_bytes(claim)
+        kv = mine.allocate()
+        memory = self.transport.register(mine, kv)
         self.memories.append((memory, kv))
         bound = memory.layout
         spans = list(bound.block_spans(group, block_id))

@@ -23,6 +23,7 @@ from kvbridge.proto.presets import PRESETS
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
+from kvbridge.worker.cli_checks import non_negative_int, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -39,9 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=sorted(PRESETS),
         help="model (default llama3-8b)",
     )
-    p.add_argument("--blocks", type=int, default=64, help="blocks per Pin (default 64)")
-    p.add_argument("--iterations", type=int, default=2000, help="timed calls per operation")
-    p.add_argument("--warmup", type=int, default=200, help="untimed calls per operation first")
+    p.add_argument("--blocks", type=positive_int, default=64, help="blocks per Pin (default 64)")
+    p.add_argument(
+        "--iterations", type=positive_int, default=2000, help="timed calls per operation"
+    )
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=200, help="untimed calls per operation first"
+    )
     p.add_argument("--token", default=None, help="also exercise token auth with this token")
     p.add_argument(
         "--in-process", action="store_true", help="run the server in this process (GIL-shared)"

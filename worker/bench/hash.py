@@ -13,15 +13,16 @@ import time
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, print_table, write_json
+from kvbridge.worker.cli_checks import positive_int
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("hash", help="time prefix-hashing of long prompts")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=50, help="best of this many runs")
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--repeats", type=positive_int, default=50, help="best of this many runs")
     add_output_arguments(p, "hash")
     p.set_defaults(func=run)
 

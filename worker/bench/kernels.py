@@ -23,6 +23,7 @@ import argparse
 from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
+from kvbridge.worker.cli_checks import non_negative_int, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -32,14 +33,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=64, help="blocks per cache")
-    p.add_argument("--moved", type=int, default=32, help="blocks moved per call")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--num-blocks", type=positive_int, default=64, help="blocks per cache")
+    p.add_argument("--moved", type=positive_int, default=32, help="blocks moved per call")
     p.add_argument("--orders", nargs="+", default=["block-nhd", "layer-nhd", "layer-kv-nhd"])
     p.add_argument(
-        "--repeats", type=int, default=15, help="interleaved runs (median ratio, best GB/s)"
+        "--repeats",
+        type=positive_int,
+        default=15,
+        help="interleaved runs (median ratio, best GB/s)",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     add_output_arguments(p, "kernels")
     p.set_defaults(func=run)

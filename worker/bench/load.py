@@ -30,6 +30,7 @@ from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
+from kvbridge.worker.cli_checks import positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -46,13 +47,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         choices=sorted(PRESETS),
         help="layout preset (default tiny)",
     )
-    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
-    p.add_argument("--requests", type=int, default=200, help="loads per protocol and size")
+    p.add_argument("--blocks", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    p.add_argument("--requests", type=positive_int, default=200, help="loads per protocol and size")
     p.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
         help="leave out the verified sealed load (digest check of the blocks read)",
+    )
+    p.add_argument(
+        "--no-digest-helper",
+        dest="digest_helper",
+        action="store_false",
+        help="hash every block of a verified load in the loading thread (no helper thread)",
     )
     add_output_arguments(p, "load")
     p.set_defaults(func=run)
@@ -115,6 +122,8 @@ def _owner(preset: str, leases: int, blocks: int, per_lease: int, out: Any, stop
 
 
 def run(args: argparse.Namespace) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvbridge.connector.control import ControlClient, PeerInfo, Role
     from kvbridge.connector.control.seal import SealReader, seal_digest
     from kvbridge.connector.load.verify import Expected
@@ -139,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
         address, made, raw_names, key, digests = out.get(timeout=300)
         names = [BlockHash(n) for n in raw_names]
         layout = preset_layout(args.preset, num_blocks=num_blocks)
-        with NixlTransport(NixlConfig("bench-reader")) as transport:
+        with (
+            NixlTransport(NixlConfig("bench-reader")) as transport,
+            ThreadPoolExecutor(1) as helper,
+        ):
             memory = transport.register(layout, layout.allocate("cpu"))
             reader = SealReader(transport, 1)
             client = ControlClient(address, timeout_s=10)
@@ -169,8 +181,11 @@ def run(args: argparse.Namespace) -> int:
                 _, (lease, ids) = next(leases)
                 read(ids[:n])
                 digest = seal_digest({KVGroup.SELF: ids}, {KVGroup.SELF: names})
-                expected = Expected(key, {KVGroup.SELF: [digests[b] for b in ids[:n]]})
-                checked = []  # as a decode load does: digests while the seal READ is in flight
+                want = {KVGroup.SELF: [digests[b] for b in ids[:n]]}
+                # as a decode load does: digests while the seal READ is in flight, a thread of
+                # the loader's pool hashing a share of the blocks
+                expected = Expected(key, want, helper=helper if args.digest_helper else None)
+                checked = []
 
                 def check() -> None:
                     checked.append(expected.check(memory.layout, KVGroup.SELF, ids[:n]))

@@ -31,6 +31,7 @@ from kvbridge.proto.presets import preset_layout
 from kvbridge.proto.types import BlockHash, BlockId
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
+from kvbridge.worker.cli_checks import positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -42,11 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
     )
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
-    p.add_argument("--mib", type=int, default=256, help="MiB per store/load")
-    p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")
-    p.add_argument("--lookup-hashes", type=int, default=10_000)
-    p.add_argument("--lookup-repeats", type=int, default=50)
+    p.add_argument("--block-sizes", type=positive_int, nargs="+", default=[16, 64])
+    p.add_argument("--mib", type=positive_int, default=256, help="MiB per store/load")
+    p.add_argument("--repeats", type=positive_int, default=3, help="bandwidth: best of this many")
+    p.add_argument("--lookup-hashes", type=positive_int, default=10_000)
+    p.add_argument("--lookup-repeats", type=positive_int, default=50)
     p.add_argument("--quick", action="store_true", help="one preset, 64 MiB: well under a minute")
     p.add_argument(
         "--disk",

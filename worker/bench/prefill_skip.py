@@ -26,6 +26,7 @@ from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.presets import PresetShape, make_layout
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
+from kvbridge.worker.cli_checks import non_negative_int, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -37,17 +38,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--tokens", type=int, default=8192, help="prompt length (default 8192)")
-    p.add_argument("--layers", type=int, default=24, help="decoder layers (default 24)")
-    p.add_argument("--share-last", type=int, default=12, help="trailing sharing layers (12)")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size (default 128)")
-    p.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    p.add_argument("--kv-heads", type=int, default=2, help="KV heads (default 2)")
-    p.add_argument("--head-size", type=int, default=32, help="head size (default 32)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per mode; best is kept")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    p.add_argument("--tokens", type=positive_int, default=8192, help="prompt length (default 8192)")
+    p.add_argument("--layers", type=positive_int, default=24, help="decoder layers (default 24)")
+    p.add_argument(
+        "--share-last", type=non_negative_int, default=12, help="trailing sharing layers (12)"
+    )
+    p.add_argument("--hidden", type=positive_int, default=128, help="hidden size (default 128)")
+    p.add_argument("--heads", type=positive_int, default=4, help="query heads (default 4)")
+    p.add_argument("--kv-heads", type=positive_int, default=2, help="KV heads (default 2)")
+    p.add_argument("--head-size", type=positive_int, default=32, help="head size (default 32)")
+    p.add_argument(
+        "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
+    )
+    p.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk (default 512)")
+    p.add_argument("--repeats", type=positive_int, default=1, help="runs per mode; best is kept")
+    p.add_argument(
+        "--threads", type=non_negative_int, default=0, help="torch threads (0: torch default)"
+    )
     add_output_arguments(p, "prefill-skip")
     p.set_defaults(func=run)
 

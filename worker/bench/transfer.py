@@ -37,6 +37,7 @@ from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.presets import preset_layout
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, print_table, progress, write_json
+from kvbridge.worker.cli_checks import positive_float, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -58,19 +59,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
     )
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--block-sizes", type=positive_int, nargs="+", default=[16, 32, 64])
     p.add_argument(
         "--transports", nargs="+", choices=sorted(TRANSPORTS), default=["default", "tcp"]
     )
-    p.add_argument("--mib", type=int, default=256, help="MiB moved per bandwidth transfer")
-    p.add_argument("--repeats", type=int, default=3, help="bandwidth: best of this many")
-    p.add_argument("--request-tokens", type=int, nargs="+", default=[1024, 8192, 32768])
-    p.add_argument("--latency-repeats", type=int, default=20)
+    p.add_argument("--mib", type=positive_int, default=256, help="MiB moved per bandwidth transfer")
+    p.add_argument("--repeats", type=positive_int, default=3, help="bandwidth: best of this many")
+    p.add_argument("--request-tokens", type=positive_int, nargs="+", default=[1024, 8192, 32768])
+    p.add_argument("--latency-repeats", type=positive_int, default=20)
     p.add_argument(
-        "--max-pool-mib", type=int, default=1024, help="largest KV pool per side (caps requests)"
+        "--max-pool-mib",
+        type=positive_int,
+        default=1024,
+        help="largest KV pool per side (caps requests)",
     )
     p.add_argument(
-        "--target-progress-us", type=float, default=500.0, help="target's progress poll interval"
+        "--target-progress-us",
+        type=positive_float,
+        default=500.0,
+        help="target's progress poll interval",
     )
     p.add_argument("--quick", action="store_true", help="small sizes, default transport: < 1 min")
     p.add_argument(

@@ -1,17 +1,13 @@
 """``kvbridge bench vllm``: the same vLLM P/D workload through kvbridge and NixlConnector.
 
-Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas and a hybrid
-Gemma-3-style model (:data:`HYBRID_MODELS`). A *round* is, for each model and connector in
-turn, a fresh prefill engine (core 0) and decode engine (core 1) that serve one uncounted
-warm-up request (it pays the peer handshake), then the same seeded random prompts, short
-and long interleaved, one at a time: prefill with ``max_tokens=1`` and ``do_remote_decode``,
-decode with prefill's ``kv_transfer_params`` and ``max_tokens=1``. Prompts differ from
-their first token on (no prefix-cache hits). Per request it records the KV bytes decode
-read, decode TTFT (decode's ``generate``, timed in the engine: transfer + first token),
-NIXL's own timing of the KV READ (telemetry, post to completion: the same span for both),
-the connector's own transfer figure (kvbridge: the whole load's ``transfer_ms``;
-NixlConnector: that telemetry) and end to end (client side); it checks that decode's first
-token is prefill's and that the KV came over the connector (a recompute is flagged).
+Real vLLM (CPU build, ``.venv-vllm``), tiny seeded Llamas and a hybrid Gemma-3-style model
+(:data:`HYBRID_MODELS`). A *round* is, per model and connector in turn, a fresh prefill
+(core 0) and decode (core 1) engine pair serving one uncounted warm-up request, then the
+same seeded prompts (short and long interleaved, each its own first block), one at a time:
+prefill with ``max_tokens=1`` and ``do_remote_decode``, decode with its params. Per request
+it records the KV bytes decode read, decode TTFT (timed in the engine), NIXL's telemetry of
+the KV READ (the same span for both), the connector's own transfer figure and end to end;
+it checks decode's first token is prefill's and the KV came over the connector.
 Figures: :mod:`kvbridge.worker.bench.vllm_report`.
 """
 
@@ -29,6 +25,7 @@ from typing import Any
 from kvbridge.proto.errors import ConfigError
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import print_table, write_json
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
 
 __all__ = ["MODELS", "add_parser", "run"]
 
@@ -63,8 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "figures: the JSON records the load average before and after each round. Exits 1 "
         "when a request was recomputed instead of loaded (the figures are then flagged).",
     )
-    p.add_argument("--rounds", type=int, default=3, help="engine pairs per model and connector")
-    p.add_argument("--requests", type=int, default=4, help="prompts per length per round")
+    p.add_argument("--rounds", type=positive_int, default=3, help="pairs per model, connector")
+    p.add_argument("--requests", type=positive_int, default=4, help="prompts per length per round")
     p.add_argument(
         "--models", nargs="+", choices=[*MODELS, *HYBRID_MODELS],
         default=[*MODELS, *HYBRID_MODELS], help="tiny Llamas 4L, 8L; hybrid gemma3",
@@ -78,11 +75,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
         help="prompt lengths to run (default both)",
     )  # fmt: skip
-    p.add_argument("--short", type=int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"))
-    p.add_argument("--long", type=int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"))
-    p.add_argument("--seed", type=int, default=0, help="prompt and weight seed")
     p.add_argument(
-        "--port", type=int, default=18600,
+        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX")
+    )
+    p.add_argument("--seed", type=non_negative_int, default=0, help="prompt and weight seed")
+    p.add_argument(
+        "--port", type=port, default=18600,
         help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
     )  # fmt: skip
     p.add_argument(
@@ -193,8 +194,7 @@ class _Loads:
             "wire_descriptors": merged,
             "read_ms": 1e3 * sum(durations) if durations else None,
         }
-        if stats.get("nixl_bytes"):
-            self.detail["bytes"] = sum(stats["nixl_bytes"])
+        self.detail["bytes"] = sum(stats.get("nixl_bytes") or []) or None
         if stats.get("nixl_failed"):
             return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
         if not durations:

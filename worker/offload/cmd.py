@@ -19,7 +19,13 @@ import sys
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.cli_checks import (
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
@@ -141,24 +147,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     add_auth_arguments(p, callers="the daemon", dials=False)
     p.add_argument(
         "--max-stores-per-writer",
-        type=int,
+        type=positive_int,
         default=64,
         help="prepared, uncommitted stores one peer (one token of --token-file) may hold "
         "(default 64)",
     )
     p.add_argument(
         "--max-pinned-per-writer",
-        type=int,
+        type=positive_int,
         default=None,
         help="blocks one peer (one token of --token-file) may keep pinned by loads "
         "(default: the whole pool)",
     )
     p.add_argument(
-        "--max-sessions", type=int, default=256, help="worker sessions kept (default 256)"
+        "--max-sessions",
+        type=positive_int,
+        default=256,
+        help="handshake sessions kept, all peers together (a worker opens one per NIXL "
+        "agent); past it the least recently used goes and its worker handshakes again "
+        "(default 256)",
     )
     p.add_argument(
         "--idle-timeout",
-        type=float,
+        type=positive_float,
         default=300.0,
         help="close client connections idle this many seconds (default 300)",
     )
@@ -181,7 +192,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     add_kv_events_arguments(p, "the host pool's blocks (medium CPU; the disk tier's STORAGE)")
     p.add_argument(
         "--expired-grace",
-        type=float,
+        type=non_negative_float,
         default=60.0,
         metavar="SECONDS",
         help="keep the slots of a store that expired or aborted before its WRITE completed "

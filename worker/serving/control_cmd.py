@@ -17,7 +17,7 @@ import socket
 import sys
 from contextlib import ExitStack
 
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.cli_checks import non_negative_int, port, positive_float, positive_int
 from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
 
@@ -53,8 +53,10 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")
     add_auth_arguments(p, callers="the control port", dials=False)
-    p.add_argument("--default-ttl", type=float, default=30.0, help="lease TTL in s (default 30)")
-    p.add_argument("--max-ttl", type=float, default=600.0, help="longest lease TTL in s")
+    p.add_argument(
+        "--default-ttl", type=positive_float, default=30.0, help="lease TTL in s (default 30)"
+    )
+    p.add_argument("--max-ttl", type=positive_float, default=600.0, help="longest lease TTL in s")
     p.set_defaults(func=run)
 
 

@@ -11,7 +11,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kvbridge.proto.layout import ORDERS
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.cli_checks import (
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args
 from kvbridge.worker.run_loop import Ready, serve_until_stopped
 from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
@@ -173,18 +179,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_security_arguments(p)
     p.add_argument(
-        "--lease-ttl", type=float, default=30.0, help="seconds a pin lives unheartbeaten"
+        "--lease-ttl", type=positive_float, default=30.0, help="seconds a pin lives unheartbeaten"
     )
     p.add_argument(
         "--max-lease-ttl",
-        type=float,
+        type=positive_float,
         default=600.0,
         help="longest lease a peer may ask for; longer requests are clamped (default 600 s)",
     )
-    p.add_argument("--load-timeout", type=float, default=10.0, help="deadline of one KV load (s)")
+    p.add_argument(
+        "--load-timeout", type=positive_float, default=10.0, help="deadline of one KV load (s)"
+    )
     p.add_argument(
         "--stall-before-read",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="test hook: decode sleeps this long before each READ (default 0)",
     )

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvbridge.proto.layout import ORDERS, KVGroup
 from kvbridge.worker.bench.report import machine_info
-from kvbridge.worker.cli_checks import positive_int
+from kvbridge.worker.cli_checks import positive_float, positive_int
 from kvbridge.worker.serving.launch import (
     OffloadDaemonProcess,
     start_node,
@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
     p.add_argument(
         "--clips",
-        type=int,
+        type=positive_int,
         default=2,
         help="--encoder-decoder: distinct encoder inputs shared by the requests (default 2)",
     )
@@ -106,7 +106,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="with --offload-disk: SIGKILL the daemon after the first pass and start it again "
         "on the same port and disk, so the second pass loads what its disk held",
     )
-    p.add_argument("--startup-timeout", type=float, default=90.0)
+    p.add_argument("--startup-timeout", type=positive_float, default=90.0)
     p.set_defaults(func=run)
 
 
@@ -219,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
                 args.decode_order or args.order,
                 work,
                 d_core,
-                extra,
+                # the decode names its prefill (as a deployment that limits dialing does):
+                # it links to it at start, so not even request 0 waits for the first link
+                [*extra, "--allow-peer", pinfo["control"]],
                 role="decode",
                 token=token,
             ) as (_, dinfo):

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
+from kvbridge.worker.cli_checks import int_at_least, positive_float, positive_int
 from kvbridge.worker.serving.node_cmd import add_engine_arguments, engine_config_from_args
 from kvbridge.worker.tools.chaos import ChaosEvent, Deployment, chaos_schedule
 from kvbridge.worker.tools.soak_config import SoakConfig
@@ -67,19 +68,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_engine_arguments(p)  # --seed also seeds the workload and the chaos schedule
     p.set_defaults(num_blocks=64)  # small pools: blocks are evicted and reused under load
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
+    p.add_argument(
+        "--duration", type=positive_float, default=120.0, help="seconds of load (default 120)"
+    )
     p.add_argument(
         "--nodes",
         default="2,2",
         metavar="P,D",
         help="prefill,decode node counts, or one count for both (default 2,2)",
     )
-    p.add_argument("--concurrency", type=int, default=2, help="client threads (default 2)")
-    p.add_argument("--lease-ttl", type=float, default=3.0, help="nodes' lease TTL (default 3s)")
-    p.add_argument("--max-tokens", type=int, default=4, help="tokens per request (default 4)")
+    p.add_argument("--concurrency", type=positive_int, default=2, help="client threads (default 2)")
+    p.add_argument(
+        "--lease-ttl", type=positive_float, default=3.0, help="nodes' lease TTL (default 3s)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int_at_least(2), default=4, help="tokens per request (default 4)"
+    )
     p.add_argument("--no-offload", action="store_true", help="run without an offload daemon")
     p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
-    p.add_argument("--startup-timeout", type=float, default=120.0)
+    p.add_argument("--startup-timeout", type=positive_float, default=120.0)
     p.add_argument("--out", type=Path, default=None, help="write the JSON summary here")
     p.set_defaults(func=run)
 
