@@ -12,9 +12,11 @@ leaves the destination untouched. Then:
 - both sides on one CUDA device: one launch of the span kernel
   (:mod:`kvbridge.kernels.cuda_path`) when the runs are contiguous and long
   enough, else torch's CUDA index ops;
-- on CPU, source and destination apart (:func:`~kvbridge.kernels.torch_path.copy_pairs`):
-  one index op per view pair when one side's ids are a run (gather, scatter), else one
-  strided copy per block slice split between torch's threads (one pass, no temporary);
+- on CPU, source and destination apart: one call of the compiled span copy for every
+  block of every view pair (:mod:`kvbridge.kernels.cpu_spans`), where it is built; else
+  (:func:`~kvbridge.kernels.torch_path.copy_pairs`) one index op per view pair when one
+  side's ids are a run (gather, scatter), else one strided copy per block slice split
+  between torch's threads (one pass, no temporary);
 - otherwise (two devices, a copy within one cache that may overlap): torch index ops
   (:mod:`kvbridge.kernels.torch_path`).
 """
@@ -25,6 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kvbridge.kernels import cpu_spans
 from kvbridge.kernels.mapping import IdsLike, MappingLike, as_ids, as_mapping, check_ids
 from kvbridge.kernels.torch_path import copy_pairs, copy_rows, gather_rows, scatter_rows
 from kvbridge.kernels.views import coalesce, group_views, paired_views, staging_view, widen
@@ -140,6 +143,9 @@ def _move(
         return
     overlap = kind == "copy" and _may_overlap(pairs, src_ids, dst_ids)
     lead = 0 if kind == "scatter" else 1  # follow the contiguous staging, else the writes
+    on_cpu = all(a.device.type == "cpu" and b.device.type == "cpu" for a, b in pairs)
+    if on_cpu and not overlap and cpu_spans.copy_pairs(pairs, src_ids, dst_ids, lead):
+        return
     prepared = []
     for a, b in pairs:
         wa, wb = widen(coalesce([a, b], lead=lead))
@@ -154,7 +160,6 @@ def _move(
             )
             if cuda_path.launch_spans(spans, a0.device):
                 return
-    on_cpu = all(a.device.type == "cpu" and b.device.type == "cpu" for a, b, _ in prepared)
     if on_cpu and not overlap:  # gather and scatter pass the staging side's ids as 0..n-1
         copy_pairs([(a, b) for a, b, _ in prepared], src_ids, dst_ids)
         return

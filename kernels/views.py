@@ -53,17 +53,14 @@ def same_size_int(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
-def _check_tensor(layout: KVLayout, group: KVGroup, name: str, t: object) -> torch.Tensor:
+def _check_tensor(name: str, t: object, want: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise LayoutError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-    s = layout.sizes(group)
-    want = (2, s["B"], s["N"], s["H"], s["C"])
     if tuple(t.shape) != want:
         raise LayoutError(
             f"layer {name!r}: shape {tuple(t.shape)} does not match the layout's "
             f"(2, num_blocks, block_size, heads, head_size) = {want}"
         )
-    dtype = torch_dtype(layout.model.dtype)
     if t.dtype != dtype:
         raise LayoutError(f"layer {name!r}: dtype {t.dtype} but the layout says {dtype}")
     return t
@@ -78,11 +75,14 @@ def group_views(
     otherwise one per layer. KV-sharing layers are never looked at.
     """
     owners = layout.owning_layers(group)
+    s = layout.sizes(group)
+    want = (2, s["B"], s["N"], s["H"], s["C"])
+    dtype = torch_dtype(layout.model.dtype)
     tensors = []
     for layer in owners:
         if layer.name not in cache:
             raise LayoutError(f"KV cache has no tensor for owning layer {layer.name!r}")
-        tensors.append(_check_tensor(layout, group, layer.name, cache[layer.name]))
+        tensors.append(_check_tensor(layer.name, cache[layer.name], want, dtype))
     first = tensors[0]
     device = first.device
     for layer, t in zip(owners, tensors, strict=True):
@@ -117,7 +117,7 @@ def paired_views(
         return [(a[0], b[0])]
 
     def per_layer(views: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [v[i : i + 1] for v in views for i in range(v.shape[0])]
+        return [v if v.shape[0] == 1 else v[i : i + 1] for v in views for i in range(v.shape[0])]
 
     pa, pb = per_layer(a), per_layer(b)
     assert len(pa) == len(pb), "both sides come from layouts with the same owning layers"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "nixl", "nixl_cu12", "nixl_cu13", "grpc", "cupy", "ucxx")
+HEAVY = ("torch", "nixl", "nixl_cu12", "nixl_cu13", "grpc", "cupy")
 
 _REPORT = f"import sys; print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))"
 

@@ -1,4 +1,8 @@
-"""Behaviour of kvbridge.kernels on CPU: bit-exact against a per-block logical reference."""
+"""Behaviour of kvbridge.kernels on CPU: bit-exact against a per-block logical reference.
+
+Every test runs twice: with the compiled span copy (``kernels/cpu_spans.c``, taking even
+these tests' short runs) and with the torch path that runs where it is not built.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,17 @@ from kvbridge.kernels import (
 from kvbridge.proto import ORDERS, IncompatibleLayoutError, KVLayout, LayoutError
 from kvbridge.proto.presets import PresetShape, make_layout, preset_layout
 from tests.harness.fresh import run_python
+from tests.harness.kernels import (
+    Cache,
+    assert_cache_equals,
+    bits,
+    random_cache,
+    reference_copy,
+    reference_staging,
+    snapshot,
+)
 
 DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn")
-INT_OF = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
-Cache = dict[str, torch.Tensor]
 
 
 def small(dtype: str = "bfloat16", **kw: int | bool) -> PresetShape:
@@ -39,54 +50,17 @@ def layout_of(shape: PresetShape, order: str, num_blocks: int = 6, **kw: int) ->
     return make_layout(shape, block_size=3, num_blocks=num_blocks, order=order, **kw)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(INT_OF[t.element_size()])
+@pytest.fixture(autouse=True, params=["span copy", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    from kvbridge.kernels import cpu_spans
 
-
-def random_cache(layout: KVLayout, seed: int) -> Cache:
-    """Every byte random (NaN/inf bit patterns included: the copy must not touch them)."""
-    cache = layout.allocate()
-    gen = torch.Generator().manual_seed(seed)
-    for g in layout.groups:
-        for layer in layout.owning_layers(g.name):
-            t = bits(cache[layer.name])
-            raw = torch.randint(0, 256, (*t.shape, t.element_size()), generator=gen)
-            t.copy_(raw.to(torch.uint8).view(t.dtype).squeeze(-1))
-    return cache
-
-
-def snapshot(cache: Cache) -> dict[str, torch.Tensor]:
-    return {k: bits(v).clone() for k, v in cache.items()}
-
-
-def reference_copy(
-    src: Cache, src_layout: KVLayout, dst: Cache, pairs: list[tuple[int, int]], group: str
-) -> dict[str, torch.Tensor]:
-    """Expected dst after the copy: one logical block assignment at a time."""
-    want = snapshot(dst)
-    for layer in src_layout.owning_layers(group):
-        for s, d in pairs:
-            want[layer.name][:, d] = bits(src[layer.name])[:, s]
-    return want
-
-
-def assert_cache_equals(cache: Cache, want: dict[str, torch.Tensor], layout: KVLayout) -> None:
-    for layer in layout.layers:
-        got = bits(cache[layer.name])
-        src = layer.kv_source or layer.name
-        assert torch.equal(got, want[src]), f"layer {layer.name} differs"
-
-
-def reference_staging(cache: Cache, layout: KVLayout, ids: list[int], group: str) -> torch.Tensor:
-    """Blocks as documented: owning layers, K then V, N/H/C in the layout's inner order."""
-    perm = [("N", "H", "C").index(d) for d in layout.inner_order]
-    parts = []
-    for b in ids:
-        for layer in layout.owning_layers(group):
-            for kv in (0, 1):
-                span = bits(cache[layer.name])[kv, b].permute(*perm).contiguous()
-                parts.append(span.view(torch.uint8).reshape(-1))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_spans, "native_module", lambda: None)
+    else:
+        if not cpu_spans.available():
+            pytest.skip("the compiled span copy is not built (no C compiler at install)")
+        monkeypatch.setattr(cpu_spans, "MIN_RUN_BYTES", 1)  # these test blocks are tiny
+    return str(request.param)
 
 
 # ----- conversion between every pair of orders ---------------------------------------------
@@ -390,8 +364,11 @@ def test_copy_with_consecutive_ids_on_one_side_is_exact(runs: str) -> None:
 
 
 def _forbid_two_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block slice is moved by one strided copy: no index op, no temporary."""
-    from kvbridge.kernels import torch_path
+    """Every block slice is moved by one strided copy: no index op, no temporary (the torch
+    path: the compiled span copy is switched off)."""
+    from kvbridge.kernels import cpu_spans, torch_path
+
+    monkeypatch.setattr(cpu_spans, "native_module", lambda: None)
 
     def index_op(*args: object, **kwargs: object) -> None:
         raise AssertionError("took an index op (index_select / index_copy_)")

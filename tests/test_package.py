@@ -18,7 +18,7 @@ def test_importing_the_contract_loads_no_heavy_or_gpu_code() -> None:
     code = (
         "import sys, kvbridge.proto, kvbridge.connector, kvbridge.kernels;"
         "print([m for m in sys.modules if m.split('.')[0] in "
-        "('torch', 'nixl', 'nixl_cu12', 'nixl_cu13', 'grpc', 'cupy', 'ucxx')])"
+        "('torch', 'nixl', 'nixl_cu12', 'nixl_cu13', 'grpc', 'cupy')])"
     )
     out = run_python(code)
     assert out.strip() == "[]"

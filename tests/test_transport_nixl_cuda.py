@@ -67,7 +67,7 @@ def test_cuda_ipc_reads_are_turned_on_where_an_nvidia_driver_is(
     api = types.ModuleType("nixl_cu12._api")
     monkeypatch.setitem(sys.modules, "nixl_cu12._api", api)
     # setenv first so that teardown removes whatever load_nixl sets: a leaked "on" made UCX
-    # warn ("unused environment variable") in every later NIXL/UCXX test of the session
+    # warn ("unused environment variable") in every later NIXL test of the session
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "unset-by-this-test")
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
     monkeypatch.setattr(config, "_has_nvidia_driver", lambda: False)

@@ -269,6 +269,7 @@ class OffloadClient(Closing):
                 return
             self._closed = True
             self._drop_session()
+        self._mover.close()
         self._channel.close()
 
     # -------------------------------------------------------------- helpers

@@ -2,8 +2,7 @@
 
 A transport moves whole blocks between registered memories (READ and WRITE by
 block id, with notifications); it knows nothing about hashes, leases or
-eviction. :class:`NixlTransport` is the default; ``kvbridge.connector.transport.ucxx``
-is the optional second one. NIXL itself loads on first use.
+eviction. :class:`NixlTransport` implements it. NIXL itself loads on first use.
 """
 
 from kvbridge.connector.transport.base import (

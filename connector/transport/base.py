@@ -17,7 +17,7 @@ a thread executor) or ``loop.run_in_executor`` for the whole transfer.
 Policy lives elsewhere: the transport never decides which blocks move, never
 pins and never evicts. It validates every id it is given against the
 layouts before anything reaches the wire (every id a peer sends is
-bounds-checked; the checks both transports share are in :mod:`kvbridge.connector.transport.checks`).
+bounds-checked; the checks a transport makes are in :mod:`kvbridge.connector.transport.checks`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class TransferHandle(abc.ABC):
 
 
 class DeadlineHandle(TransferHandle):
-    """What both transports' handles share: their figures, kvbridge's own deadline, ``wait``.
+    """What a transport's handles share: their figures, kvbridge's own deadline, ``wait``.
 
     A subclass drives the transfer in :meth:`poll` (failing it once
     ``_deadline`` passed) and says in :meth:`_idle` how to pass the time

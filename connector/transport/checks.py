@@ -1,11 +1,9 @@
-"""What every transport checks before it connects, posts or unregisters; one place for both.
+"""What a transport checks before it connects, posts or unregisters, kept out of its class.
 
-Called by :class:`~kvbridge.connector.transport.nixl.NixlTransport` and
-:class:`~kvbridge.connector.transport.ucxx.UcxxTransport` (in whichever
-process owns the transport) so that the two answer a bad request with the
-same error: ids outside a layout, a mode no transport moves directly, a
-peer's region of the wrong size, a link that is down, memory still linked.
-Nothing here touches NIXL or UCX.
+Called by :class:`~kvbridge.connector.transport.nixl.NixlTransport` (in the
+process that owns the transport): ids outside a layout, a mode no transport
+moves directly, a peer's region of the wrong size, a link that is down,
+memory still linked. Nothing here touches NIXL or UCX.
 """
 
 from __future__ import annotations
@@ -76,7 +74,7 @@ def check_transfer_request(
 
 @dataclass(frozen=True, slots=True)
 class BlockRequest:
-    """The figures of one checked READ/WRITE, as both transports' ``_post`` uses them."""
+    """The figures of one checked READ/WRITE, as the transport's ``_post`` uses them."""
 
     what: str
     per_span: bool

@@ -1,6 +1,6 @@
 """The test side of a helper process (``transport_peer``, ``offload_worker``).
 
-The test process loads no NIXL or UCXX: each transport lives in its own
+The test process loads no NIXL: each transport lives in its own
 :class:`~kvbridge.worker.ChildProcess`, spoken to in ``frames``.
 """
 

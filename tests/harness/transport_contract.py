@@ -34,9 +34,6 @@ READER_MEMS = TARGET_MEMS[:4]
 # what a peer's log may not contain after a clean close, per backend
 LEAK = {
     "nixl": re.compile(r"not returned to mpool|were not flushed|leak", re.IGNORECASE),
-    "ucxx": re.compile(
-        r"not returned to mpool|were not flushed|leak|unused environment", re.IGNORECASE
-    ),
 }
 LINKED_BLOCKS = 64
 
@@ -247,10 +244,8 @@ class TransportContract:
     def test_bad_ids_are_rejected_before_the_wire_and_the_link_survives(
         self, pair: dict[str, Any]
     ) -> None:
-        reader, target = pair["reader"], pair["target"]
+        reader = pair["reader"]
         link = connect(pair, 0, 0)["link"]
-        # UCXX counts the requests its target refused; NIXL's peer state has no such counter
-        rejected_before = target.call("state").get("rejected")
 
         def read(local_ids: list[int], remote_ids: list[int], **group: str) -> Any:
             return transfer(reader, "read", link, local_ids, remote_ids, 5.0, **group)
@@ -264,7 +259,6 @@ class TransportContract:
         with pytest.raises(PeerError, match=r"LayoutError: .*group 'cross'"):
             read([0], [0], group="cross")
         assert reader.call("state")["links_down"] == 0
-        assert target.call("state").get("rejected") == rejected_before  # nothing reached it
         assert read([2], [5])["nbytes"] > 0
         reader.call("disconnect", link=link)
 

@@ -1,6 +1,6 @@
-"""A transport (NIXL by default, or UCXX) in its own process, driven by the test over stdin/stdout.
+"""A NIXL transport in its own process, driven by the test over stdin/stdout.
 
-Run as ``python -m tests.harness.transport_peer NAME [nixl|ucxx]`` from the repository
+Run as ``python -m tests.harness.transport_peer NAME [nixl]`` from the repository
 root; it speaks ``tests.harness.frames``. Logs go to stderr, which the test keeps so it
 can check for UCX leak warnings. Tensors are filled with seeded random data per
 logical layer so any two processes agree on what a block should hold.
@@ -21,12 +21,6 @@ from kvbridge.proto import KVLayout, preset_layout
 from tests.harness.frames import serve_ops
 
 
-def wire_ctrl() -> int:
-    from kvbridge.connector.transport.ucxx import wire
-
-    return wire.CTRL
-
-
 def fill(layout: KVLayout, kv: dict[str, torch.Tensor], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for g in layout.groups:
@@ -42,10 +36,8 @@ def block_bytes(layout: KVLayout, kv: dict[str, torch.Tensor], group: str, b: in
 
 
 def make_transport(name: str, backend: str) -> Transport:
-    if backend == "ucxx":
-        from kvbridge.connector.transport.ucxx import UcxxConfig, UcxxTransport
-
-        return UcxxTransport(UcxxConfig(name))
+    if backend != "nixl":
+        raise ValueError(f"unknown transport backend {backend!r} (this harness runs nixl)")
     from kvbridge.connector.transport import NixlConfig, NixlTransport
 
     # the test sets KVBRIDGE_NIXL_STRIDED=0 to get the dense Nx3 descriptor lists
@@ -158,18 +150,6 @@ class Peer:
 
     def op_state(self) -> dict[str, Any]:
         t = self.transport
-        if self.backend == "ucxx":
-            st = t.stats()
-            return {
-                "pending": st.pending,
-                "leaked": st.abandoned,
-                "links_down": st.links_down,
-                "dlists": st.tables,
-                "peers": list(st.peers),
-                "served": st.served,
-                "rejected": st.rejected,
-                "strays": st.strays,
-            }
         return {
             "pending": sum(len(s.handles) for s in t._links.values()),
             "leaked": len(t._leaked),
@@ -177,33 +157,6 @@ class Peer:
             "dlists": sum(len(s.dlists) for s in t._links.values()),
             "peers": sorted(t._peers),
         }
-
-    def op_raw_control(self, link: int, payload: bytes) -> dict[str, Any]:
-        """UCXX only: send ``payload`` as-is to the linked peer's service thread."""
-        ucx = self.transport._ucx
-        with ucx.lock:
-            ucx.send(ucx.peers[self.links[link].peer_name], payload, wire_ctrl())
-        return {}
-
-    def op_raw_request(self, link: int, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """UCXX only: send a hand-made request to the linked peer and return its first reply."""
-        from kvbridge.connector.transport.ucxx import wire
-
-        ucx = self.transport._ucx
-        with ucx.lock:
-            peer = ucx.peers[self.links[link].peer_name]
-            xfer = ucx.next_id()
-            buf = bytearray(65536)
-            req = peer.ctl.tag_recv(ucx.array(buf), ucx.tag(wire.reply_tag(xfer, 0)))
-            ucx.send_ctrl(peer, {"from": self.transport.name, "xfer": xfer, **body})
-        end = time.monotonic() + timeout_s
-        while not req.completed:
-            if time.monotonic() > end:
-                return {"reply": None}
-            with ucx.lock:
-                ucx.progress()
-            time.sleep(0.001)
-        return {"reply": wire.decode_reply(buf, 1 << 20)}
 
     def op_forge(
         self,
@@ -246,8 +199,6 @@ class Peer:
     def op_close(self) -> dict[str, Any]:
         state = self.op_state()
         self.transport.close()
-        if self.backend == "ucxx":
-            state["leaked"] = self.transport.stats().abandoned
         return state
 
 

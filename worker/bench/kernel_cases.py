@@ -59,12 +59,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn: Callable[[], None], device: str) -> float:
+def _time(fn: Callable[[], None], device: str, clock: Callable[[], float]) -> float:
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = clock()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return clock() - t0
 
 
 def _cpu_baselines(
@@ -149,12 +149,16 @@ def cases(args: argparse.Namespace, device: str) -> list[Case]:
     return cases
 
 
-def measure(case: Case, repeats: int) -> dict[str, Any]:
+def measure(
+    case: Case, repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, Any]:
     """GB/s (best run) of the op and each baseline, and the op's ratio to ``case.target_vs``.
 
-    The runs are interleaved (op, then each baseline, ``repeats`` times). ``ratio`` is the
-    median over the repeats of ``baseline time / op time`` within one repeat, so that a
-    noisy neighbour slowing a stretch of the run slows both sides of each ratio alike;
+    ``clock`` times each run: wall clock, or ``time.thread_time`` (CPU time of this
+    thread, right only when every byte moves in it: one torch thread). The runs are
+    interleaved (op, then each baseline, ``repeats`` times). ``ratio`` is the median over
+    the repeats of ``baseline time / op time`` within one repeat, so that a noisy
+    neighbour slowing a stretch of the run slows both sides of each ratio alike;
     ``best ratio`` divides the best runs instead.
     """
     case.run()
@@ -162,9 +166,9 @@ def measure(case: Case, repeats: int) -> dict[str, Any]:
         fn()
     times: dict[str, list[float]] = {"op": [], **{k: [] for k in case.baselines}}
     for _ in range(repeats):
-        times["op"].append(_time(case.run, case.device))
+        times["op"].append(_time(case.run, case.device, clock))
         for name, fn in case.baselines.items():
-            times[name].append(_time(fn, case.device))
+            times[name].append(_time(fn, case.device, clock))
     # best of the interleaved runs: on a shared machine interference only ever slows a run down
     gbps = {k: case.nbytes / min(v) / 1e9 for k, v in times.items()}
     paired = [b / a for a, b in zip(times["op"], times[case.target_vs], strict=True)]

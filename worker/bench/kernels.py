@@ -46,16 +46,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--threads", type=non_negative_int, default=0, help="torch CPU threads (0: default)"
     )
+    p.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: CPU time of the one thread that moves the bytes (for a loaded machine; "
+        "implies --threads 1 and the CPU only)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     add_output_arguments(p, "kernels")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import time
+
     import torch
 
+    from kvbridge.kernels.cpu_spans import available
     from kvbridge.worker.bench.kernel_cases import TARGET, cases, measure
 
+    clock = time.perf_counter
+    if args.clock == "cpu":  # helper threads would not be counted: one thread, CPU only
+        args.threads, args.device, clock = 1, "cpu", time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
     devices = ["cpu"]
@@ -69,17 +82,20 @@ def run(args: argparse.Namespace) -> int:
     for device in devices:
         todo = cases(args, device)
         for case in progress(todo, desc=f"kernels on {device}", total=len(todo)):
-            rows.append(measure(case, args.repeats))
+            rows.append(measure(case, args.repeats, clock))
     columns = ["op", "device", "src", "dst", "MiB", "GB/s"]
     columns += sorted({k for r in rows for k in r if k.endswith("GB/s") and k != "GB/s"})
     columns += ["vs", "ratio", "best ratio", "meets"]
     print_table(rows, columns)
+    path_name = "compiled span copy" if available() else "torch ops (span copy not built)"
     print(
+        f"CPU path: {path_name}; clock {args.clock}; "
         f"threads {torch.get_num_threads()}; target: 'ratio' (median of the per-repeat "
         f"ratios to the baseline in 'vs') >= {TARGET:.0%}"
     )
     settings = settings_of(args)
     settings["threads"] = torch.get_num_threads()
+    settings["cpu_path"] = "span copy" if available() else "torch"
     json_path, png_path = output_paths(args.out)
     path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [f"{r['op']}\n{r['src']}->{r['dst']} {r['device']}" for r in rows]

@@ -11,8 +11,14 @@ of ``--mib`` MiB, best of ``--repeats``; and the latency of a 10k-hash
 block's digest checked after the READ, the default) and unverified
 (``OffloadClientConfig.verify`` off), so the check's cost is a same-run ratio;
 ``verify_gbps`` is the digest check alone. Stores always digest what they
-write. Targets: store and load >= 70% of memcpy for >= 1 MiB blocks; 10k-hash
-lookup <= 5 ms.
+write. Each repeat also moves the same blocks with bare NIXL WRITE and READ
+calls on the client's own link to the pool
+(:func:`~kvbridge.worker.bench.bare_nixl.bare_move`), before or after the
+store and the loads in alternating order: ``raw_write_gbps`` /
+``raw_read_gbps``, and ``store_vs_raw`` / ``load_vs_raw`` (medians of the
+per-repeat ratios, so that a busy machine slows both sides alike). Targets:
+store and load >= 70% of memcpy for >= 1 MiB blocks and >= 80% of raw NIXL;
+10k-hash lookup <= 5 ms.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,6 +130,7 @@ class _Daemon:
 def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, Any]:
     from kvbridge.connector.offload.client import OffloadClient, OffloadClientConfig
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+    from kvbridge.worker.bench.bare_nixl import bare_move
 
     block_bytes = preset_layout(preset, block_size=block_size, num_blocks=1).block_bytes()
     n = max(1, args.mib * MiB // block_bytes)
@@ -142,19 +150,36 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
                 store_s: list[float] = []
                 load_s: dict[bool, list[float]] = {True: [], False: []}
                 verify_s: list[float] = []
+                raw_s: dict[str, list[float]] = {"write": [], "read": []}
                 hashes: list[BlockHash] = []
+
+                def raw(op: str) -> None:
+                    # the client's link to the pool; slots 0..n-1 hold what the store wrote
+                    # (the same bytes: every block of the KV is filled with ones)
+                    session = client._session
+                    if session is not None and session.staging is None:
+                        raw_s[op].append(bare_move(transport, session.link, op, ids, ids))
+
                 for r in range(args.repeats):
                     hashes = _hashes(f"{preset}-{block_size}-{r}", n)
+                    if r % 2:
+                        raw("write")
                     t0 = time.perf_counter()
                     stored = client.store(ids, hashes)
                     store_s.append(time.perf_counter() - t0)
                     if stored.stored != n:
                         raise KVBridgeError(f"store wrote {stored.stored} of {n}: {stored.error}")
-                    for verify in (True, False) if r % 2 == 0 else (False, True):
-                        client.config = replace(config, verify=verify)
+                    if r % 2 == 0:
+                        raw("write")
+                    order = ("raw", True, False) if r % 2 else (True, False, "raw")
+                    for verify in order:
+                        if verify == "raw":
+                            raw("read")
+                            continue
+                        client.config = replace(config, verify=bool(verify))
                         t0 = time.perf_counter()
                         loaded = client.load(ids, hashes)
-                        load_s[verify].append(time.perf_counter() - t0)
+                        load_s[bool(verify)].append(time.perf_counter() - t0)
                         if loaded.loaded != n:
                             raise KVBridgeError(f"load read {loaded.loaded} of {n}: {loaded.error}")
                         if verify:
@@ -172,6 +197,9 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
     store = nbytes / min(store_s) / 1e9
     load = nbytes / min(load_s[True]) / 1e9
     unverified = nbytes / min(load_s[False]) / 1e9
+    # the first repeat's raw WRITE came after the client's first connect: all repeats pair up
+    raw_w, raw_r = raw_s["write"], raw_s["read"]
+    paired = len(raw_w) == len(store_s) and len(raw_r) == len(store_s)
     return {
         "preset": preset,
         "block_size": block_size,
@@ -188,7 +216,17 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
         "verify_gbps": nbytes / max(min(verify_s), 1e-9) / 1e9,
         "lookup_p50_ms": percentile(lat, 50) * 1e3,
         "lookup_p99_ms": percentile(lat, 99) * 1e3,
+        "raw_write_gbps": nbytes / min(raw_w) / 1e9 if paired else None,
+        "raw_read_gbps": nbytes / min(raw_r) / 1e9 if paired else None,
+        "store_vs_raw": _median_ratio(raw_w, store_s) if paired else None,
+        "load_vs_raw": _median_ratio(raw_r, load_s[True]) if paired else None,
+        "load_unverified_vs_raw": _median_ratio(raw_r, load_s[False]) if paired else None,
     }
+
+
+def _median_ratio(raw: list[float], ours: list[float]) -> float:
+    """Median over the repeats of raw NIXL's time over ours (1 = as fast as raw NIXL)."""
+    return statistics.median(b / a for a, b in zip(ours, raw, strict=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(
         rows,
         ["preset", "block_size", "block_kib", "mib", "memcpy_gbps", "store_gbps", "load_gbps",
-         "load_unverified_gbps", "verify_gbps", "store_pct", "load_pct", "lookup_p50_ms",
-         "lookup_p99_ms"],
+         "load_unverified_gbps", "verify_gbps", "raw_write_gbps", "raw_read_gbps",
+         "store_vs_raw", "load_vs_raw", "load_unverified_vs_raw", "store_pct", "load_pct",
+         "lookup_p50_ms", "lookup_p99_ms"],
     )  # fmt: skip
     big = [r for r in rows if r["block_kib"] >= 1024]
     for r in big:
@@ -209,6 +248,14 @@ def run(args: argparse.Namespace) -> int:
             f"{r['preset']} bs={r['block_size']}: store {r['store_pct']:.0f}%, load "
             f"{r['load_pct']:.0f}% of memcpy ({verdict} the 70% target)"
         )
+    for r in rows:
+        if r["store_vs_raw"] is not None:
+            low = min(r["store_vs_raw"], r["load_vs_raw"])
+            print(
+                f"{r['preset']} bs={r['block_size']}: store {r['store_vs_raw']:.2f}, load "
+                f"{r['load_vs_raw']:.2f} of raw NIXL WRITE/READ of the same bytes "
+                f"({'meets' if low >= 0.8 else 'misses'} the 0.8 target)"
+            )
     worst = max(r["lookup_p50_ms"] for r in rows)
     verdict = "meets" if worst <= 5 else "misses"
     print(f"{args.lookup_hashes}-hash lookup p50 <= {worst:.2f} ms ({verdict} the 5 ms target)")
@@ -222,9 +269,9 @@ def run(args: argparse.Namespace) -> int:
     disk_rows = _disk_rows(args, cases, png_path)
     path = write_json(json_path, {"settings": settings, "rows": rows, "disk_rows": disk_rows})
     labels = [f"{r['preset']}/{r['block_size']}" for r in rows]
-    keys = ("memcpy", "store", "load", "load_unverified")
-    series = {k: [r[f"{k}_gbps"] for r in rows] for k in keys}
-    bar_plot(png_path, "offload daemon vs memcpy (best of runs)", labels,
+    keys = ("memcpy", "raw_write", "store", "raw_read", "load", "load_unverified")
+    series = {k: [r[f"{k}_gbps"] or 0.0 for r in rows] for k in keys}
+    bar_plot(png_path, "offload daemon vs raw NIXL and memcpy (best of runs)", labels,
              series, "GB/s")  # fmt: skip
     print(f"wrote {path} and {png_path}")
     return 0

@@ -1,17 +1,20 @@
 """``kvbridge bench transfer``: whole-block transfers between two processes on loopback.
 
-For each backend (``nixl``; ``ucxx``, the optional extra) and transport
-setting (default UCX, ``UCX_TLS=tcp``) a target and a reader process start;
-for each preset and block size the reader measures, in the same run,
-single-thread memcpy of the same bytes and one raw READ of one contiguous
-region of that size over the same backend (``raw_gbps``; ``raw_nixl_gbps``
-is NIXL's), then, per layout (block-outermost vs layer-separate) and block
-order (random vs sequential), READ and WRITE bandwidth, descriptors per
+For each transport setting (default UCX, ``UCX_TLS=tcp``) a NIXL target and
+a reader process start; for each preset and block size the reader measures,
+in the same run, single-thread memcpy of the same bytes and one raw READ of
+one contiguous region of that size (``raw_gbps``), then, per layout
+(block-outermost vs layer-separate) and block order (random vs sequential),
+READ and WRITE bandwidth, descriptors per
 transfer, descriptor prep time and p50/p99 latency of 1k/8k/32k-token
-requests. Targets (issue 3), as ratios in one run: block-outermost >= 1.5x
-layer-separate at 16-token blocks, >= 70% of memcpy for >= 1 MiB blocks,
->= 90% of the raw single-region NIXL figure. With both backends, the
-``backends`` table puts UCXX over NIXL for every case.
+requests. Each READ is also timed interleaved, repeat by repeat, with bare
+NIXL calls moving the same blocks on the same prepped lists (one descriptor
+per block on a block-outermost link: ``vs_bare_nixl``) and with the
+one-region READ of the same bytes (``vs_raw_paired``); both are medians of
+per-repeat ratios, so that a busy machine slows both sides alike. Targets,
+as ratios in one run: block-outermost >= 1.5x layer-separate at 16-token
+blocks, >= 70% of memcpy for >= 1 MiB blocks, >= 90% of raw NIXL moving the
+same bytes.
 
 ``--target-device`` / ``--reader-device`` put either side's KV pool on the GPU
 (``cuda``): NIXL then registers VRAM. The reference copy is then torch's copy
@@ -24,7 +27,6 @@ also carries a device-to-device copy of the same bytes (``d2d_gbps``,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import multiprocessing as mp
 import time
 from collections.abc import Iterator
@@ -42,20 +44,12 @@ from kvbridge.worker.cli_checks import positive_float, positive_int
 __all__ = ["add_parser", "run"]
 
 TRANSPORTS = {"default": {}, "tcp": {"UCX_TLS": "tcp"}}
-BACKENDS = ("nixl", "ucxx")
 ORDERS = {"block-outermost": "block-nhd", "layer-separate": "layer-nhd"}
 DEVICES = ("cpu", "cuda")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("transfer", help="block transfers (NIXL, UCXX) between two local processes")
-    p.add_argument(
-        "--backends",
-        nargs="+",
-        choices=BACKENDS,
-        default=None,
-        help="transports to compare (default: nixl, plus ucxx when installed; --quick: nixl)",
-    )
+    p = sub.add_parser("transfer", help="NIXL block transfers between two local processes")
     p.add_argument(
         "--models", "--presets", dest="presets", nargs="+", default=["llama3-8b", "small"]
     )
@@ -96,15 +90,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 class _Proc:
     """A spawned bench peer (see :mod:`kvbridge.worker.bench.transfer_peer`)."""
 
-    def __init__(self, name: str, env: dict[str, str], progress_s: float, backend: str) -> None:
+    def __init__(self, name: str, env: dict[str, str], progress_s: float) -> None:
         from kvbridge.worker.bench.transfer_peer import serve
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.name = name
-        self.proc = ctx.Process(
-            target=serve, args=(name, child, env, progress_s, backend), daemon=True
-        )
+        self.proc = ctx.Process(target=serve, args=(name, child, env, progress_s), daemon=True)
         self.proc.start()
 
     def ready(self, timeout_s: float = 120.0) -> None:
@@ -136,10 +128,10 @@ class _Proc:
 
 
 @contextmanager
-def _peers(backend: str, transport: str, progress_s: float) -> Iterator[tuple[_Proc, _Proc]]:
+def _peers(transport: str, progress_s: float) -> Iterator[tuple[_Proc, _Proc]]:
     env = TRANSPORTS[transport]
-    target = _Proc(f"bench-target-{backend}-{transport}", env, progress_s, backend)
-    reader = _Proc(f"bench-reader-{backend}-{transport}", env, 0.002, backend)
+    target = _Proc(f"bench-target-{transport}", env, progress_s)
+    reader = _Proc(f"bench-reader-{transport}", env, 0.002)
     try:
         target.ready()
         reader.ready()
@@ -154,7 +146,8 @@ def _pair(
 ) -> dict[str, Any]:
     t = target("setup", key=key, device=args.target_device, **setup)
     reader("setup", key=key, device=args.reader_device, **setup)
-    return reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
+    link = reader("connect", key=key, peer=target.name, metadata=t["metadata"], layout=t["layout"])
+    return {**link, "metadata": t["metadata"], "layout": t["layout"]}
 
 
 def _drop(target: _Proc, reader: _Proc, key: str) -> None:
@@ -162,21 +155,14 @@ def _drop(target: _Proc, reader: _Proc, key: str) -> None:
     target("drop", key=key)
 
 
-def _cases(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
-    return [
-        (b, t, p, bs)
-        for t in args.transports
-        for b in args.backends
-        for p in args.presets
-        for bs in args.block_sizes
-    ]
+def _cases(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    return [(t, p, bs) for t in args.transports for p in args.presets for bs in args.block_sizes]
 
 
 def _measure(
     target: _Proc,
     reader: _Proc,
     args: argparse.Namespace,
-    backend: str,
     transport: str,
     preset: str,
     bs: int,
@@ -193,18 +179,21 @@ def _measure(
         dst=args.reader_device,
     )
     memcpy, d2d = copies["gbps"], copies.get("d2d_gbps")
-    _pair(
+    raw_link = _pair(
         target, reader, args, "raw", preset=preset, block_size=bs * n, num_blocks=1,
         order="block-nhd",
     )  # fmt: skip
     raw = reader("bandwidth", key="raw", op="read", pattern="sequential", n=1,
                  repeats=args.repeats, seed=0)["gbps"]  # fmt: skip
-    _drop(target, reader, "raw")
     rows = []
     for kind, order in ORDERS.items():
         link = _pair(
             target, reader, args, kind, preset=preset, block_size=bs, num_blocks=pool, order=order
         )
+        # the target's new registration changed its metadata, which took the raw link down:
+        # link the raw region again with the same metadata, for the interleaved comparison
+        reader("connect", key="raw", peer=target.name, metadata=link["metadata"],
+               layout=raw_link["layout"])  # fmt: skip
         latency: dict[str, Any] = {}
         for tokens in args.request_tokens:
             k = -(-tokens // bs)
@@ -218,9 +207,11 @@ def _measure(
             common = {"key": kind, "pattern": pattern, "n": n, "repeats": args.repeats, "seed": 1}
             rd = reader("bandwidth", op="read", **common)
             wr = reader("bandwidth", op="write", **common)
+            # the same READs interleaved with bare NIXL calls on the same lists and with
+            # the one-region READ of the same bytes
+            bare = reader("bare", op="read", raw_key="raw", **common)
             rows.append(
                 {
-                    "backend": backend,
                     "transport": transport,
                     "devices": f"{args.target_device}->{args.reader_device}",
                     "preset": preset,
@@ -231,7 +222,6 @@ def _measure(
                     "blocks": n,
                     "descriptors_per_block": link["descriptors_per_block"],
                     "descriptors": rd["descriptors"],
-                    "messages": rd.get("messages"),
                     "prep_ms": link["prep_s"] * 1e3,
                     "pool_blocks": pool,
                     "gbps": rd["gbps"],
@@ -239,9 +229,11 @@ def _measure(
                     "write_gbps": wr["gbps"],
                     "memcpy_gbps": memcpy,
                     "raw_gbps": raw,
-                    "raw_nixl_gbps": raw if backend == "nixl" else None,
                     "vs_memcpy": rd["gbps"] / memcpy,
                     "vs_raw": rd["gbps"] / raw,
+                    "bare_nixl_gbps": bare["bare_gbps"],
+                    "vs_bare_nixl": bare["vs_bare"],
+                    "vs_raw_paired": bare["vs_raw"],
                     "d2d_gbps": d2d,
                     "vs_d2d": rd["gbps"] / d2d if d2d else None,
                     "write_vs_d2d": wr["gbps"] / d2d if d2d else None,
@@ -249,54 +241,21 @@ def _measure(
                 }
             )
         _drop(target, reader, kind)
+    _drop(target, reader, "raw")
     return rows
 
 
-def _fill_raw_nixl(rows: list[dict[str, Any]]) -> None:
-    """Give every row the raw NIXL figure of its case, when NIXL ran in this run."""
-    raw = {
-        (r["transport"], r["preset"], r["block_tokens"]): r["raw_gbps"]
-        for r in rows
-        if r["backend"] == "nixl"
-    }
-    for r in rows:
-        r["raw_nixl_gbps"] = raw.get((r["transport"], r["preset"], r["block_tokens"]))
-
-
-def _backend_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """UCXX over NIXL for every case both ran (READ and WRITE bandwidth)."""
-    key = ("transport", "preset", "block_tokens", "layout", "pattern")
-    nixl = {tuple(r[k] for k in key): r for r in rows if r["backend"] == "nixl"}
-    out = []
-    for r in rows:
-        other = nixl.get(tuple(r[k] for k in key))
-        if r["backend"] == "ucxx" and other is not None:
-            out.append(
-                {
-                    **{k: r[k] for k in key},
-                    "ucxx_gbps": r["gbps"],
-                    "nixl_gbps": other["gbps"],
-                    "ucxx_vs_nixl": r["gbps"] / other["gbps"],
-                    "write_ucxx_vs_nixl": r["write_gbps"] / other["write_gbps"],
-                    "messages": r["messages"],
-                }
-            )
-    return out
-
-
 def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Block-outermost over layer-separate, per backend, transport, preset, block size, pattern."""
+    """Block-outermost over layer-separate, per transport, preset, block size, pattern."""
     out = []
     by = {
-        (r["backend"], r["transport"], r["preset"], r["block_tokens"], r["pattern"], r["layout"]): r
-        for r in rows
+        (r["transport"], r["preset"], r["block_tokens"], r["pattern"], r["layout"]): r for r in rows
     }
-    for (b, t, p, bs, pat, kind), r in by.items():
-        other = by.get((b, t, p, bs, pat, "layer-separate"))
+    for (t, p, bs, pat, kind), r in by.items():
+        other = by.get((t, p, bs, pat, "layer-separate"))
         if kind == "block-outermost" and other is not None:
             out.append(
                 {
-                    "backend": b,
                     "transport": t,
                     "preset": p,
                     "block_tokens": bs,
@@ -305,6 +264,8 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "outermost_vs_layer": r["gbps"] / other["gbps"],
                     "outermost_vs_memcpy": r["vs_memcpy"],
                     "outermost_vs_raw": r["vs_raw"],
+                    "outermost_vs_raw_paired": r["vs_raw_paired"],
+                    "outermost_vs_bare_nixl": r["vs_bare_nixl"],
                     "outermost_vs_d2d": r["vs_d2d"],
                     "layer_vs_d2d": other["vs_d2d"],
                 }
@@ -319,9 +280,6 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             print("bench transfer: --target-device/--reader-device cuda needs a CUDA device")
             return 2
-    if args.backends is None:
-        ucxx = not args.quick and importlib.util.find_spec("ucxx") is not None
-        args.backends = ["nixl", "ucxx"] if ucxx else ["nixl"]
     if args.quick:
         args.transports = ["default"]
         args.mib = min(args.mib, 32)
@@ -333,33 +291,29 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     cases = _cases(args)
     bar = progress(iter(cases), "bench transfer", total=len(cases))
-    current: tuple[tuple[str, str], _Proc, _Proc] | None = None
+    current: tuple[str, _Proc, _Proc] | None = None
     stack: Any = None
     try:
-        for backend, transport, preset, bs in bar:
-            if current is None or current[0] != (backend, transport):
+        for transport, preset, bs in bar:
+            if current is None or current[0] != transport:
                 if stack is not None:
                     stack.__exit__(None, None, None)
-                stack = _peers(backend, transport, args.target_progress_us * 1e-6)
+                stack = _peers(transport, args.target_progress_us * 1e-6)
                 target, reader = stack.__enter__()
-                current = ((backend, transport), target, reader)
-            rows += _measure(current[1], current[2], args, backend, transport, preset, bs)
+                current = (transport, target, reader)
+            rows += _measure(current[1], current[2], args, transport, preset, bs)
     finally:
         if stack is not None:
             stack.__exit__(None, None, None)
-    _fill_raw_nixl(rows)
-    columns = ["backend", "transport", "devices", "preset", "layout", "pattern", "block_tokens",
-               "descriptors", "messages", "prep_ms", "gbps", "write_gbps", "memcpy_gbps",
-               "d2d_gbps", "raw_gbps", "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k",
-               "p50_ms_32k", "p99_ms_32k"]  # fmt: skip
+    columns = ["transport", "devices", "preset", "layout", "pattern", "block_tokens",
+               "descriptors", "prep_ms", "gbps", "write_gbps", "memcpy_gbps",
+               "d2d_gbps", "raw_gbps", "bare_nixl_gbps", "vs_bare_nixl", "vs_raw_paired",
+               "p50_ms_1k", "p99_ms_1k", "p50_ms_8k", "p99_ms_8k", "p50_ms_32k", "p99_ms_32k",
+               ]  # fmt: skip
     print_table(rows, columns)
     ratios = _ratios(rows)
     print()
     print_table(ratios, list(ratios[0]) if ratios else [])
-    backends = _backend_ratios(rows)
-    if backends:
-        print()
-        print_table(backends, list(backends[0]))
     settings = settings_of(args)
     json_path, png_path = output_paths(args.out)
     path = write_json(
@@ -369,23 +323,21 @@ def run(args: argparse.Namespace) -> int:
             "seconds": time.monotonic() - t0,
             "rows": rows,
             "ratios": ratios,
-            "backend_ratios": backends,
         },
     )
     labels = [
-        f"{r['backend']}/{r['transport']}/{r['preset']}/{r['block_tokens']}/{r['pattern'][:3]}"
-        for r in ratios
+        f"{r['transport']}/{r['preset']}/{r['block_tokens']}/{r['pattern'][:3]}" for r in ratios
     ]
     series = {
         "block-outermost": [r["gbps"] for r in rows if r["layout"] == "block-outermost"],
         "layer-separate": [r["gbps"] for r in rows if r["layout"] == "layer-separate"],
         "memcpy": [r["memcpy_gbps"] for r in rows if r["layout"] == "block-outermost"],
-        "raw (same backend)": [r["raw_gbps"] for r in rows if r["layout"] == "block-outermost"],
+        "raw (one region)": [r["raw_gbps"] for r in rows if r["layout"] == "block-outermost"],
     }
     if any(r["d2d_gbps"] for r in rows):
         series["d2d copy"] = [r["d2d_gbps"] for r in rows if r["layout"] == "block-outermost"]
     where = f"{args.target_device} -> {args.reader_device}"
-    title = f"READ between two processes, {where} ({', '.join(args.backends)})"
+    title = f"NIXL READ between two processes, {where}"
     bar_plot(png_path, title, labels, series, "GB/s")
     print(f"wrote {path} and {png_path} in {time.monotonic() - t0:.0f} s")
     return 0

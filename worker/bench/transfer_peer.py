@@ -2,10 +2,8 @@
 
 Each runs :func:`serve` in a ``spawn``-ed process with its own environment
 (``UCX_TLS=tcp`` must be set before the agent starts) and answers msgpack
-requests over a pipe. The target only registers memory and drives progress
-(NIXL) or serves the reader's requests (UCXX's service thread); the reader
-connects, moves blocks and times it. ``backend`` picks the transport:
-``nixl`` or ``ucxx`` (the optional extra, imported only when asked for).
+requests over a pipe. The target only registers memory and drives NIXL's
+progress; the reader connects, moves blocks and times it.
 """
 
 from __future__ import annotations
@@ -21,35 +19,29 @@ from typing import Any
 
 import msgpack
 
-from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+from kvbridge.connector.transport.base import LocalMemory, PeerLink
 from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.presets import preset_layout
 from kvbridge.worker.bench.report import percentile
 
-__all__ = ["serve", "BenchPeer", "make_transport"]
+__all__ = ["serve", "BenchPeer"]
 
 log = logging.getLogger(__name__)
 
-
-def make_transport(backend: str, name: str, progress_interval_s: float) -> Transport:
-    """This process's transport for ``backend`` (imports only that backend)."""
-    if backend == "ucxx":
-        from kvbridge.connector.transport.ucxx.transport import UcxxConfig, UcxxTransport
-
-        return UcxxTransport(UcxxConfig(name))
-    from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
-
-    return NixlTransport(NixlConfig(name, progress_interval_s=progress_interval_s))
+# the orders :meth:`BenchPeer.op_bare` takes its three moves in, one per repeat in turn
+_ROTATIONS = (("ours", "bare", "raw"), ("bare", "raw", "ours"), ("raw", "ours", "bare"))
 
 
 class BenchPeer:
     """One side of the benchmark; methods are the ops the driver may call."""
 
-    def __init__(self, name: str, progress_interval_s: float, backend: str = "nixl") -> None:
+    def __init__(self, name: str, progress_interval_s: float) -> None:
         import torch
 
+        from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
+
         torch.set_num_threads(1)
-        self.transport = make_transport(backend, name, progress_interval_s)
+        self.transport = NixlTransport(NixlConfig(name, progress_interval_s=progress_interval_s))
         self.memories: dict[str, tuple[LocalMemory, Mapping[str, Any]]] = {}
         self.links: dict[str, PeerLink] = {}
 
@@ -72,6 +64,9 @@ class BenchPeer:
 
     def op_connect(self, key: str, peer: str, metadata: bytes, layout: bytes) -> dict[str, Any]:
         remote = KVLayout.from_bytes(layout)
+        old = self.links.pop(key, None)
+        if old is not None:  # e.g. a link the peer's new metadata took down: linked again
+            self.transport.disconnect(old)
         link = self.transport.connect(peer, metadata, remote, self.memories[key][0])
         self.links[key] = link
         return {"prep_s": link.prep_s, "descriptors_per_block": link.descriptors_per_block}
@@ -92,15 +87,12 @@ class BenchPeer:
             return list(range(n)), list(range(n))
         return rng.sample(range(local_n), n), rng.sample(range(remote_n), n)
 
-    def _move(
-        self, key: str, op: str, local_ids: list[int], remote_ids: list[int]
-    ) -> tuple[float, int | None]:
+    def _move(self, key: str, op: str, local_ids: list[int], remote_ids: list[int]) -> float:
         fn = self.transport.read_blocks if op == "read" else self.transport.write_blocks
         t0 = time.perf_counter()
         handle = fn(self.links[key], KVGroup.SELF, local_ids, remote_ids, timeout_s=120.0)
         handle.wait()
-        # UCXX: tagged messages after merging adjacent runs (NIXL merges inside the backend)
-        return time.perf_counter() - t0, getattr(handle, "num_messages", None)
+        return time.perf_counter() - t0
 
     def op_bandwidth(
         self, key: str, op: str, pattern: str, n: int, repeats: int, seed: int
@@ -108,10 +100,9 @@ class BenchPeer:
         rng = random.Random(seed)
         nbytes = n * self.links[key].local.layout.block_bytes()
         times = []
-        messages = None
         for i in range(repeats + 1):  # the first run warms the connection and the pages
             local_ids, remote_ids = self._ids(key, n, pattern, rng)
-            elapsed, messages = self._move(key, op, local_ids, remote_ids)
+            elapsed = self._move(key, op, local_ids, remote_ids)
             if i:
                 times.append(elapsed)
         times.sort()
@@ -119,7 +110,55 @@ class BenchPeer:
             "gbps": nbytes / times[0] / 1e9,
             "median_gbps": nbytes / times[len(times) // 2] / 1e9,
             "descriptors": n * self.links[key].descriptors_per_block,
-            "messages": messages,
+        }
+
+    def op_bare(
+        self, key: str, op: str, pattern: str, n: int, repeats: int, seed: int, raw_key: str
+    ) -> dict[str, Any]:
+        """The transport's transfer against bare NIXL moving the same bytes, interleaved.
+
+        Each repeat moves one set of ids through ``read_blocks``/``write_blocks``,
+        the same blocks with ``make_prepped_xfer`` + ``transfer`` +
+        ``check_xfer_state`` on the link's own prepped lists, with descriptor
+        indices computed before the clock starts (one descriptor per block on a
+        block-outermost link), as a program calling NIXL by hand would, then the
+        same byte count as one region through the link ``raw_key`` (one block of
+        that size), the three in a rotating order. Returns the best GB/s of each,
+        and ``vs_bare`` / ``vs_raw``: the median over the repeats of the other's
+        time over the transport's (1 = as fast), so that a busy machine slows
+        both sides of each ratio alike.
+        """
+        from kvbridge.worker.bench.bare_nixl import bare_move
+
+        link = self.links[key]
+        rng = random.Random(seed)
+        nbytes = n * link.local.layout.block_bytes()
+        times: dict[str, list[float]] = {"ours": [], "bare": [], "raw": []}
+        for i in range(repeats + 1):  # the first round warms all three
+            local_ids, remote_ids = self._ids(key, n, pattern, rng)
+            taken = {}
+            for name in _ROTATIONS[i % 3]:  # none of the three always goes first
+                if name == "ours":
+                    taken[name] = self._move(key, op, local_ids, remote_ids)
+                elif name == "bare":
+                    taken[name] = bare_move(self.transport, link, op, local_ids, remote_ids)
+                else:
+                    taken[name] = self._move(raw_key, op, [0], [0])
+            if i:
+                for name, elapsed in taken.items():
+                    times[name].append(elapsed)
+        ours, bare, raw = times["ours"], times["bare"], times["raw"]
+
+        def median_ratio(other: list[float]) -> float:
+            ratios = sorted(b / o for o, b in zip(ours, other, strict=True))
+            return ratios[len(ratios) // 2]
+
+        return {
+            "gbps": nbytes / min(ours) / 1e9,
+            "bare_gbps": nbytes / min(bare) / 1e9,
+            "raw_gbps": nbytes / min(raw) / 1e9,
+            "vs_bare": median_ratio(bare),
+            "vs_raw": median_ratio(raw),
         }
 
     def op_latency(self, key: str, n: int, repeats: int, seed: int) -> dict[str, Any]:
@@ -127,7 +166,7 @@ class BenchPeer:
         times = []
         for _ in range(repeats):
             local_ids, remote_ids = self._ids(key, n, "random", rng)
-            times.append(self._move(key, "read", local_ids, remote_ids)[0])
+            times.append(self._move(key, "read", local_ids, remote_ids))
         return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3}
 
     def op_memcpy(
@@ -173,12 +212,11 @@ def serve(
     conn: Connection,
     env: Mapping[str, str],
     progress_interval_s: float,
-    backend: str = "nixl",
 ) -> None:
     """Process entry point: set the environment, then answer requests until ``stop``."""
     os.environ.update(env)  # before the agent exists: UCX reads UCX_TLS when it starts
     logging.basicConfig(level=logging.WARNING)
-    peer = BenchPeer(name, progress_interval_s, backend)
+    peer = BenchPeer(name, progress_interval_s)
     conn.send_bytes(msgpack.packb({"ok": True}))
     try:
         while True:

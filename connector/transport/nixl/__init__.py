@@ -3,8 +3,8 @@
 Modules: ``config`` (settings, lazy nixl import), ``agent`` (the NIXL agent
 behind one lock, and our progress thread), ``handle`` (one transfer),
 ``transport`` (the seam: registrations, links, posting, notifications). The
-descriptor tables live beside this package in ``nixl_descs`` (the UCXX
-transport uses them too). Importing this package loads neither nixl nor torch.
+descriptor tables live beside this package in ``nixl_descs``. Importing this
+package loads neither nixl nor torch.
 """
 
 from kvbridge.connector.transport.nixl.config import NixlConfig, load_nixl

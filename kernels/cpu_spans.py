@@ -1,0 +1,133 @@
+"""The compiled CPU span copy: every block of a CPU copy, convert, gather or scatter in one call.
+
+Called by :mod:`kvbridge.kernels.ops` for view pairs on the CPU whose
+source and destination do not overlap, before the torch path
+(:mod:`kvbridge.kernels.torch_path`). A coalesced view pair
+(:mod:`kvbridge.kernels.views`) is, inside one block, a fixed set of
+contiguous runs (e.g. one 256-byte ``C`` run per ``(K/V, N, H)`` when an
+NHD cache is converted to HND). The runs' byte offsets are computed once
+per view shape from the views' own strides; ``cpu_spans.c`` then copies,
+for every (block, view pair), every run with ``memcpy``: one C call for
+all blocks of all layers, no temporary, no view or ``TensorIterator`` per
+block, split between ``torch.get_num_threads()`` threads (the GIL is
+released).
+
+The helper is an optional extension module (``kvbridge.kernels._cpu_spans``)
+that pip builds with the package where a C compiler exists. Without it
+:func:`copy_pairs` returns ``False`` and the torch path moves the blocks,
+bit-exact all the same; :func:`available` says which one runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kvbridge.kernels.views import coalesce, widen
+
+__all__ = ["MIN_RUN_BYTES", "PART_BYTES", "available", "copy_pairs", "native_module"]
+
+#: runs shorter than this are left to the torch path (a ``memcpy`` call per few bytes)
+MIN_RUN_BYTES = 32
+#: the work is split between threads only in parts of at least this many bytes
+PART_BYTES = 1 << 20
+
+
+@functools.cache
+def native_module() -> ModuleType | None:
+    """The compiled helper, or ``None`` where it was not built."""
+    try:
+        # a compiled module: it runs no kvbridge code and imports nothing back, so it is no
+        # edge of the import graph tests/test_architecture.py checks for cycles
+        return importlib.import_module(f"{__package__}._cpu_spans")
+    except ImportError:
+        return None
+
+
+def available() -> bool:
+    """Whether the compiled span copy is installed (else the torch path runs)."""
+    return native_module() is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _runs(
+    shape: tuple[int, ...], src_stride: tuple[int, ...], dst_stride: tuple[int, ...], elem: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Byte offsets of every run inside one block on each side (sorted by source offset,
+    so the source is read front to back) and the run's length in bytes. ``shape`` and the
+    strides are a view's dims after the block dim."""
+    if shape and src_stride[-1] == 1 and dst_stride[-1] == 1:
+        run, outer = shape[-1] * elem, range(len(shape) - 1)
+    else:
+        run, outer = elem, range(len(shape))
+    src = torch.zeros(1, dtype=torch.int64)
+    dst = torch.zeros(1, dtype=torch.int64)
+    for d in outer:
+        steps = torch.arange(shape[d], dtype=torch.int64)
+        src = (src[:, None] + steps[None, :] * src_stride[d]).reshape(-1)
+        dst = (dst[:, None] + steps[None, :] * dst_stride[d]).reshape(-1)
+    order = torch.argsort(src)
+    return (src[order] * elem).contiguous(), (dst[order] * elem).contiguous(), run
+
+
+def copy_pairs(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    lead: int = 1,
+) -> bool:
+    """``b[:, :, dst_ids[i]] = a[:, :, src_ids[i]]`` for every CPU group-view pair ``(a, b)``.
+
+    ``pairs`` are the group views of :func:`~kvbridge.kernels.views.paired_views`
+    (block dim 2), apart from each other, with checked ids (``ops`` sees to
+    both); ``lead`` is passed to :func:`~kvbridge.kernels.views.coalesce`.
+    Pairs of equal shapes and strides (e.g. the per-layer tensors of a
+    layer-separate cache) are coalesced once and copied by one call. Returns
+    ``False``, having moved nothing, when the helper is not built or a pair's
+    runs are shorter than :data:`MIN_RUN_BYTES`.
+    """
+    native = native_module()
+    if native is None:
+        return False
+    plans: dict[tuple[object, ...], tuple[tuple[torch.Tensor, torch.Tensor, int], list[int]]] = {}
+    for a, b in pairs:
+        key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype)
+        plan = plans.get(key)
+        if plan is None:
+            wa, wb = widen(coalesce([a, b], lead=lead))
+            runs = _runs(tuple(wa.shape[1:]), wa.stride()[1:], wb.stride()[1:], wa.element_size())
+            if runs[2] < MIN_RUN_BYTES:
+                return False
+            elem = wa.element_size()
+            plan = plans[key] = (runs, [wa.stride(0) * elem, wb.stride(0) * elem])
+        # a view's first byte is its coalesced view's: same storage offset, reinterpreted
+        plan[1].extend((a.data_ptr(), b.data_ptr()))
+    s_ids = src_ids.to(torch.int64).contiguous()
+    d_ids = dst_ids.to(torch.int64).contiguous()
+    n = s_ids.numel()
+    for (s_runs, d_runs, run), table in plans.values():
+        s_block, d_block, *ptrs = table
+        views = torch.tensor(ptrs, dtype=torch.int64).view(-1, 2).t().contiguous()
+        npairs = views.shape[1]
+        nbytes = n * npairs * s_runs.numel() * run
+        threads = max(1, min(torch.get_num_threads(), nbytes // PART_BYTES))
+        native.copy_spans(
+            views[0].data_ptr(),
+            views[1].data_ptr(),
+            npairs,
+            s_ids.data_ptr(),
+            d_ids.data_ptr(),
+            n,
+            s_block,
+            d_block,
+            s_runs.data_ptr(),
+            d_runs.data_ptr(),
+            s_runs.numel(),
+            run,
+            threads,
+        )
+    return True
