@@ -111,6 +111,13 @@ class BlockLoad:
     digests_at_owner: bool = False
     """``digests`` are empty: the reader asks the owner's control server for the lease's
     digests (``Digests``), concurrently with its READ; the key stays the one here."""
+    lease_offsets: Mapping[KVGroup, int] = field(default_factory=dict)
+    """Per attention group (``g<i>``): where ``local_ids[group][0]`` sits in the owner's
+    lease of that group (its blocks of the prompt's last positions); absent: 0."""
+
+    def lease_offset(self, group: KVGroup) -> int:
+        """Where this load's first ``group`` block sits in the owner's lease of the group."""
+        return self.first_block if group == KVGroup.SELF else self.lease_offsets.get(group, 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from kvbridge.kernels.digest import ALGO_XXH3
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
-__all__ = ["LeaseIssuer", "tail_name"]
+__all__ = ["LeaseIssuer", "group_name", "tail_name"]
 
 
 class LeaseIssuer(ABC):
@@ -70,3 +70,12 @@ def tail_name(
     parent = full_names[-1] if full_names else b"\0" + (encoder_hash or b"")
     body = b"".join(int(t).to_bytes(4, "little") for t in tail)
     return BlockHash(hashlib.sha256(b"kvbridge-tail-v1\0" + parent + body).digest())
+
+
+def group_name(group: str, name: BlockHash) -> BlockHash:
+    """The name of a further attention group's block (a hybrid model's ``g<i>``) at the
+    prompt position whose ``self`` block is named ``name``: the same tokens, another group's
+    KV, so another name (a lease never confuses the two groups' blocks)."""
+    return BlockHash(
+        hashlib.sha256(b"kvbridge-group-v1\0" + group.encode() + b"\0" + name).digest()
+    )

@@ -1,8 +1,11 @@
 """``kv_transfer_params``: what prefill hands decode (through the router) for one request.
 
 ``block_ids`` and ``block_hashes`` map group names to lists: ``self`` (the
-prompt's blocks, one hash per *full* block) and, for encoder-decoder models,
-``cross`` (the request's cross-attention blocks, one hash per block).
+prompt's blocks, one hash per *full* block), for hybrid models further
+attention groups ``g<i>`` (the group's blocks of the prompt's last positions,
+e.g. a sliding window's; one name per block, a partial last one included) and,
+for encoder-decoder models, ``cross`` (the request's cross-attention blocks,
+one hash per block).
 
 They travel as a plain map inside the router's request (msgpack on the wire,
 a dict inside engines, as vLLM passes them). :meth:`KVTransferParams.parse`
@@ -21,6 +24,7 @@ from typing import Any
 from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.specs import MAX_ATTENTION_GROUPS
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
 __all__ = ["KVTransferParams", "MAX_BLOCKS_PER_REQUEST", "MAX_ID_CHARS", "MAX_TP_SIZE"]
@@ -130,14 +134,20 @@ class KVTransferParams:
             )
         if len(out.block_hashes.get(KVGroup.SELF, ())) != out.num_tokens // block_size:
             raise WireError("kv_transfer_params: one hash per full block expected")
-        if len(out.block_ids.get(KVGroup.CROSS, ())) != len(
-            out.block_hashes.get(KVGroup.CROSS, ())
-        ):
-            raise WireError(
-                "kv_transfer_params: 'cross' needs one hash per block id, got "
-                f"{len(out.block_ids.get(KVGroup.CROSS, ()))} ids and "
-                f"{len(out.block_hashes.get(KVGroup.CROSS, ()))} hashes"
-            )
+        for group in set(out.block_ids) | set(out.block_hashes):
+            if group == KVGroup.SELF:
+                continue
+            ids, hashes = out.block_ids.get(group, ()), out.block_hashes.get(group, ())
+            if len(ids) != len(hashes):
+                raise WireError(
+                    f"kv_transfer_params: {group!r} needs one hash per block id, got "
+                    f"{len(ids)} ids and {len(hashes)} hashes"
+                )
+            if group != KVGroup.CROSS and len(ids) > need_blocks:
+                raise WireError(
+                    f"kv_transfer_params: {group!r} lists {len(ids)} blocks, more than the "
+                    f"{need_blocks} of {out.num_tokens} tokens"
+                )
         for group, digests in out.digests.items():
             if len(digests) != len(out.block_ids.get(group, ())):
                 raise WireError(
@@ -214,7 +224,7 @@ def _hash(value: object) -> BlockHash:
 
 def _group_map(params: Mapping[str, Any], key: str, item: Any) -> dict[KVGroup, tuple[Any, ...]]:
     value = params.get(key)
-    if not isinstance(value, Mapping) or not 0 < len(value) <= 2:
+    if not isinstance(value, Mapping) or not 0 < len(value) <= 2 + MAX_ATTENTION_GROUPS:
         raise WireError(f"kv_transfer_params: {key!r} must map group names to lists")
     out: dict[KVGroup, tuple[Any, ...]] = {}
     for name, items in value.items():

@@ -26,6 +26,9 @@ blocks only when the engine names them in ``update_state_after_alloc`` (it
 does not when its own cache already holds that encoder input's blocks) and
 prefill's cross hashes equal the request's.
 
+*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks,
+a sliding window's in-window blocks only (:mod:`kvbridge.connector.windows`).
+
 *Prefill* (``do_remote_decode``): when a request whose prompt was computed
 finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
 reference engine pins them itself; vLLM's adapter orders its worker to hold
@@ -55,6 +58,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import LeaseIssuer, tail_name
 from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.windows import AttentionGroups, Groups
 from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
 from kvbridge.proto.layout import KVGroup
@@ -80,9 +84,13 @@ class _Pending:
 class KVBridgePlanner(SchedulerConnector):
     """The scheduler half of every engine kvbridge runs in (see the module docstring)."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, tp_size: int = 1) -> None:
+    def __init__(
+        self, config: ConnectorConfig, block_size: int, tp_size: int = 1, groups: Groups = None
+    ) -> None:
         self.config = config
         self.block_size = block_size
+        self.groups = groups or AttentionGroups(block_size)
+        """A hybrid model's further attention groups (``g<i>``) and their windows."""
         self.tp_size = tp_size
         """The engine's tensor-parallel size: a prefill whose size divides it or is a
         multiple of it is loaded by head slices (heterogeneous TP); any other size
@@ -158,7 +166,7 @@ class KVBridgePlanner(SchedulerConnector):
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
-        if self.offload_lookup is None or last <= first:
+        if self.offload_lookup is None or last <= first or self.groups:  # (self blocks only)
             return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
         names = tuple(request.block_hashes.get(KVGroup.SELF, ())[first:last])
         hits = self._lookup(names)
@@ -186,6 +194,8 @@ class KVBridgePlanner(SchedulerConnector):
                 "prefill's block hashes do not match this prompt (other tokens, or another "
                 "hash seed/model on the prefill side?)"
             )
+        if self.groups:
+            self.groups.check(params, self._names(request, params.num_tokens))
 
     def update_state_after_alloc(
         self,
@@ -219,6 +229,9 @@ class KVBridgePlanner(SchedulerConnector):
         hashes = {KVGroup.SELF: names[first:]}
         verify = self.config.verify_loads and params.digest_key is not None
         digests = {KVGroup.SELF: params.digests.get(KVGroup.SELF, ())[first:end]} if verify else {}
+        offsets = self.groups.plan_load(
+            block_ids, params, names, first, (local, remote, hashes, digests if verify else None)
+        )
         if self._load_cross(request, block_ids, params):
             local[KVGroup.CROSS] = tuple(block_ids[KVGroup.CROSS])
             remote[KVGroup.CROSS] = params.block_ids[KVGroup.CROSS]
@@ -243,6 +256,7 @@ class KVBridgePlanner(SchedulerConnector):
                 digests=digests,
                 digest_algo=params.digest_algo,
                 digests_at_owner=verify and params.digests_at_owner,
+                lease_offsets=offsets,
             )
         )
 
@@ -251,6 +265,7 @@ class KVBridgePlanner(SchedulerConnector):
         """The seal prefill's lease carries if its claimed ids hold this prompt's blocks
         (``names``: the prompt's names of the leased ``self`` blocks)."""
         groups = {KVGroup.SELF: names}
+        groups.update(AttentionGroups.names_of(params))  # checked to be this prompt's names
         if KVGroup.CROSS in params.block_ids:
             groups[KVGroup.CROSS] = tuple(request.block_hashes.get(KVGroup.CROSS, ()))
         return seal_digest(params.block_ids, groups)
@@ -323,6 +338,9 @@ class KVBridgePlanner(SchedulerConnector):
                 : num_tokens // self.block_size
             ]
         }
+        if not self.groups.hand_over(ids, hashes, self._names(request, num_tokens), num_tokens):
+            log.warning("request %s: a KV cache group lacks blocks", request.request_id)
+            return delay_free, None
         cross_hashes = list(request.block_hashes.get(KVGroup.CROSS, ()))
         if ids.get(KVGroup.CROSS) and len(ids[KVGroup.CROSS]) == len(cross_hashes):
             hashes[KVGroup.CROSS] = cross_hashes

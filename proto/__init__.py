@@ -36,6 +36,7 @@ from kvbridge.proto.layout import (
 )
 from kvbridge.proto.negotiate import Negotiation, TransferMode, negotiate
 from kvbridge.proto.presets import PRESETS, make_layout, preset_layout
+from kvbridge.proto.specs import attention_group, is_attention_group
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 from kvbridge.proto.version import PROTOCOL_VERSION, SCHEMA_VERSION, __version__
 
@@ -77,6 +78,8 @@ __all__ = [
     "VersionMismatchError",
     "WireError",
     "__version__",
+    "attention_group",
+    "is_attention_group",
     "make_layout",
     "negotiate",
     "parse_group",

@@ -20,6 +20,10 @@ from kvbridge.proto.errors import LayoutError
 __all__ = [
     "DIMS",
     "DTYPE_BYTES",
+    "MAX_ATTENTION_GROUPS",
+    "attention_group",
+    "is_attention_group",
+    "group_rank",
     "ORDERS",
     "GroupSpec",
     "KVGroup",
@@ -56,18 +60,28 @@ ORDERS: Mapping[str, tuple[str, ...]] = {
 }
 
 
+MAX_ATTENTION_GROUPS = 64
+"""Attention groups beside ``self`` a layout may have (``g0`` .. ``g63``)."""
+
+
 class KVGroup(StrEnum):
     """A KV-cache group: blocks with their own ids and names.
 
     ``SELF``: the decoder's self-attention (every model); ``CROSS``: cross-attention over
-    an encoder input (encoder-decoder models). A ``str`` enum: a member equals, hashes and
-    encodes (msgpack, protobuf, JSON) exactly as its value, so the wire carries ``"self"``
-    and ``"cross"``; a string from a peer becomes a member only through
-    :func:`parse_group`. ``repr`` is the value's, so messages read as before.
+    an encoder input (encoder-decoder models); ``G0`` .. ``G63`` (values ``"g0"`` ..
+    ``"g63"``, :func:`attention_group`): an engine's further self-attention groups (vLLM's
+    hybrid KV cache manager: one group per attention kind, e.g. sliding window), each with
+    its own block ids, named and moved like ``self``'s. A ``str`` enum: a member equals,
+    hashes and encodes (msgpack, protobuf, JSON) exactly as its value, so the wire carries
+    ``"self"``, ``"cross"`` and ``"g<i>"``; a string from a peer becomes a member only
+    through :func:`parse_group`. ``repr`` is the value's, so messages read as before.
     """
 
+    _ignore_ = ["i"]  # noqa: RUF012 - the enum's own directive
     SELF = "self"
     CROSS = "cross"
+    for i in range(MAX_ATTENTION_GROUPS):
+        vars()[f"G{i}"] = f"g{i}"
 
     def __repr__(self) -> str:
         return repr(self.value)
@@ -82,7 +96,30 @@ def parse_group(value: object, error: type[Exception] = LayoutError) -> KVGroup:
         except ValueError:
             pass
     shown = value[:64] if isinstance(value, str) else value
-    raise error(f"unknown group {shown!r}; groups are {tuple(g.value for g in KVGroup)}")
+    raise error(
+        f"unknown group {shown!r}; groups are 'self', 'cross' and "
+        f"'g0'..'g{MAX_ATTENTION_GROUPS - 1}'"
+    )
+
+
+def attention_group(index: int) -> KVGroup:
+    """The group of an engine's further self-attention KV cache group ``index`` (vLLM's
+    group index): ``g<index>``."""
+    if not 0 <= index < MAX_ATTENTION_GROUPS:
+        raise LayoutError(f"KV cache group index {index} is outside 0..{MAX_ATTENTION_GROUPS - 1}")
+    return KVGroup(f"g{index}")
+
+
+def is_attention_group(name: str) -> bool:
+    """Whether ``name`` is an :func:`attention_group`'s name."""
+    return name not in (KVGroup.SELF, KVGroup.CROSS) and name in KVGroup._value2member_map_
+
+
+def group_rank(name: str) -> tuple[int, int]:
+    """Canonical group order: ``self``, the attention groups by index, ``cross``."""
+    if name == KVGroup.SELF:
+        return (0, 0)
+    return (1, int(name[1:])) if is_attention_group(name) else (2, 0)
 
 
 def parse_order(text: str | Sequence[str]) -> tuple[str, ...]:
@@ -144,7 +181,8 @@ class LayerSpec:
 
 @dataclass(frozen=True, slots=True)
 class GroupSpec:
-    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention."""
+    """A KV-cache group with its own block ids: ``self`` or ``cross`` attention, or a
+    further self-attention group (:func:`attention_group`)."""
 
     name: KVGroup
     num_blocks: int
@@ -179,8 +217,16 @@ def check_groups_and_layers(
     least one owning layer in every group.
     """
     names = [g.name for g in groups]
-    if not names or names[0] != KVGroup.SELF or len(set(names)) != len(names):
-        raise LayoutError(f"groups must be 'self' first, then optionally 'cross'; got {names}")
+    if (
+        not names
+        or names[0] != KVGroup.SELF
+        or len(set(names)) != len(names)
+        or names != sorted(names, key=group_rank)
+    ):
+        raise LayoutError(
+            f"groups must be 'self' first, then attention groups g0..g63 in order, then "
+            f"optionally 'cross'; got {names}"
+        )
     for g in groups:
         parse_group(g.name)
         if g.num_blocks < 1:

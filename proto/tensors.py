@@ -24,6 +24,7 @@ from kvbridge.proto.specs import (
     LayerSpec,
     ModelSpec,
     Region,
+    group_rank,
     parse_group,
 )
 
@@ -102,8 +103,11 @@ def _regions(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> list[
 
 def _check_disjoint(regions: list[Region]) -> None:
     """LayoutError if two regions share bytes: a load into one would overwrite the other
-    (layers that really share KV alias one tensor and own no region)."""
-    spans = sorted((r.device, r.addr, r.addr + r.length) for r in regions)
+    (layers that really share KV alias one tensor and own no region). Regions that are
+    the same bytes exactly are one region seen by two groups: vLLM's hybrid KV cache groups
+    share their pages (a block id belongs to one group at a time), and each group describes
+    the pages with its own layers."""
+    spans = sorted({(r.device, r.addr, r.addr + r.length) for r in regions})
     for (dev_a, a0, a1), (dev_b, b0, _) in itertools.pairwise(spans):
         if dev_a == dev_b and b0 < a1:
             raise LayoutError(
@@ -203,7 +207,7 @@ def from_tensors(
         elif order != inner:
             raise LayoutError(f"layer {name!r} has order {inner}, earlier layers {order}")
     assert order is not None
-    group_names = [KVGroup.SELF] + [g for g in (KVGroup.CROSS,) if g in num_blocks]
+    group_names = sorted({KVGroup.SELF, *num_blocks}, key=group_rank)
     if set(num_blocks) - set(group_names):
         raise LayoutError(f"unknown groups {sorted(set(num_blocks) - set(group_names))}")
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}

@@ -165,3 +165,22 @@ def test_loads_within_three_times_the_median_are_no_tail() -> None:
     rows = [row("kvbridge", 0, i, 10.0 * (1 + i % 3)) for i in range(9)]  # 1, 2, 3 ms
     payload = assemble({}, rounds_of(1), rows)
     assert payload["tails"] == []
+
+
+def test_bytes_moved_are_summarized_and_ratioed_against_nixl() -> None:
+    rows = [row("kvbridge", 0, i, 10.0, bytes=160 * 1024) for i in range(2)]
+    rows += [row("nixl", 0, i, 10.0, bytes=200 * 1024) for i in range(2)]
+    payload = assemble({}, rounds_of(1), rows)
+    (ratio,) = payload["ratios"]
+    assert ratio["bytes"] == pytest.approx(0.8)
+    kib = {r["connector"]: r["kib_median"] for r in table_rows(payload)}
+    assert kib == {"kvbridge": 160.0, "nixl": 200.0}
+
+
+def test_nixl_connectors_bytes_come_from_its_stats() -> None:
+    from kvbridge.worker.bench.vllm import _Loads
+
+    loads = _Loads()
+    took = loads.take({"nixl_transfer_s": [0.002], "nixl_descriptors": [4],
+                       "nixl_bytes": [65536, 32768], "nixl_failed": 0})  # fmt: skip
+    assert took == (2.0, True, None) and loads.detail["bytes"] == 98304

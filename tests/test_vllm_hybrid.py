@@ -1,33 +1,47 @@
 """A hybrid model (sliding-window + full attention) inside real vLLM (CPU), P/D through
-KVBridgeConnector against one plain engine.
+KVBridgeConnector against one plain engine and against NixlConnector on the same prompts.
 
 The model is a tiny Gemma-3-style decoder with seeded random weights
 (:mod:`tests.harness.tiny_models`: one sliding-window layer, window 32 tokens, one
-full-attention layer). A plain vLLM engine keeps its hybrid KV cache manager: one KV cache
-group per attention kind. KVBridgeConnector does not declare vLLM's ``SupportsHMA`` yet, so
-vLLM turns the hybrid manager off on its engines (one full-attention group, the sliding
-layer keeps and moves its whole context): the output is still the plain engine's, which is
-what these tests prove, and one test pins the single group until the connector declares
-``SupportsHMA`` (docs/VLLM.md, "Model kinds").
+full-attention layer). vLLM's hybrid KV cache manager makes one KV cache group per
+attention kind, the two groups sharing one KV cache tensor (a block id belongs to one
+group at a time). KVBridgeConnector declares ``SupportsHMA``, so vLLM keeps those groups on
+the prefill and the decode; kvbridge moves the full-attention group's prompt blocks and
+only the sliding group's blocks still inside the window, as NixlConnector does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from kvbridge.worker import vllm as harness
 from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
 
-# three engines of a second model (~1.5 min): out of the default CI run, like the other long runs
+# five engines of a second model (~3 min): out of the default CI run, like the other long runs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(900)]
 
 PROMPTS = [[5, *range(10, 100), 7 + i] for i in range(2)]  # 92 tokens: 2 full blocks + 28
 OTHER_FIRST = [[9, *PROMPTS[0][1:]]]  # PROMPTS[0] with another first token
 MAX_TOKENS = 8
 HYBRID = ["FullAttentionSpec", "SlidingWindowSpec"]
+PAGE = 32 * 2 * 64 * 2 * 4  # one layer's page of one block: 32 tokens x 2 heads x 64, K+V, fp32
+MAX_RATIO = 1.1
+"""kvbridge's bytes moved per request may be at most this times NixlConnector's."""
+
+
+def _pd_one_at_a_time(
+    engines: dict[str, harness.Engine], prompts: list[list[int]]
+) -> list[list[int]]:
+    """P/D of ``prompts`` one request at a time (one load per request in the stats)."""
+    got = []
+    for prompt in prompts:
+        pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
+        params = [o["kv_transfer_params"] for o in pre["outputs"]]
+        assert all(p and p.get("remote_engine_id") for p in params), params
+        got += harness.tokens(engines["decode"].generate([prompt], MAX_TOKENS, params))
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +56,49 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, harn
         yield engines
 
 
+@pytest.fixture(scope="module")
+def nixl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """NixlConnector P/D of the same model and prompts: its tokens, bytes per request and
+    KV cache groups (its engines are stopped before the kvbridge ones are asked)."""
+    tmp = tmp_path_factory.mktemp("vllm-hybrid-nixl")
+    model_or_skip(tmp)
+    model = write_tiny_model("gemma3", tmp / "gemma3")
+    port = 21000 + (hash(str(tmp)) % 1000)
+    common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
+    started = {
+        name: harness.Engine(
+            model,
+            core=core,
+            kv=harness.kv_config("nixl", role),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + core)},
+            log=tmp / f"{name}.log",
+            **common,
+        )
+        for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
+    }
+    with harness.running(started) as engines:
+        tokens = _pd_one_at_a_time(engines, PROMPTS)
+        stats = engines["decode"].call(cmd="stats")
+        groups = {n: sorted(e.call(cmd="stats")["kv_cache_groups"]) for n, e in engines.items()}
+    return {
+        "tokens": tokens,
+        "bytes": stats["nixl_bytes"],
+        "failed": stats["nixl_failed"],
+        "groups": groups,
+    }
+
+
 def test_plain_vllm_keeps_its_hybrid_kv_cache_groups(engines: dict[str, harness.Engine]) -> None:
     assert sorted(engines["plain"].call(cmd="stats")["kv_cache_groups"]) == HYBRID
+
+
+def test_kvbridge_engines_keep_vllms_hybrid_kv_cache_groups(
+    engines: dict[str, harness.Engine],
+) -> None:
+    """``SupportsHMA``: vLLM keeps one KV cache group per attention kind on the prefill and
+    the decode (without it, vLLM promotes the sliding layer to full attention: one group)."""
+    for name in ("prefill", "decode"):
+        assert sorted(engines[name].call(cmd="stats")["kv_cache_groups"]) == HYBRID, name
 
 
 def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engine]) -> None:
@@ -53,83 +108,47 @@ def test_greedy_output_depends_on_an_early_token(engines: dict[str, harness.Engi
     )
 
 
-def test_pd_of_the_hybrid_model_equals_one_plain_engine(
+def test_pd_of_the_hybrid_model_equals_one_plain_engine_moving_in_window_blocks_only(
     engines: dict[str, harness.Engine],
 ) -> None:
-    prompts = PROMPTS + OTHER_FIRST
+    prompts = [OTHER_FIRST[0], *PROMPTS]
     expected = harness.tokens(engines["plain"].generate(prompts, MAX_TOKENS))
-    pre = engines["prefill"].generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
-    params = [o["kv_transfer_params"] for o in pre["outputs"]]
-    assert all(p and p["remote_address"] for p in params), params
-    got = harness.tokens(engines["decode"].generate(prompts, MAX_TOKENS, params))
-    assert got == expected
-    loads = list(engines["decode"].call(cmd="stats")["loads"].values())
-    assert loads and all(not x["error"] for x in loads), loads
-    # the blocks came over the connector: the prompt's 3 blocks (2 full + the partial last)
-    # of every prompt, nothing recomputed
-    assert all(x["moved"] == 3 and x["path"] for x in loads), loads
-    # hybrid manager off: a block holds both layers' pages (2 x 32 tokens x 2 heads x 64 x
-    # K,V x fp32 = 64 KiB), the sliding layer's out-of-window blocks included
-    block_bytes = engines["decode"].call(cmd="stats")["layout"]["block_bytes"]
-    assert block_bytes == 2 * 32 * 2 * 64 * 2 * 4
-    assert all(x["bytes"] == 3 * block_bytes for x in loads), loads
+    assert _pd_one_at_a_time(engines, prompts) == expected
+    stats = engines["decode"].call(cmd="stats")
+    loads = list(stats["loads"].values())
+    assert len(loads) == 3 and all(not x["error"] and x["verified"] for x in loads), loads
+    # each group is its own layer's page of a block
+    assert stats["layout"]["block_bytes"] == PAGE
+    # the first prompt: the full group's 3 blocks (2 full + the partial last) and the
+    # sliding group's 2 blocks holding tokens 60..91, moved, not recomputed
+    assert loads[0]["moved"] == 5 and loads[0]["bytes"] == 5 * PAGE, loads
+    # the others share their first token with no earlier prompt but PROMPTS[1] shares 91
+    # tokens with PROMPTS[0]: decode's own prefix cache holds 2 blocks of each group, the
+    # full group's last block and the sliding group's last block move
+    assert loads[1]["moved"] == 5 and loads[1]["bytes"] == 5 * PAGE, loads
+    assert loads[2]["moved"] == 2 and loads[2]["bytes"] == 2 * PAGE, loads
 
 
-def test_kvbridge_engines_have_one_kv_cache_group_until_it_supports_hma(
-    engines: dict[str, harness.Engine],
+def test_kvbridge_moves_at_most_what_nixl_connector_moves_on_the_same_prompts(
+    engines: dict[str, harness.Engine], nixl: dict[str, object]
 ) -> None:
-    """The known gap, pinned: vLLM turns its hybrid KV cache manager off for a connector
-    without ``SupportsHMA`` (the sliding-window layer is promoted to full attention).
-    Declaring ``SupportsHMA`` must turn this into "kept the plain engine's groups"."""
-    for name in ("prefill", "decode"):
-        assert engines[name].call(cmd="stats")["kv_cache_groups"] == ["FullAttentionSpec"], name
-
-
-@pytest.mark.extended
-def test_nixl_connector_keeps_the_groups_and_moves_in_window_blocks_only(
-    tmp_path: Path,
-) -> None:
-    """The reference point: NixlConnector (``SupportsHMA``) on the same model and prompts
-    keeps vLLM's hybrid groups on both engines, equals the plain engine, and moves the
-    full-attention group's 3 blocks but only the sliding group's in-window blocks."""
-    model_or_skip(tmp_path)
-    model = write_tiny_model("gemma3", tmp_path / "gemma3")
-    port = 21000 + (hash(str(tmp_path)) % 1000)
-    common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
-    started = {
-        "prefill": harness.Engine(
-            model,
-            core=0,
-            kv=harness.kv_config("nixl", "kv_producer"),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
-            log=tmp_path / "prefill.log",
-            **common,
-        ),
-        "decode": harness.Engine(
-            model,
-            core=1,
-            kv=harness.kv_config("nixl", "kv_consumer"),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)},
-            log=tmp_path / "decode.log",
-            **common,
-        ),
-        "plain": harness.Engine(model, core=1, log=tmp_path / "plain.log", **common),
-    }
-    with harness.running(started) as engines:
-        expected = harness.tokens(engines["plain"].generate(PROMPTS, MAX_TOKENS))
-        got = []
-        for prompt in PROMPTS:  # one at a time: one transfer per request in the stats
-            pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
-            params = [o["kv_transfer_params"] for o in pre["outputs"]]
-            got += harness.tokens(engines["decode"].generate([prompt], MAX_TOKENS, params))
-        stats = engines["decode"].call(cmd="stats")
-        for name in ("prefill", "decode"):
-            assert sorted(engines[name].call(cmd="stats")["kv_cache_groups"]) == HYBRID
-    assert got == expected
-    assert not stats["nixl_failed"], stats
-    page = 32 * 2 * 64 * 2 * 4  # one layer's page of one block, fp32
-    # full group: 3 blocks; sliding group: cdiv(32, 32) + 1 = 2 in-window blocks
-    # (measured: 160 KiB for the first prompt; kvbridge moves 3 x 64 KiB = 192 KiB; the
-    # second prompt shares decode's cached prefix: 64 KiB)
-    assert stats["nixl_bytes"][0] == 5 * page, stats
-    assert all(b <= 5 * page for b in stats["nixl_bytes"]), stats
+    """The reference point: NixlConnector (``SupportsHMA``) on the same model and prompts,
+    one request at a time, keeps the hybrid groups on both engines and equals the plain
+    engine; kvbridge moves no more than ``MAX_RATIO`` times its bytes per request."""
+    assert nixl["groups"] == {"prefill": HYBRID, "decode": HYBRID}
+    assert not nixl["failed"], nixl
+    expected = harness.tokens(engines["plain"].generate(PROMPTS, MAX_TOKENS))
+    assert nixl["tokens"] == expected
+    # kvbridge's decode already holds these prompts' blocks from the test above: a fresh
+    # pair of prompts with the same shape (92 tokens, the second sharing 91 with the first)
+    fresh = [[6, *range(110, 200), 7 + i] for i in range(2)]
+    assert _pd_one_at_a_time(engines, fresh) == harness.tokens(
+        engines["plain"].generate(fresh, MAX_TOKENS)
+    )
+    loads = list(engines["decode"].call(cmd="stats")["loads"].values())[-2:]
+    ours = [x["bytes"] for x in loads]
+    theirs = nixl["bytes"]
+    assert isinstance(theirs, list) and len(theirs) == 2, nixl
+    assert theirs[0] == 5 * PAGE, nixl  # full group: 3 blocks; sliding: cdiv(32, 32) + 1
+    for a, b in zip(ours, theirs, strict=True):
+        assert a <= MAX_RATIO * b, (ours, theirs)

@@ -76,7 +76,7 @@ class _Attempt:
     def __post_init__(self) -> None:
         load = self.load
         self.expected = Expected.of(load)
-        groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
+        groups = [g for g, ids in load.local_ids.items() if ids]
         self.local = {g: list(load.local_ids[g]) for g in groups}
         self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
@@ -244,21 +244,23 @@ class RemoteLoader:
         wanted: dict[KVGroup, tuple[list[BlockId], list[BlockId]]] = {}
         if n := len(remote_self):
             wanted[KVGroup.SELF] = (local_self[:n], remote_self[:n])
-        local_cross = job.local.get(KVGroup.CROSS)
-        cross_gone = local_cross is not None and len(remote[KVGroup.CROSS]) != len(local_cross)
-        if local_cross is not None and not cross_gone:
-            wanted[KVGroup.CROSS] = (local_cross, remote[KVGroup.CROSS])
+        # every other group (cross attention, a hybrid model's further ones): all or nothing
+        whole = [g for g in job.local if g != KVGroup.SELF]
+        gone = [g for g in whole if len(remote[g]) != len(job.local[g])]
+        for g in [] if gone else whole:
+            wanted[g] = (job.local[g], remote[g])
         done = self._read(job, wanted) if wanted else {}
         if not self._release(peer, job.lease):
             # the lease lapsed at some moment before the owner confirmed the read: the
             # blocks may have been reused under it. Recompute; never cache them.
             error = "lease lapsed during the read"
             log.warning("request %s: %s; recomputing", load.request_id, error)
-            bad = local_self + (local_cross or [])
+            bad = local_self + job.local.get(KVGroup.CROSS, [])
             reads = [r for r, _ in done.values()]
             return load_result(load, job.t0, bad=bad, error=error, path="owner", reads=reads)
-        if cross_gone:  # all or nothing: the engine recomputes the whole request
-            return self._verdict(job, done, "owner", "cross blocks no longer held by the peer")
+        if gone:  # all or nothing: the engine recomputes the whole request
+            why = f"{gone[0]} blocks no longer held by the peer"
+            return self._verdict(job, done, "owner", why)
         if n < len(local_self):
             return self._verdict(
                 job, done, "owner", "lease gone (expired or released): partial prefix"

@@ -48,7 +48,7 @@ def owner_blocks(
     if pinned is not None and pinned.lease_id is not None:
         remote: dict[KVGroup, list[BlockId]] = {}
         for g in groups:
-            first = load.first_block if g == KVGroup.SELF else 0
+            first = load.lease_offset(g)
             want = tuple(load.remote_hashes.get(g, ()))
             names = tuple(pinned.hashes.get(g, ()))[first : first + len(want)]
             ids = list(pinned.blocks.get(g, ()))[first : first + len(local[g])]

@@ -66,7 +66,7 @@ def load_from_ranks(
     blocks landed in bound ``layout`` are checked."""
     if load.digest_key is not None and (not load.digests_at_owner or expect is None):
         return unverifiable(load)  # whole-block digests in the params cannot check slices
-    groups = [g for g in (KVGroup.SELF, KVGroup.CROSS) if load.local_ids.get(g)]
+    groups = [g for g, ids in load.local_ids.items() if ids]
     local = {g: list(load.local_ids[g]) for g in groups}
     remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
     t0 = time.perf_counter()

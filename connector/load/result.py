@@ -85,8 +85,11 @@ def verdict(
         log.warning("request %s: %s; recomputing them", load.request_id, error)
     moved = {g: n for g, n in good.items() if g == KVGroup.SELF or n == len(local[g])}
     bad = local_self[good.get(KVGroup.SELF, 0) :]
-    if KVGroup.CROSS in local and moved.get(KVGroup.CROSS) != len(local[KVGroup.CROSS]):
-        bad, error = local_self, error or "cross blocks not read whole"
+    # other groups (cross attention, a hybrid model's further attention groups) are all or
+    # nothing: one not read whole makes the whole request recompute
+    short = [g for g in local if g != KVGroup.SELF and moved.get(g) != len(local[g])]
+    if short:
+        bad, error = local_self, error or f"{short[0]} blocks not read whole"
     return load_result(
         load,
         t0,

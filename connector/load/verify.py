@@ -67,6 +67,9 @@ class Expected:
     helper: Executor | None = None
     """A thread that may hash a share of the blocks beside the checking thread
     (:func:`kvbridge.kernels.block_digests`)."""
+    offsets: Mapping[KVGroup, int] | None = None
+    """Per group, where the load's blocks start in the owner's lease (fetched digests cover
+    it all): :meth:`BlockLoad.lease_offset`; None: ``first_block`` for ``self``, else 0."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -84,21 +87,32 @@ class Expected:
     ) -> Expected:
         """The load's key, with the digests the owner will send (``pending``)."""
         assert load.digest_key is not None
-        return cls(load.digest_key, {}, None, pending, load.first_block, head_slice)
+        offsets = {g: load.lease_offset(g) for g in load.local_ids}
+        return cls(
+            load.digest_key, {}, None, pending, load.first_block, head_slice, offsets=offsets
+        )
 
     @classmethod
     def from_ranks(cls, load: BlockLoad, pending: Sequence[Future[HandOverDigests]]) -> Expected:
         """The load's key, with the digests each remote rank will send (rank ``j``'s whole
         pages are slice ``j`` of this reader's)."""
         assert load.digest_key is not None
-        return cls(load.digest_key, {}, None, None, load.first_block, None, tuple(pending))
+        offsets = {g: load.lease_offset(g) for g in load.local_ids}
+        return cls(
+            load.digest_key, {}, None, None, load.first_block, None, tuple(pending), offsets=offsets
+        )
 
     def _want(self, group: KVGroup, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
             return list(self.digests.get(group, ()))[:n], self.algo
         got = self.pending.result()  # the fetch has its own deadline; its error fails the load
-        first = self.first_block if group == KVGroup.SELF else 0
+        first = self._first(group)
         return list(got.groups.get(group, ()))[first : first + n], got.algo
+
+    def _first(self, group: KVGroup) -> int:
+        """Where the load's ``group`` blocks start in the owner's lease."""
+        default = self.first_block if group == KVGroup.SELF else 0
+        return default if self.offsets is None else self.offsets.get(group, default)
 
     def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
@@ -122,7 +136,7 @@ class Expected:
     def _check_slices(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """:meth:`check` for head slices: each of a block's slices against the digest its
         writer recorded for exactly those bytes; a block is good if every slice matches."""
-        first = self.first_block if group == KVGroup.SELF else 0
+        first = self._first(group)
         n = len(ids)
         if self.ranks:  # slice j of each page: rank j's whole pages
             fetched = [f.result() for f in self.ranks]  # a failed fetch fails the load

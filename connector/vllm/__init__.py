@@ -1,8 +1,9 @@
 """kvbridge inside vLLM: ``kv_connector_module_path = "kvbridge.connector.vllm"``.
 
-:class:`KVBridgeConnector` (in ``connector``) is the only code that imports vLLM;
-it is loaded on first access so that the two halves (``scheduler``, ``worker``)
-and ``config`` can be imported and tested without vLLM installed.
+:class:`KVBridgeConnector` (in ``connector``, its stats classes in ``metrics``) is the
+only code that imports vLLM; it is loaded on first access so that the two halves
+(``scheduler``, ``worker``) and ``config`` can be imported and tested without vLLM
+installed.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -40,22 +41,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
-from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.request import RequestStatus
 
 from kvbridge.connector.base import StepMetadata
 from kvbridge.connector.events import BlockRemoved, BlockStored
 from kvbridge.connector.offload.lookup import OffloadLookup
-from kvbridge.connector.vllm import stats
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
-from kvbridge.connector.vllm.kinds import check_vllm_model
+from kvbridge.connector.vllm.kinds import check_vllm_model, layer_groups, vllm_groups
 from kvbridge.connector.vllm.logs import follow_vllm_logging
+from kvbridge.connector.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import ConfigError
-from kvbridge.proto.types import BlockId, RequestId
+from kvbridge.proto.types import RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -85,67 +85,6 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
     step: StepMetadata
     holds: tuple[HoldOrder, ...] = ()
-
-
-@dataclass
-class KVBridgeStats(KVConnectorStats):
-    """kvbridge's loads in vLLM's stats (worker → scheduler → logger); the rules are in
-    :mod:`kvbridge.connector.vllm.stats`."""
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-
-    def reset(self) -> None:
-        self.data = stats.empty()
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        stats.merge(self.data, other.data)
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return stats.reduce(self.data)
-
-    def is_empty(self) -> bool:
-        return stats.is_empty(self.data)
-
-
-class KVBridgePromMetrics(KVConnectorPromMetrics):
-    """kvbridge's histograms and counters on vLLM's Prometheus endpoint
-    (:data:`~kvbridge.connector.vllm.stats.PROM_HISTOGRAMS`, ``PROM_COUNTERS``)."""
-
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        metric_types: dict[type[PromMetric], type[PromMetricT]],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._histograms = {
-            key: create_metric_per_engine(
-                self._histogram_cls(
-                    name=name, documentation=doc, buckets=list(buckets), labelnames=labelnames
-                ),
-                per_engine_labelvalues,
-            )
-            for name, key, doc, buckets in stats.PROM_HISTOGRAMS
-        }
-        self._counters = {
-            key: create_metric_per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
-                per_engine_labelvalues,
-            )
-            for name, key, doc in stats.PROM_COUNTERS
-        }
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for key, per_engine in self._histograms.items():
-            for value in transfer_stats_data.get(key, ()):
-                per_engine[engine_idx].observe(value)
-        for key, per_engine in self._counters.items():
-            if n := transfer_stats_data.get(key, 0):
-                per_engine[engine_idx].inc(n)
 
 
 GIL_SWITCH_INTERVAL_S = 0.0005
@@ -189,6 +128,11 @@ def _to_vllm(event: BlockStored | BlockRemoved) -> Any:
     return kv_events.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
 
 
+def _architecture(model: Any) -> str:
+    """The model's class name (its first architecture), for messages."""
+    return str((getattr(model, "architectures", None) or [model.model])[0])
+
+
 def _tp_rank(tp_size: int) -> int:
     """This worker process's tensor-parallel rank (vLLM's TP group exists by the time the
     worker's connector is made)."""
@@ -199,8 +143,12 @@ def _tp_rank(tp_size: int) -> int:
     return int(get_tensor_model_parallel_rank())
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
-    """kvbridge behind vLLM's KV connector API; see the module docstring."""
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvbridge behind vLLM's KV connector API; see the module docstring.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on (one KV cache group per
+    attention kind); kvbridge moves every group, a sliding-window group's in-window blocks
+    only (:mod:`kvbridge.connector.windows`)."""
 
     def __init__(
         self,
@@ -229,6 +177,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         tp_size = par.tensor_parallel_size
         self._num_kv_heads = model.get_num_kv_heads(par)
         self._head_size = model.get_head_size()
+        # vLLM keeps its hybrid KV cache manager on (SupportsHMA): a KV cache group kind
+        # kvbridge cannot move is refused here, at startup
+        self._groups, windows = vllm_groups(
+            kv_cache_config, _architecture(model), bool(self._cfg.connector.offload_address)
+        )
+        self._kv_cache_config = kv_cache_config
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
         self._lookup: OffloadLookup | None = None
@@ -244,7 +198,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self._lookup = self._cfg.offload_lookup(tp_size)
             self._relay = _offload_relay(self._cfg, vllm_config)
             self._scheduler = VllmScheduler(
-                self._cfg.connector, self._block_size, hasher, self._lookup, tp_size
+                self._cfg.connector,
+                self._block_size,
+                hasher,
+                self._lookup,
+                tp_size,
+                groups=self._groups,
+                windows=windows,
             )
         else:
             _share_the_gil_sooner()
@@ -275,7 +235,18 @@ class KVBridgeConnector(KVConnectorBase_V1):
             head_size=self._head_size,
             block_size=self._block_size,
         )
-        self.worker.register(views, "" if interior is None else packed_suffix(interior))
+        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, self._shares())
+        self.worker.register(views, "" if interior is None else packed_suffix(interior), groups)
+
+    def _shares(self) -> dict[str, str]:
+        """Each KV-sharing layer's target (``kv_sharing_target_layer_name``), from vLLM's
+        attention layers (the model is loaded by the time the caches are registered)."""
+        layers = self._vllm_config.compilation_config.static_forward_context
+        return {
+            name: str(target)
+            for name, layer in layers.items()
+            if (target := getattr(layer, "kv_sharing_target_layer_name", None))
+        }
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -362,11 +333,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        ids = blocks.get_block_ids()[0]
         self.scheduler.after_alloc(
             RequestId(request.request_id),
             request.prompt_token_ids or (),
-            [BlockId(b) for b in ids],
+            blocks.get_block_ids(),
             num_external_tokens,
         )
 
@@ -381,13 +351,20 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM calls :meth:`request_finished_all_groups` (``SupportsHMA``); this is the
+        one-group form of it."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         prompt = request.prompt_token_ids or ()
         done = request.status in _HANDED_OVER and request.num_computed_tokens >= len(prompt)
         return self.scheduler.request_finished(
             RequestId(request.request_id),
             prompt,
             request.kv_transfer_params,
-            [BlockId(b) for b in block_ids],
+            block_ids,
             done,
             kv_tokens(request.all_token_ids, request.num_computed_tokens) if done else None,
         )

@@ -8,15 +8,23 @@ fails later with a message about its own internals (``docs/VLLM.md``, "Model kin
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.errors import ConfigError, LayoutError
+from kvbridge.proto.specs import KVGroup, attention_group
 
 __all__ = [
     "ENCODER_DECODER_REFUSAL",
     "STATE_SPACE_REFUSAL",
+    "GroupKind",
     "check_model_kind",
     "check_vllm_model",
+    "layer_groups",
+    "plan_groups",
+    "vllm_group_kinds",
+    "vllm_groups",
 ]
 
 ENCODER_DECODER_REFUSAL = (
@@ -61,3 +69,129 @@ def check_vllm_model(model_config: Any) -> None:
         is_encoder_decoder=bool(model_config.is_encoder_decoder),
         has_state_space_layers=bool(model_config.is_hybrid or model_config.is_attention_free),
     )
+
+
+_GROUP_REFUSALS = {
+    "MambaSpec": STATE_SPACE_REFUSAL,
+    "CrossAttentionSpec": "it is an encoder-decoder model's cross-attention KV, and "
+    + ENCODER_DECODER_REFUSAL,
+    "ChunkedLocalAttentionSpec": "kvbridge does not yet work out which blocks of chunked "
+    "local attention a decode's next tokens attend to",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKind:
+    """One of vLLM's KV cache groups, as plain values: its spec's class name (the inner
+    specs' for ``UniformTypeKVCacheSpecs``), its sliding window in tokens (None: none), and
+    the shape of its pages (KV heads, head size, dtype name, block size in tokens)."""
+
+    spec: str
+    window: int | None
+    shape: tuple[int, int, str, int]
+
+
+def _shape(g: GroupKind) -> str:
+    heads, size, dtype, block = g.shape
+    return f"{heads} KV heads x {size} ({dtype}, {block}-token blocks)"
+
+
+def plan_groups(
+    groups: Sequence[GroupKind], architecture: str
+) -> tuple[int, dict[int, int | None]]:
+    """Which of vLLM's KV cache groups is kvbridge's ``self`` group and the others' windows:
+    ``(main index, {index: window or None})``. The main group is the first full-attention
+    group (the first group if there is none). kvbridge moves full-attention and
+    sliding-window groups whose pages all have one shape; any other group is refused here,
+    at startup, with a :class:`ConfigError` that names the group kind."""
+    for i, g in enumerate(groups):
+        if g.spec not in ("FullAttentionSpec", "SlidingWindowSpec"):
+            why = _GROUP_REFUSALS.get(
+                g.spec, "kvbridge moves full-attention and sliding-window KV blocks only"
+            )
+            raise ConfigError(
+                f"kvbridge's vLLM connector cannot serve {architecture}: its KV cache group "
+                f"{i} is a {g.spec} group, and {why}; start it without --kv-transfer-config"
+            )
+        if g.shape != groups[0].shape:
+            raise ConfigError(
+                f"kvbridge's vLLM connector cannot serve {architecture}: its KV cache group "
+                f"{i} ({g.spec}) has pages of {_shape(g)}, group 0 ({groups[0].spec}) of "
+                f"{_shape(groups[0])}; kvbridge moves groups of one page shape only"
+            )
+    if not groups:
+        raise ConfigError(f"vLLM gave kvbridge no KV cache groups for {architecture}")
+    full = [i for i, g in enumerate(groups) if g.spec == "FullAttentionSpec"]
+    main = full[0] if full else 0
+    windows = {i: g.window for i, g in enumerate(groups) if i != main}
+    return main, windows
+
+
+def vllm_group_kinds(kv_cache_config: Any) -> list[GroupKind]:
+    """:class:`GroupKind` of each of vLLM's ``KVCacheConfig.kv_cache_groups`` (duck-typed:
+    no vLLM import)."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        inner = getattr(spec, "kv_cache_specs", None)
+        if isinstance(inner, dict) and inner:  # UniformTypeKVCacheSpecs: one kind inside
+            kinds = {type(x).__name__ for x in inner.values()}
+            spec = next(iter(inner.values())) if len(kinds) == 1 else spec
+        shape = (
+            int(getattr(spec, "num_kv_heads", 0) or 0),
+            int(getattr(spec, "head_size", 0) or 0),
+            str(getattr(spec, "dtype", "")).removeprefix("torch."),
+            int(getattr(spec, "block_size", 0) or 0),
+        )
+        window = getattr(spec, "sliding_window", None)
+        out.append(GroupKind(type(spec).__name__, int(window) if window else None, shape))
+    return out
+
+
+def vllm_groups(
+    kv_cache_config: Any, architecture: str, offload: bool = False
+) -> tuple[tuple[KVGroup, ...], dict[KVGroup, int | None]]:
+    """kvbridge's name of each of vLLM's KV cache groups (by vLLM's index: ``self`` for the
+    main full-attention group, ``g<i>`` for the others) and the others' sliding windows
+    (:func:`plan_groups`: raises ConfigError for a group kind kvbridge cannot move). With
+    ``offload`` (an offload daemon is configured) several groups are refused: the daemon
+    keeps one group's blocks."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+        return (KVGroup.SELF,), {}
+    if offload:
+        raise ConfigError(
+            f"kvbridge's offload daemon keeps the blocks of one KV cache group, and vLLM "
+            f"keeps {len(kv_cache_config.kv_cache_groups)} for {architecture} (its hybrid KV "
+            "cache manager): start vLLM with --disable-hybrid-kv-cache-manager to offload, "
+            "or without offload_address"
+        )
+    main, windows = plan_groups(vllm_group_kinds(kv_cache_config), architecture)
+    count = len(kv_cache_config.kv_cache_groups)
+    names = tuple(KVGroup.SELF if i == main else attention_group(i) for i in range(count))
+    return names, {names[i]: w for i, w in windows.items()}
+
+
+def layer_groups(
+    kv_cache_config: Any,
+    names: Sequence[KVGroup],
+    layers: Iterable[str],
+    shares: Mapping[str, str] | None = None,
+) -> dict[str, KVGroup] | None:
+    """Each layer's kvbridge group (``names``: :func:`vllm_groups`'s) when vLLM keeps several
+    KV cache groups (their layers share pages: a block id belongs to one group at a time);
+    None for one group. ``shares``: a KV-sharing layer's target layer (vLLM lists only the
+    targets in the connector's groups); it is in its target's group."""
+    if len(names) == 1 or kv_cache_config is None:
+        return None
+    out = {
+        layer: names[i]
+        for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        for layer in group.layer_names
+    }
+    for layer, target in (shares or {}).items():
+        if layer not in out and target in out:
+            out[layer] = out[target]
+    missing = sorted(set(layers) - set(out))
+    if missing:
+        raise LayoutError(f"vLLM put layers {missing} in none of its KV cache groups")
+    return out

@@ -28,13 +28,15 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
+from kvbridge.connector.windows import AttentionGroups
+from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -51,6 +53,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _HASH_KEY = "block_hashes"
+
+VLLM_NULL_BLOCK = BlockId(0)
+"""vLLM's null block: the id its block tables hold where a group keeps no block (a sliding
+window's blocks that fell out of it). Never handed over, never loaded into."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,18 @@ class HoldOrder:
     digest_key: int | None = None
     """The hand-over's digest key (the scheduler drew it; it goes to the decode only in the
     kv_transfer_params): the worker digests the blocks under it when it makes the lease."""
+    group_blocks: Mapping[KVGroup, tuple[BlockId, ...]] = field(default_factory=dict)
+    """A hybrid model's further attention groups (``g<i>``): the blocks held with ``self``'s
+    (those a decode attends to), leased, sealed and digested with them."""
+    group_hashes: Mapping[KVGroup, tuple[BlockHash, ...]] = field(default_factory=dict)
+    """The names of ``group_blocks``."""
+
+    def blocks(self) -> dict[KVGroup, tuple[BlockId, ...]]:
+        """Every group's held blocks, ``self`` first."""
+        return {KVGroup.SELF: self.block_ids, **self.group_blocks}
+
+    def hashes(self) -> dict[KVGroup, tuple[BlockHash, ...]]:
+        return {KVGroup.SELF: self.block_hashes, **self.group_hashes}
 
 
 def to_json_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,12 +151,15 @@ class HoldIssuer(LeaseIssuer):
         self, request_id: RequestId, blocks: GroupBlocks, hashes: GroupHashes
     ) -> tuple[LeaseId, float]:
         lease_id = LeaseId(secrets.token_hex(16))
+        others = [g for g in blocks if g != KVGroup.SELF]
         order = HoldOrder(
             request_id,
             lease_id,
             tuple(blocks[KVGroup.SELF]),
             tuple(hashes.get(KVGroup.SELF, ())),
             self.ttl_s,
+            group_blocks={g: tuple(blocks[g]) for g in others},
+            group_hashes={g: tuple(hashes.get(g, ())) for g in others},
         )
         self._orders.append(order)
         return lease_id, self.ttl_s
@@ -196,10 +217,15 @@ class VllmScheduler:
         hasher: BlockHasher,
         offload_lookup: Callable[[Sequence[BlockHash]], int] | None = None,
         tp_size: int = 1,
+        groups: Sequence[KVGroup] = (KVGroup.SELF,),
+        windows: Mapping[KVGroup, int | None] | None = None,
     ) -> None:
         self.hasher = hasher
+        self.groups = tuple(groups)
+        """kvbridge's name of each of vLLM's KV cache groups, by vLLM's group index."""
         self.holds = HoldIssuer(config.lease_ttl_s)
-        self.planner = KVBridgePlanner(config, block_size, tp_size)
+        attention = AttentionGroups(block_size, dict(windows or {}), VLLM_NULL_BLOCK)
+        self.planner = KVBridgePlanner(config, block_size, tp_size, attention)
         self.planner.attach(self.holds, offload_lookup)
 
     @property
@@ -239,17 +265,35 @@ class VllmScheduler:
         view = self._view(request_id, prompt, raw_params)
         return self.planner.get_num_new_matched_tokens(view, num_computed_tokens)
 
+    def by_group(
+        self, block_ids: Sequence[Sequence[int]] | Sequence[int]
+    ) -> dict[KVGroup, list[BlockId]]:
+        """vLLM's block ids per KV cache group (a tuple by group index; one group's list
+        alone for a model with one group) by kvbridge's group names."""
+        groups: list[Sequence[int]] = (
+            [block_ids]  # type: ignore[list-item]
+            if not block_ids or isinstance(block_ids[0], int)
+            else list(block_ids)  # type: ignore[arg-type]
+        )
+        if len(groups) != len(self.groups):
+            raise KVBridgeError(
+                f"vLLM passed block ids of {len(groups)} KV cache groups, kvbridge was "
+                f"started with {len(self.groups)}"
+            )
+        return {g: [BlockId(b) for b in ids] for g, ids in zip(self.groups, groups, strict=True)}
+
     def after_alloc(
         self,
         request_id: RequestId,
         prompt: Sequence[int],
-        block_ids: Sequence[BlockId],
+        block_ids: Sequence[Sequence[int]] | Sequence[int],
         num_external_tokens: int,
     ) -> None:
-        """vLLM allocated ``block_ids`` (the request's whole block table). The plan was made in
-        :meth:`num_matched`; the load's names and seal are computed here from ``prompt``."""
+        """vLLM allocated ``block_ids`` (the request's whole block table per KV cache group).
+        The plan was made in :meth:`num_matched`; the load's names and seal are computed here
+        from ``prompt``."""
         view = self._view(request_id, prompt, None)
-        self.planner.update_state_after_alloc(view, {KVGroup.SELF: block_ids}, num_external_tokens)
+        self.planner.update_state_after_alloc(view, self.by_group(block_ids), num_external_tokens)
 
     def build_step(self) -> tuple[StepMetadata, tuple[HoldOrder, ...]]:
         """This step's loads, offload stores and hold orders; resets them."""
@@ -260,20 +304,21 @@ class VllmScheduler:
         request_id: RequestId,
         prompt: Sequence[int],
         raw_params: Mapping[str, Any] | None,
-        block_ids: Sequence[BlockId],
+        block_ids: Sequence[Sequence[int]] | Sequence[int],
         prompt_done: bool,
         computed: Sequence[int] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
-        """``(delay_free, kv_transfer_params)`` for a finished or aborted request;
-        ``prompt_done``: it finished normally with its whole prompt computed; ``computed``:
-        the tokens whose KV its blocks hold, the prompt followed by generated tokens
-        (default: the prompt). Their full blocks are what an offload store takes."""
+        """``(delay_free, kv_transfer_params)`` for a finished or aborted request (its block
+        ids per KV cache group); ``prompt_done``: it finished normally with its whole prompt
+        computed; ``computed``: the tokens whose KV its blocks hold, the prompt followed by
+        generated tokens (default: the prompt). Their full blocks are what an offload store
+        takes."""
         n = len(prompt)
         if computed is not None and (len(computed) < n or list(computed[:n]) != list(prompt)):
             log.warning("request %s: its computed tokens do not extend its prompt", request_id)
             computed = None
         view = self._view(request_id, prompt, raw_params, prompt_done, computed)
-        delay_free, params = self.planner.request_finished(view, {KVGroup.SELF: block_ids})
+        delay_free, params = self.planner.request_finished(view, self.by_group(block_ids))
         # a request put under a hold must keep its blocks until the worker reports the
         # lease over (done_sending): vLLM frees them at once otherwise
         delay_free = delay_free or self.holds.ordered(request_id)

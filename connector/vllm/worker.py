@@ -124,10 +124,16 @@ class VllmWorker:
         self._sends = _Sends()
 
     # ----- start-up ------------------------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, torch.Tensor], model_suffix: str = "") -> KVLayout:
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        model_suffix: str = "",
+        layer_groups: Mapping[str, KVGroup] | None = None,
+    ) -> KVLayout:
         """Describe and register vLLM's per-layer views of logical shape (2, B, N, H, C);
         ``model_suffix`` tags the model name with how the views were cut from vLLM's pages
-        (``views.packed_suffix``), so only peers with the same pages negotiate."""
+        (``views.packed_suffix``), so only peers with the same pages negotiate;
+        ``layer_groups``: each layer's kvbridge group (a hybrid model's; default ``self``)."""
         from kvbridge.connector.engine_side import EngineSide
 
         s = self.settings
@@ -135,6 +141,7 @@ class VllmWorker:
             kv_caches,
             model_name=s.model_name + model_suffix,
             block_size=s.block_size,
+            layer_groups=layer_groups,
             tp_rank=s.tp_rank,
             tp_size=s.tp_size,
         )
@@ -173,9 +180,9 @@ class VllmWorker:
         self.held.hold(order.request_id, order.block_ids)
         try:
             self.leases.create(
-                {KVGroup.SELF: order.block_ids},
+                order.blocks(),
                 ttl_s=order.ttl_s,
-                hashes={KVGroup.SELF: order.block_hashes},
+                hashes=order.hashes(),
                 request_id=order.request_id,
                 lease_id=order.lease_id,
                 digests=self._digests(order),
@@ -205,14 +212,16 @@ class VllmWorker:
         algo = digest_algo(layout, group)
         ids = list(order.block_ids)
         try:
-            got = block_digests(layout, group, ids, key)
+            got = {
+                g: tuple(block_digests(layout, g, list(b), key)) for g, b in order.blocks().items()
+            }
             heads = head_digest_parts(layout) if algo == ALGO_XXH3 else 0
             per_head = page_slice_digests(layout, group, ids, key, heads) if heads else []
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
         flat = tuple(d for block in per_head for d in block)
-        return HandOverDigests(algo, {group: tuple(got)}, heads, {group: flat} if heads else {})
+        return HandOverDigests(algo, got, heads, {group: flat} if heads else {})
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""

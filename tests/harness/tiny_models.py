@@ -1,14 +1,12 @@
 """Tiny models of other kinds than Llama, with seeded random weights, for vLLM on a CPU.
 
 - ``gemma3``: a Gemma-3-style decoder with sliding-window and full-attention layers
-  (``layer_types``), so that vLLM's hybrid KV cache manager makes one KV cache group per
-  attention kind. Weights are drawn like :mod:`kvbridge.worker.vllm.tiny_llama`'s; the
-  embeddings are tied to the output, so the post-norms scale the layers' outputs up and the
-  attention is sharp (``query_pre_attn_scalar`` 16): greedy output then depends on the first
-  token of a 92-token prompt (without, it repeats the last prompt token).
+  (:mod:`kvbridge.worker.vllm.tiny_gemma`, in the package: ``kvbridge bench vllm`` runs it).
 - ``gemma4``: a Gemma-4-style decoder whose last layers share the KV of earlier ones
   (``num_kv_shared_layers``), made by ``transformers`` with its own random initialisation
   (greedy output still depends on the first token of a 92-token prompt).
+- ``gemma4-wide``: ``gemma4`` with a larger head size (128) for the full-attention layers,
+  as Gemma-4 has: only started (kvbridge refuses KV cache groups of different page shapes).
 - ``gemma4-kv2``: ``gemma4`` with 2 KV heads, so that TP=2 splits them (one per rank)
   instead of replicating one.
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
@@ -32,31 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-GEMMA3: dict[str, Any] = {
-    "architectures": ["Gemma3ForCausalLM"],
-    "model_type": "gemma3_text",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "num_hidden_layers": 2,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "sliding_window": 32,
-    "vocab_size": 1024,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-6,
-    "query_pre_attn_scalar": 16,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
-"""One sliding-window layer (window 32 tokens: one 32-token block) and one full-attention
-layer: vLLM's hybrid KV cache manager makes two KV cache groups of one layer each, sharing
-one KV cache tensor."""
+from kvbridge.worker.vllm.tiny_gemma import write_gemma3
 
 WHISPER: dict[str, Any] = {
     "d_model": 64,
@@ -75,44 +49,6 @@ WHISPER: dict[str, Any] = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
-
-
-def _write_gemma3(path: Path, seed: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    c = GEMMA3
-    hidden, inter, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
-    q_out, kv_out = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, std: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
-
-    # Gemma's RMSNorm scales by (1 + weight): zeros are the identity
-    w = {
-        "model.embed_tokens.weight": rand(c["vocab_size"], hidden, std=0.1),
-        "model.norm.weight": torch.zeros(hidden),
-    }
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        for norm in ("input_layernorm", "pre_feedforward_layernorm"):
-            w[p + norm + ".weight"] = torch.zeros(hidden)
-        # the post-norms scale attention and MLP outputs by 8 so that they, not the
-        # token's own (tied) embedding, decide the next token
-        for norm in ("post_attention_layernorm", "post_feedforward_layernorm"):
-            w[p + norm + ".weight"] = torch.full((hidden,), 7.0)
-        w[p + "self_attn.q_norm.weight"] = torch.zeros(head)
-        w[p + "self_attn.k_norm.weight"] = torch.zeros(head)
-        w[p + "self_attn.q_proj.weight"] = rand(q_out, hidden, std=0.15)
-        w[p + "self_attn.k_proj.weight"] = rand(kv_out, hidden, std=0.15)
-        w[p + "self_attn.v_proj.weight"] = rand(kv_out, hidden, std=0.1)
-        w[p + "self_attn.o_proj.weight"] = rand(hidden, q_out, std=0.1)
-        w[p + "mlp.gate_proj.weight"] = rand(inter, hidden, std=0.1)
-        w[p + "mlp.up_proj.weight"] = rand(inter, hidden, std=0.1)
-        w[p + "mlp.down_proj.weight"] = rand(hidden, inter, std=0.1)
-    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(c, indent=2))
 
 
 def _write_whisper(path: Path, seed: int) -> None:
@@ -171,6 +107,19 @@ def _write_gemma4_kv2(path: Path, seed: int) -> None:
     _write_gemma4(path, seed, num_key_value_heads=2)
 
 
+def _write_gemma4_wide(path: Path, seed: int) -> None:
+    """:func:`_write_gemma4` with Gemma-4's larger head size for the full-attention layers
+    (``global_head_dim`` 128, 64 elsewhere): vLLM's KV cache groups then differ in page
+    shape, which kvbridge refuses at startup."""
+    import torch
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    torch.manual_seed(seed)
+    Gemma4ForCausalLM(Gemma4TextConfig(**{**GEMMA4, "global_head_dim": 128})).save_pretrained(
+        str(path)
+    )
+
+
 MAMBA: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 1,
@@ -193,8 +142,9 @@ def _write_mamba(path: Path, seed: int) -> None:
 
 
 WRITERS = {
-    "gemma3": _write_gemma3,
+    "gemma3": write_gemma3,
     "gemma4": _write_gemma4,
+    "gemma4-wide": _write_gemma4_wide,
     "gemma4-kv2": _write_gemma4_kv2,
     "mamba": _write_mamba,
     "whisper": _write_whisper,

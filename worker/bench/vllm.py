@@ -1,20 +1,13 @@
 """``kvbridge bench vllm``: the same vLLM P/D workload through kvbridge and NixlConnector.
 
-Real vLLM (CPU build, ``.venv-vllm``, made on first use), tiny seeded Llamas
-(:mod:`kvbridge.worker.vllm.tiny_llama`). A *round* is, for each model and each
-connector in turn (kvbridge, NixlConnector, kvbridge, ...), a fresh prefill engine
-on core 0 and decode engine on core 1 that serve one uncounted warm-up request
-(it pays the peer handshake) and then the same seeded random prompts, short and
-long interleaved, one at a time: prefill with ``max_tokens=1`` and
-``do_remote_decode``, decode with prefill's ``kv_transfer_params`` and
-``max_tokens=1``. Prompts differ from their first token on, so decode never hits
-its prefix cache. Per request it records decode TTFT (decode's ``generate``, timed
-in the engine: transfer + first token), NIXL's own timing of the KV READ (telemetry,
-post to completion: the same span for both connectors), the connector's own transfer
-figure (kvbridge: the whole load's ``transfer_ms``; NixlConnector: that telemetry, its
-``transfer_duration``) and end to end (prefill + decode, client side); it checks that
-decode's first token is prefill's and that the KV came over the connector (a recompute
-is flagged, not measured).
+Real vLLM (CPU build, ``.venv-vllm``), tiny seeded Llamas and a hybrid Gemma-3-style model
+(:data:`HYBRID_MODELS`). A *round* is, per model and connector in turn, a fresh prefill
+(core 0) and decode (core 1) engine pair serving one uncounted warm-up request, then the
+same seeded prompts (short and long interleaved, each its own first block), one at a time:
+prefill with ``max_tokens=1`` and ``do_remote_decode``, decode with its params. Per request
+it records the KV bytes decode read, decode TTFT (timed in the engine), NIXL's telemetry of
+the KV READ (the same span for both), the connector's own transfer figure and end to end;
+it checks decode's first token is prefill's and the KV came over the connector.
 Figures: :mod:`kvbridge.worker.bench.vllm_report`.
 """
 
@@ -42,6 +35,9 @@ MODELS: dict[str, dict[str, int]] = {
 }
 """Tiny Llama shapes: 4 layers x 2 KV heads of 64 (128 KiB per 32-token fp32 block) and
 8 layers x 8 KV heads of 128 (2 MiB per block)."""
+HYBRID_MODELS = ("gemma3",)
+"""Hybrid models (:mod:`kvbridge.worker.vllm.tiny_gemma`: sliding-window + full-attention
+layers, 2 KV heads of 64; vLLM keeps one KV cache group per attention kind)."""
 CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc")
 """``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
 ``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
@@ -49,6 +45,7 @@ kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU defaul
 DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
+STARTUP_TIMEOUT_S = 600.0  # ~1.5 min to start on 2 idle cores, up to 9 on a loaded machine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -63,11 +60,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "figures: the JSON records the load average before and after each round. Exits 1 "
         "when a request was recomputed instead of loaded (the figures are then flagged).",
     )
-    p.add_argument(
-        "--rounds", type=positive_int, default=3, help="engine pairs per model and connector"
-    )
+    p.add_argument("--rounds", type=positive_int, default=3, help="pairs per model, connector")
     p.add_argument("--requests", type=positive_int, default=4, help="prompts per length per round")
-    p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    p.add_argument(
+        "--models", nargs="+", choices=[*MODELS, *HYBRID_MODELS],
+        default=[*MODELS, *HYBRID_MODELS], help="tiny Llamas 4L, 8L; hybrid gemma3",
+    )  # fmt: skip
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
         help="connectors to alternate (default kvbridge nixl; kvbridge-blhnc adds kvbridge on "
@@ -163,6 +161,7 @@ def _engines(
         "wait": False,
         "max_model_len": max_model_len,
         "cpu_kv_layouts": shim,
+        "startup_timeout_s": STARTUP_TIMEOUT_S,
     }
     prefill = harness.Engine(model, core=0, kv=p_kv, log=logs / "prefill.log", env=p_env, **common)
     decode = harness.Engine(model, core=1, kv=d_kv, log=logs / "decode.log", env=d_env, **common)
@@ -195,6 +194,7 @@ class _Loads:
             "wire_descriptors": merged,
             "read_ms": 1e3 * sum(durations) if durations else None,
         }
+        self.detail["bytes"] = sum(stats.get("nixl_bytes") or []) or None
         if stats.get("nixl_failed"):
             return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
         if not durations:
@@ -341,8 +341,13 @@ def run(args: argparse.Namespace) -> int:
     max_model_len = min(2048, -(-(max(longest, len(warm)) + 8) // BLOCK) * BLOCK)
     models = {}
     for name in args.models:
-        _say(f"writing the {name} tiny Llama ({MODELS[name]}) under {work}")
-        models[name] = harness.write_model(work / f"model-{name}", args.seed, **MODELS[name])
+        _say(f"writing the {name} tiny model ({MODELS.get(name, 'hybrid')}) under {work}")
+        path = work / f"model-{name}"
+        models[name] = (
+            harness.write_hybrid_model(path, args.seed)
+            if name in HYBRID_MODELS
+            else harness.write_model(path, args.seed, **MODELS[name])
+        )
     pairs = [
         {"round": r, "model": m, "connector": c}
         for r in range(args.rounds)
@@ -374,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         "work": str(work),
         "max_model_len": max_model_len,
         "block_size": BLOCK,
-        "model_shapes": {m: MODELS[m] for m in args.models},
+        "model_shapes": {m: MODELS.get(m, m) for m in args.models},
         "nproc": len(os.sched_getaffinity(0)),
     }
     payload = assemble(settings, rounds, requests)

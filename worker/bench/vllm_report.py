@@ -34,12 +34,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-METRICS = ("decode_ttft_ms", "read_ms", "transfer_ms", "e2e_ms")
+METRICS = ("decode_ttft_ms", "read_ms", "transfer_ms", "e2e_ms", "bytes")
 """Per request: decode's ``generate`` with ``max_tokens=1`` (transfer + first token, in the
 engine); NIXL's own timing of the KV READ, post to completion (telemetry, the same span for
 both connectors); the connector's own transfer figure (kvbridge: the whole load, link,
-READs, seal check and release; NixlConnector: the same telemetry as ``read_ms``); and
-prefill + decode as the client saw them."""
+READs, seal check and release; NixlConnector: the same telemetry as ``read_ms``);
+prefill + decode as the client saw them; and the KV bytes decode read (kvbridge's load
+report, NixlConnector's ``bytes_transferred``)."""
 BASELINE = "nixl"
 """Ratios are kvbridge's median over this connector's."""
 TAIL_FACTOR = 3.0
@@ -190,6 +191,7 @@ def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
             for stat in ("median", "p90", "max"):
                 row[f"{short}_{stat}"] = s[metric][stat]
         row["e2e_median"] = s["e2e_ms"]["median"]
+        row["kib_median"] = None if s["bytes"]["median"] is None else s["bytes"]["median"] / 1024
         row["bad"] = s["bad_requests"]
         rows.append(row)
     return rows

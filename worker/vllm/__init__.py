@@ -3,8 +3,9 @@
 vLLM's CPU build lives in its own virtual environment (:mod:`.venv`); the main
 environment drives it through :class:`Engine` (:mod:`.engine`), which starts
 :mod:`.instance` there and speaks JSON lines to it. :mod:`.tiny_llama` writes a
-seeded random Llama small enough to run on a CPU in seconds (the tests' tiny models of
-other kinds are in ``tests/harness/tiny_models.py``). kvbridge's connector
+seeded random Llama small enough to run on a CPU in seconds, :mod:`.tiny_gemma` a
+Gemma-3-style hybrid one (the tests' tiny models of other kinds are in
+``tests/harness/tiny_models.py``). kvbridge's connector
 that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
 """
 
@@ -15,6 +16,7 @@ from kvbridge.worker.vllm.venv import (
     ROOT,
     VenvError,
     ensure_venv,
+    write_hybrid_model,
     write_model,
 )
 
@@ -28,5 +30,6 @@ __all__ = [
     "kv_config",
     "running",
     "tokens",
+    "write_hybrid_model",
     "write_model",
 ]

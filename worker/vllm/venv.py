@@ -93,3 +93,14 @@ def write_model(path: Path, seed: int = 0, **shape: int) -> Path:
         capture_output=True,
     )
     return path
+
+
+def write_hybrid_model(path: Path, seed: int = 0) -> Path:
+    """The tiny Gemma-3-style hybrid model (:mod:`.tiny_gemma`: sliding-window and
+    full-attention layers) under ``path``, written with the vLLM venv."""
+    subprocess.run(
+        [str(PYTHON), "-m", "kvbridge.worker.vllm.tiny_gemma", str(path), "--seed", str(seed)],
+        check=True,
+        capture_output=True,
+    )
+    return path

@@ -1,0 +1,131 @@
+"""A hybrid model's further attention groups: which of their blocks a hand-over covers.
+
+vLLM's hybrid KV cache manager gives each attention kind its own KV cache group with its
+own block table (e.g. Gemma-3: sliding-window and full-attention layers). kvbridge's
+``self`` group is the full-attention one; each further group ``g<i>``
+(:func:`kvbridge.proto.attention_group`) is an :class:`AttentionGroups` entry with its
+sliding window in tokens (None: it attends to every token, like ``self``).
+
+Prefill hands over, and decode loads, only the blocks of such a group that a request still
+needs once its prompt is computed: for a window of ``W`` tokens, the blocks from the one
+holding token ``num_tokens - W + 1`` on (vLLM's own rule: it frees the earlier ones, so
+prefill and decode agree on it). Their names are the ``self`` names of the same positions,
+tagged with the group (:func:`~kvbridge.connector.handover.group_name`); they travel in the
+``kv_transfer_params`` (``block_ids[g]``, ``block_hashes[g]``), are leased, sealed, digested
+and verified like ``self``'s, and a group not read whole makes the whole request recompute.
+The engine's placeholder for a block it does not hold (vLLM's null block) is never handed
+over or loaded into. Used by the planner (:mod:`kvbridge.connector.planner`) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvbridge.connector.handover import group_name
+from kvbridge.connector.params import KVTransferParams
+from kvbridge.proto.errors import WireError
+from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.specs import is_attention_group
+from kvbridge.proto.types import BlockHash, BlockId
+
+__all__ = ["AttentionGroups", "Groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroups:
+    """An engine's further attention groups and their windows (empty: not hybrid)."""
+
+    block_size: int
+    windows: Mapping[KVGroup, int | None] = field(default_factory=dict)
+    null_block: BlockId | None = None
+    """The id the engine puts where a group holds no block (vLLM: 0, its null block)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.windows)
+
+    def start(self, group: KVGroup, num_tokens: int) -> int:
+        """The first block of ``group`` an engine keeps once ``num_tokens`` are computed."""
+        window = self.windows.get(group)
+        return max(0, num_tokens - window + 1) // self.block_size if window else 0
+
+    def hand_over(
+        self,
+        ids: dict[KVGroup, list[BlockId]],
+        hashes: dict[KVGroup, list[BlockHash]],
+        names: Sequence[BlockHash],
+        num_tokens: int,
+    ) -> bool:
+        """Prefill: put each group's blocks to lease and their names into ``ids`` and
+        ``hashes`` (groups not known here are dropped from ``ids``), for a prompt of
+        ``num_tokens`` whose blocks (a partial last one included) are named ``names``. False
+        when a group lacks one of its blocks (no hand-over: decode recomputes)."""
+        for g in [g for g in ids if is_attention_group(g) and g not in self.windows]:
+            del ids[g]
+        end = len(names)
+        for g in self.windows:
+            lo = self.start(g, num_tokens)
+            group = ids.get(g, [])[lo:end]
+            if len(group) != end - lo or self.null_block in group:
+                return False
+            ids[g], hashes[g] = group, [group_name(g, n) for n in names[lo:end]]
+        return True
+
+    def check(self, params: KVTransferParams, names: Sequence[BlockHash]) -> None:
+        """Decode: WireError unless prefill handed over every group's blocks this engine
+        needs, under this prompt's names (``names``: its blocks' names, tail included)."""
+        for g in self.windows:
+            ids = params.block_ids.get(g, ())
+            lo = len(names) - len(ids)
+            if not ids or lo > self.start(g, params.num_tokens):
+                raise WireError(
+                    f"prefill handed over {len(ids)} {g!r} blocks; decode's window needs "
+                    f"{len(names) - self.start(g, params.num_tokens)}"
+                )
+            if params.block_hashes.get(g, ()) != tuple(group_name(g, n) for n in names[lo:]):
+                raise WireError(f"prefill's {g!r} block names do not match this prompt")
+
+    def plan_load(
+        self,
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
+        params: KVTransferParams,
+        names: Sequence[BlockHash],
+        first: int,
+        into: tuple[_Ids, _Ids, _Names, dict[KVGroup, tuple[bytes, ...]] | None],
+    ) -> dict[KVGroup, int]:
+        """Decode: put each group's local and remote ids, names and (``into[3]`` not None)
+        digests into ``into``: its blocks from ``first`` (the local prefix hit) or its window
+        start on, skipping the engine's null blocks (checked by :meth:`check` before).
+        Returns where each group's first loaded block sits in the owner's lease."""
+        local, remote, hashes, digests = into
+        offsets = {}
+        end = len(names)
+        for g in self.windows:
+            theirs = params.block_ids[g]
+            lo = end - len(theirs)
+            mine = list(block_ids.get(g, ()))
+            start = max(first, lo)
+            while start < end and start < len(mine) and mine[start] == self.null_block:
+                start += 1  # the engine keeps no block there: it does not attend to it
+            if start >= end:
+                continue
+            # a prefill window starting later than the blocks decode keeps cannot fill them:
+            # the names then differ from the lease's and the load fails closed (recompute)
+            offsets[g] = offset = max(0, start - lo)
+            local[g] = tuple(mine[start:end])
+            remote[g] = theirs[offset:]
+            hashes[g] = tuple(group_name(g, n) for n in names[start:end])
+            if digests is not None:
+                digests[g] = params.digests.get(g, ())[offset:]
+        return offsets
+
+    @staticmethod
+    def names_of(params: KVTransferParams) -> dict[KVGroup, tuple[BlockHash, ...]]:
+        """The attention groups' names in ``params`` (what the owner's lease seals)."""
+        return {g: h for g, h in params.block_hashes.items() if is_attention_group(g)}
+
+
+Groups = AttentionGroups | None
+"""The planner's argument: an engine's attention groups, or None (not hybrid)."""
+_Ids = dict[KVGroup, tuple[BlockId, ...]]
+_Names = dict[KVGroup, tuple[BlockHash, ...]]
