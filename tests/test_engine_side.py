@@ -1,74 +1,32 @@
-"""One engine side for both engines: built in one order, its config built once, torn down
-whole (real NIXL agent, real gRPC on loopback)."""
+"""The engine side (connector/engine_side.py) with a real NIXL agent and real gRPC on loopback.
+
+Its cases live in tests/harness/engine_side_cases.py and run here in a child pytest, because
+they build a NIXL agent in the process that runs them and the suite's own process loads no
+NIXL (every other NIXL agent of the suite lives in a subprocess too).
+"""
 
 from __future__ import annotations
 
-import socket
-import threading
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvbridge.connector import ConnectorConfig, ServerOptions
-from kvbridge.connector.control import ControlClient
-from kvbridge.connector.engine_side import EngineSide
-from kvbridge.proto import ConfigError, preset_layout
-from kvbridge.worker.block_pool import BlockPool
-from kvbridge.worker.pool_owner import PoolBlockOwner
+ROOT = Path(__file__).resolve().parent.parent
+CASES = "tests/harness/engine_side_cases.py"
 
 
-def _threads() -> set[str]:
-    return {t.name for t in threading.enumerate() if t.name.startswith(("kvb-", "kvbridge-"))}
-
-
-def test_the_config_carries_the_bound_control_address_and_the_callers_is_untouched() -> None:
-    config = ConnectorConfig("side-a", role="prefill")
-    side = EngineSide(config, control=ServerOptions())
-    try:
-        assert side.control is not None and side.control.port > 0
-        assert side.config.control_address == side.control.address
-        assert config.control_address == ""  # built once, not rewritten
-    finally:
-        side.close()
-    advertised = ConnectorConfig("side-b", role="prefill", control_address="10.0.0.1:7600")
-    side = EngineSide(advertised, control=ServerOptions())
-    try:
-        assert side.config.control_address == "10.0.0.1:7600"  # the operator's address wins
-    finally:
-        side.close()
-
-
-def test_serve_starts_leases_and_the_control_server_over_the_registered_memory() -> None:
-    layout = preset_layout("tiny", num_blocks=4)
-    caches = layout.allocate("cpu")
-    side = EngineSide(ConnectorConfig("side-c", role="prefill"), control=ServerOptions())
-    try:
-        side.loader.register_kv_caches(caches, layout.bind(caches))
-        owner = PoolBlockOwner({g.name: BlockPool(g.num_blocks) for g in layout.groups})
-        leases = side.serve(owner)
-        assert side.leases is leases and leases.seal is side.loader.seal
-        with ControlClient(side.control.address) as client:  # type: ignore[union-attr]
-            health = client.health()
-            assert health.engine_id == "side-c" and health.num_leases == 0
-    finally:
-        side.close()
-
-
-def test_a_taken_control_port_fails_construction_and_leaves_no_thread() -> None:
-    before = _threads()
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        with pytest.raises(ConfigError, match="cannot listen"):
-            EngineSide(
-                ConnectorConfig("side-d", role="prefill"),
-                control=ServerOptions(port=taken.getsockname()[1]),
-            )
-    assert _threads() <= before
-
-
-def test_a_consumer_side_serves_no_control_port() -> None:
-    side = EngineSide(ConnectorConfig("side-e", role="decode"))
-    try:
-        assert side.control is None and side.config.control_address == ""
-    finally:
-        side.close()
+@pytest.mark.slow
+def test_the_engine_side_cases_pass_in_a_process_of_their_own() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", CASES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, f"{CASES} failed:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
+    assert re.search(r"^4 passed", done.stdout, re.M), done.stdout[-2000:]
