@@ -51,7 +51,7 @@ class Posts:
 def _requests() -> list[ReadRequest]:
     ids = [BlockId(1), BlockId(2)]
     links: list[Any] = ["r0", "r1"]
-    return [ReadRequest(link, g, ids, ids) for link in links for g in KVGroup]
+    return [ReadRequest(link, g, ids, ids) for link in links for g in (KVGroup.SELF, KVGroup.CROSS)]
 
 
 def test_every_read_of_a_load_is_posted_before_the_first_wait() -> None:
