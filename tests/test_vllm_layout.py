@@ -146,7 +146,7 @@ def test_pd_between_layouts_gives_the_plain_tokens(
     per_block = 1 if whole else 2 * NUM_LAYERS
     assert all(x["descriptors"] == per_block * x["moved"] for x in loads), loads
     mode = "whole_block" if whole else "per_span"
-    assert f"at 127.0.0.1:{ports[src]} ({mode})" in _decode_log(engines, dst)
+    assert f"at 127.0.0.1:{ports[src]} ({mode}, warm-up READ" in _decode_log(engines, dst)
 
 
 def test_load_figures_per_layout(engines: dict[str, harness.Engine], tmp: Path) -> None:
