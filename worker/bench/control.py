@@ -5,7 +5,7 @@ whose blocks are cached under the hashes the client pins, so every ``Pin``
 finds and pins ``--blocks`` blocks. One client calls sequentially; each
 operation's latency is timed on its own.
 
-Target (issue 4): a ``Pin`` + ``Release`` round trip in <= 1 ms p50.
+Target: a ``Pin`` + ``Release`` round trip in <= 1 ms p50 on loopback.
 """
 
 from __future__ import annotations
