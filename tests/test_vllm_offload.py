@@ -21,7 +21,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import daemon_stats, model_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -75,17 +75,6 @@ def _loads(engine: harness.Engine, before: set[str]) -> list[dict[str, Any]]:
     return [v for k, v in loads.items() if k not in before]
 
 
-def _daemon_stats(address: str) -> dict[str, Any]:
-    import grpc
-
-    from kvbridge.proto import offload_pb2 as pb
-    from kvbridge.proto import offload_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
-    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
-
-
 def _assert_nothing_held(engines: dict[str, harness.Engine]) -> None:
     for name, engine in engines.items():
         stats = engine.call(cmd="drain", timeout_s=20)
@@ -106,11 +95,11 @@ def written(
     # the early-token check of test_vllm_pd, here too: wrong KV must show in the tokens
     changed = [9, *PROMPTS[0][1:]]
     before = set(writer.call(cmd="stats")["loads"])
-    counted = _daemon_stats(daemon.address)
+    counted = daemon_stats(daemon.address)
     outputs = harness.tokens(writer.generate([*PROMPTS, changed], MAX_TOKENS))
     assert _loads(writer, before) == []  # an empty daemon: nothing was loaded
     _assert_nothing_held({"writer": writer})  # every store finished and released its blocks
-    after = _daemon_stats(daemon.address)
+    after = daemon_stats(daemon.address)
     grown = {k: after[k] - counted[k] for k in ("cached_blocks", "stored_blocks")}
     return outputs, {**after, **grown}
 
@@ -133,7 +122,7 @@ def test_a_fresh_instance_loads_the_prompt_blocks_from_the_daemon(
 ) -> None:
     reader = engines["reader"]
     reference = {tuple(p): t for p, t in zip(PROMPTS, written[0], strict=False)}
-    hits = _daemon_stats(daemon.address)["loaded_blocks"]
+    hits = daemon_stats(daemon.address)["loaded_blocks"]
     before = set(reader.call(cmd="stats")["loads"])
     # the first prompt alone: the others then find the shared prefix in reader's own cache
     got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
@@ -142,7 +131,7 @@ def test_a_fresh_instance_loads_the_prompt_blocks_from_the_daemon(
     loads = _loads(reader, before)
     assert all(not x["error"] and x["moved"] == 0 for x in loads), loads
     assert sorted(x["offloaded"] for x in loads) == [1, 1, 1, 3], loads
-    assert _daemon_stats(daemon.address)["loaded_blocks"] - hits == 6
+    assert daemon_stats(daemon.address)["loaded_blocks"] - hits == 6
     _assert_nothing_held(engines)
 
 
@@ -170,11 +159,11 @@ def test_blocks_completed_by_generated_tokens_are_stored_and_a_follow_up_loads_t
     engines: dict[str, harness.Engine], daemon: OffloadDaemonProcess
 ) -> None:
     writer, reader = engines["writer"], engines["reader"]
-    stored = _daemon_stats(daemon.address)["stored_blocks"]
+    stored = daemon_stats(daemon.address)["stored_blocks"]
     (output,) = harness.tokens(writer.generate([GEN_PROMPT], GEN_TOKENS))
     _assert_nothing_held({"writer": writer})
     # the prompt's 1 full block and the 2 more its generated tokens completed
-    assert _daemon_stats(daemon.address)["stored_blocks"] - stored == 3
+    assert daemon_stats(daemon.address)["stored_blocks"] - stored == 3
     # a conversation's next turn: the first turn's prompt and answer, then new tokens
     follow_up = [*GEN_PROMPT, *output, *[60 + i for i in range(10)]]  # 111 tokens
     before = set(reader.call(cmd="stats")["loads"])

@@ -14,7 +14,6 @@ the daemon keeps one KV cache group's blocks, and kvbridge refuses offload with 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import model_or_skip, write_tiny_model
+from tests.harness.vllm import daemon_stats, metric, model_or_skip, write_tiny_model
 
 pytestmark = [
     pytest.mark.slow,
@@ -83,17 +82,6 @@ def engines_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     yield from _pair(tmp, "gemma4-kv2", 27000 + (hash(str(tmp)) % 1000) * 4, tp=2)
 
 
-def _daemon_stats(address: str) -> dict[str, Any]:
-    import grpc
-
-    from kvbridge.proto import offload_pb2 as pb
-    from kvbridge.proto import offload_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
-    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
-
-
 def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(
     engines: dict[str, Any],
 ) -> None:
@@ -103,7 +91,7 @@ def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(
     assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
     held = writer.call(cmd="drain", timeout_s=30)
     assert held["blocks_in_use"] == 0 and held["requests"] == 0, held
-    stored = _daemon_stats(daemon.address)
+    stored = daemon_stats(daemon.address)
     # the daemon's block: the 2 layers that own KV, not 4
     assert stored["block_bytes"] == 2 * PAGE, stored
     # 2 shared prompt blocks, each prompt's third (completed by its generated tokens), and
@@ -119,19 +107,10 @@ def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(
     loads = [v for k, v in stats["loads"].items() if k not in before]
     # the first prompt's 2 full blocks; the second finds them in the reader's own cache
     assert [(x["offloaded"], x["moved"], x["error"]) for x in loads] == [(2, 0, "")], loads
-    loaded = _daemon_stats(daemon.address)
+    loaded = daemon_stats(daemon.address)
     assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2
     assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * PAGE
     assert stats["blocks_in_use"] == 0 and stats["requests"] == 0, stats
-
-
-def _metric(text: str, name: str, *, before: bool = False) -> float:
-    """The one sample of ``name``; 0 for a ``before`` snapshot taken before vLLM exported it."""
-    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
-    if before and not values:
-        return 0.0
-    assert len(values) == 1, (name, values)
-    return values[0]
 
 
 def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
@@ -143,7 +122,7 @@ def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
     assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
     held = writer.call(cmd="drain", timeout_s=30)
     assert held["tp"] == 2 and held["blocks_in_use"] == 0 and held["requests"] == 0, held
-    stored = _daemon_stats(daemon.address)
+    stored = daemon_stats(daemon.address)
     # a rank's block: its 1 of the 2 KV heads in the 2 KV-owning layers
     assert stored["block_bytes"] == 2 * PAGE, stored
     assert stored["stored_blocks"] == 2 * (2 + len(PROMPTS) + 3), stored  # per rank
@@ -155,7 +134,7 @@ def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
     after = reader.call(cmd="metrics")["text"]
 
     def grew(name: str) -> float:
-        return _metric(after, name) - _metric(before, name, before=True)
+        return metric(after, name) - metric(before, name, before=True)
 
     for _ in range(3):  # vLLM publishes a step's connector stats with a later step
         if grew("vllm:kvbridge_num_offloaded_blocks_total") >= 2 * 2:
@@ -166,7 +145,7 @@ def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
     assert grew("vllm:kvbridge_num_offloaded_blocks_total") == 2 * 2
     assert grew("vllm:kvbridge_xfer_time_seconds_count") == 2
     assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
-    loaded = _daemon_stats(daemon.address)
+    loaded = daemon_stats(daemon.address)
     assert loaded["loaded_blocks"] - stored["loaded_blocks"] == 2 * 2
     assert loaded["loaded_bytes"] - stored["loaded_bytes"] == 2 * 2 * 2 * PAGE
     held = reader.call(cmd="drain", timeout_s=30)

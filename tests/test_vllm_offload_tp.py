@@ -14,7 +14,6 @@ which sums the ranks' connector stats: one sample per rank and load.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import daemon_stats, metric, model_or_skip
 
 pytestmark = [
     pytest.mark.slow,
@@ -69,26 +68,6 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             yield {**engines, "daemon": daemon, "tmp": tmp}
 
 
-def _daemon_stats(address: str) -> dict[str, Any]:
-    import grpc
-
-    from kvbridge.proto import offload_pb2 as pb
-    from kvbridge.proto import offload_pb2_grpc as pb_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
-    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
-
-
-def _metric(text: str, name: str, *, before: bool = False) -> float:
-    """The one sample of ``name``; 0 for a ``before`` snapshot taken before vLLM exported it."""
-    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
-    if before and not values:
-        return 0.0
-    assert len(values) == 1, (name, values)
-    return values[0]
-
-
 def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writer(
     tp: dict[str, Any],
 ) -> None:
@@ -100,7 +79,7 @@ def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writ
     assert expected[0] != harness.tokens(writer.generate([OTHER_FIRST], MAX_TOKENS))[0]
     held = writer.call(cmd="drain", timeout_s=30)  # every rank's store over, blocks freed
     assert held["tp"] == TP and held["blocks_in_use"] == 0 and held["requests"] == 0, held
-    stored = _daemon_stats(daemon.address)
+    stored = daemon_stats(daemon.address)
     # 2 shared + 4 own + 3 (OTHER_FIRST) distinct full blocks, once per rank
     assert stored["stored_blocks"] == stored["cached_blocks"] == TP * 9, stored
 
@@ -112,7 +91,7 @@ def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writ
     after = reader.call(cmd="metrics")["text"]
 
     def grew(name: str) -> float:
-        return _metric(after, name) - _metric(before, name, before=True)
+        return metric(after, name) - metric(before, name, before=True)
 
     # vLLM publishes a step's connector stats with a later step: step an idle engine
     for _ in range(3):
@@ -128,7 +107,7 @@ def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writ
     assert grew("vllm:kvbridge_num_blocks_sum") == 0  # nothing from a peer
     assert grew("vllm:kvbridge_num_failed_transfers_total") == 0
     assert grew("vllm:kvbridge_num_failed_blocks_total") == 0
-    loaded = _daemon_stats(daemon.address)
+    loaded = daemon_stats(daemon.address)
     assert loaded["loaded_blocks"] - stored["loaded_blocks"] == TP * per_rank
     # each rank's block is its half of the heads: 4 layers x 32 tokens x 1 KV head x K,V x 64
     rank_block = 4 * 32 * 1 * 2 * 64 * 4

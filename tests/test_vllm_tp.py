@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import metric, model_or_skip
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -96,16 +96,6 @@ def _record(tmp: Path, name: str, figures: dict[str, Any]) -> None:
     path.write_text(json.dumps({**known, name: figures}, indent=1))
 
 
-def _metric(text: str, name: str, *, before: bool = False) -> float:
-    """The one sample of ``name``; 0 for a ``before`` snapshot taken before vLLM exported it
-    (no load yet in this engine: the tests run in any order)."""
-    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
-    if before and not values:
-        return 0.0
-    assert len(values) == 1, (name, values)
-    return values[0]
-
-
 def test_greedy_output_depends_on_an_early_token(tp: tuple[dict[str, Any], Path]) -> None:
     plain = tp[0]["tp1"]
     assert harness.tokens(plain.generate(PROMPTS[:1], MAX_TOKENS)) != harness.tokens(
@@ -135,7 +125,7 @@ def test_pd_tp2_to_tp2_gives_the_plain_engines_tokens_every_rank_loading_its_hea
     after = decode.call(cmd="metrics")["text"]
 
     def grew(name: str) -> float:
-        return _metric(after, name) - _metric(before, name, before=True)
+        return metric(after, name) - metric(before, name, before=True)
 
     # vLLM publishes a step's connector stats with a later step: an engine gone idle right
     # after the last load may not have published them yet. A request without a load steps it.
@@ -179,7 +169,7 @@ def test_prefill_tp1_to_decode_tp2_loads_head_slices(tp: tuple[dict[str, Any], P
     after = decode.call(cmd="metrics")["text"]
 
     def grew(name: str) -> float:
-        return _metric(after, name) - _metric(before, name, before=True)
+        return metric(after, name) - metric(before, name, before=True)
 
     # both decode ranks loaded each prompt's 2 blocks from the one prefill rank: its own
     # half of the heads, one slice of each of the 4 layers' pages

@@ -7,6 +7,7 @@ vLLM test module would otherwise pay again.
 
 from __future__ import annotations
 
+import re
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -163,3 +164,25 @@ def shared_pair(tmp: Path) -> Iterator[SharedPair]:
             yield SharedPair(engines, port, tmp)
         finally:
             engines.close()
+
+
+def daemon_stats(address: str) -> dict[str, Any]:
+    """The offload daemon's ``Stats`` reply at ``address``, as a dict of its fields."""
+    import grpc
+
+    from kvbridge.proto import offload_pb2 as pb
+    from kvbridge.proto import offload_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        resp = pb_grpc.OffloadStoreStub(channel).Stats(pb.StatsRequest(), timeout=10)
+    return {f.name: getattr(resp, f.name) for f in resp.DESCRIPTOR.fields}
+
+
+def metric(text: str, name: str, *, before: bool = False) -> float:
+    """The one sample of ``name`` in a Prometheus scrape; 0 for a ``before`` snapshot taken
+    before vLLM exported it (no load yet in this engine: the tests run in any order)."""
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)]
+    if before and not values:
+        return 0.0
+    assert len(values) == 1, (name, values)
+    return values[0]
