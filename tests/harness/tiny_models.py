@@ -9,6 +9,8 @@
   as Gemma-4 has: only started (kvbridge refuses KV cache groups of different page shapes).
 - ``gemma4-kv2``: ``gemma4`` with 2 KV heads, so that TP=2 splits them (one per rank)
   instead of replicating one.
+- ``gemma4-full``: ``gemma4`` with full attention in every layer: a plain decoder whose
+  last two layers share the first two's KV (one KV cache group, no sliding window).
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
   is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
@@ -107,6 +109,10 @@ def _write_gemma4_kv2(path: Path, seed: int) -> None:
     _write_gemma4(path, seed, num_key_value_heads=2)
 
 
+def _write_gemma4_full(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, layer_types=["full_attention"] * 4)
+
+
 def _write_gemma4_wide(path: Path, seed: int) -> None:
     """:func:`_write_gemma4` with Gemma-4's larger head size for the full-attention layers
     (``global_head_dim`` 128, 64 elsewhere): vLLM's KV cache groups then differ in page
@@ -146,6 +152,7 @@ WRITERS = {
     "gemma4": _write_gemma4,
     "gemma4-wide": _write_gemma4_wide,
     "gemma4-kv2": _write_gemma4_kv2,
+    "gemma4-full": _write_gemma4_full,
     "mamba": _write_mamba,
     "whisper": _write_whisper,
 }
