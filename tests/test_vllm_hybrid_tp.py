@@ -265,6 +265,30 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
         assert re.search(rf"connected to \S+ at 127\.0\.0\.1:{e['port'] + rank} \(head_slice", log)
 
 
+def test_a_failed_load_recomputes_the_request_and_the_engine_goes_on(
+    engines: tuple[dict[str, Any], Path],
+) -> None:
+    """With several KV cache groups vLLM takes load failures per request only (a block id
+    is not unique across groups; block-level failures stop its engine): params whose
+    digest key is not the hand-over's make every block fail its check, and the request is
+    recomputed with the TP=1 engine's tokens."""
+    e, _ = engines
+    prompt = [4, *range(600, 690), 700]
+    expected = harness.tokens(e["tp1"].generate([prompt], MAX_TOKENS))
+    params = _handed_over(e["prefill"], [prompt])
+    params[0]["digest_key"] ^= 1
+    decode = e["decode"]
+    before = decode.call(cmd="metrics")["text"]
+    assert harness.tokens(decode.generate([prompt], MAX_TOKENS, params)) == expected
+    decode.generate([[1, 2, 3, 4]], 1)  # a step's stats leave with a later step
+    after = decode.call(cmd="metrics")["text"]
+    name = "vllm:kvbridge_num_failed_transfers_total"
+    assert metric(after, name) - metric(before, name, before=True) == 2  # both ranks
+    assert harness.tokens(decode.generate([PROMPTS[0]], MAX_TOKENS)) == harness.tokens(
+        e["tp1"].generate([PROMPTS[0]], MAX_TOKENS)
+    )
+
+
 def test_no_blocks_held_on_either_side_afterwards(engines: tuple[dict[str, Any], Path]) -> None:
     e, _ = engines
     for name in ("prefill", "decode", "tp1"):

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -183,6 +184,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_config, _architecture(model), bool(self._cfg.connector.offload_address)
         )
         self._kv_cache_config = kv_cache_config
+        self._by_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
+        """Several KV cache groups: failed loads go to vLLM per request, not per block id."""
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
         self._lookup: OffloadLookup | None = None
@@ -281,10 +284,26 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, receiving = self.worker.get_finished()
+        self.worker.take_failed_loads()  # this caller reports failures by block id only
         return (set(sending) or None), (set(receiving) or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Done sending, done receiving, and the received requests whose load failed. With
+        several KV cache groups vLLM cannot map a block id to a request (ids repeat across
+        groups) and refuses block-level failures (a ``RuntimeError`` that stops the engine),
+        so a failed load is reported per request: vLLM recomputes the whole request (with
+        ``kv_load_failure_policy: recompute``)."""
+        sending, receiving = self.worker.get_finished()
+        failed = self.worker.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending),
+            finished_recving=set(receiving),
+            failed_recving=set(failed) if self._by_request else set(),
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return {int(b) for b in self.worker.load_errors()}
+        bad = self.worker.load_errors()  # taken either way: the next step starts clean
+        return set() if self._by_request else {int(b) for b in bad}
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This step's loads (vLLM calls it every step, on both halves; the scheduler has

@@ -122,6 +122,7 @@ class VllmWorker:
         self.stats = TransferStats()
         """Loads since vLLM last collected them (``get_kv_connector_stats``, every step)."""
         self._sends = _Sends()
+        self._failed: set[RequestId] = set()
 
     # ----- start-up ------------------------------------------------------------------------
     def register(
@@ -208,20 +209,24 @@ class VllmWorker:
             page_slice_digests,
         )
 
-        layout, key, group = self.layout, order.digest_key, KVGroup.SELF
-        algo = digest_algo(layout, group)
-        ids = list(order.block_ids)
+        layout, key = self.layout, order.digest_key
+        algo = digest_algo(layout, KVGroup.SELF)
+        blocks = order.blocks()
         try:
-            got = {
-                g: tuple(block_digests(layout, g, list(b), key)) for g, b in order.blocks().items()
-            }
+            got = {g: tuple(block_digests(layout, g, list(b), key)) for g, b in blocks.items()}
             heads = head_digest_parts(layout) if algo == ALGO_XXH3 else 0
-            per_head = page_slice_digests(layout, group, ids, key, heads) if heads else []
+            # every group's blocks (a hybrid model's sliding-window groups too): a reader of
+            # a bigger TP size checks each group's head slices
+            per_head = {
+                g: tuple(
+                    d for block in page_slice_digests(layout, g, list(b), key, heads) for d in block
+                )
+                for g, b in (blocks.items() if heads else ())
+            }
         except KVBridgeError as exc:
             log.warning("request %s: no block digests (%s)", order.request_id, exc)
             return None
-        flat = tuple(d for block in per_head for d in block)
-        return HandOverDigests(algo, got, heads, {group: flat} if heads else {})
+        return HandOverDigests(algo, got, heads, per_head)
 
     def get_finished(self) -> tuple[set[RequestId], set[RequestId]]:
         """``(done_sending, done_receiving)`` since the last call."""
@@ -235,7 +240,15 @@ class VllmWorker:
                 if result is not None:
                     self._keep_result(rid, result)
                     self.stats.record(result)
+                    if result.bad_block_ids:
+                        self._failed.add(rid)
         return self._sends.done([*released, *stored]), receiving
+
+    def take_failed_loads(self) -> set[RequestId]:
+        """Requests reported done receiving by :meth:`get_finished` whose load left blocks
+        unloaded (reported in :meth:`load_errors` too), since the last call."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def _keep_result(self, rid: RequestId, result: LoadResult) -> None:
         self.results.pop(rid, None)  # a reused request id moves to the newest end
