@@ -155,8 +155,11 @@ def kvbridge_pd(engines: tuple[dict[str, Any], Path]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def nixl(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """NixlConnector P/D of ``PD`` at TP=2 -> TP=2 on fresh engines: its tokens, per-request
-    metric growth and KV cache groups (its engines are stopped when this returns)."""
+    """NixlConnector on fresh engines of the same model (a prefill and a decode at TP=2, a
+    TP=1 ``kv_both`` engine): P/D of ``PD`` at TP=2 -> TP=2 and of the heterogeneous
+    prompts both ways, one request at a time; per pair its tokens, the decode's per-request
+    transfers (or the error that stopped it), and the KV cache groups. Its engines are
+    stopped when this returns."""
     tmp = tmp_path_factory.mktemp("vllm-hybrid-tp-nixl")
     port = 24000 + (hash(str(tmp)) % 500) * 8
     started = {
@@ -164,19 +167,40 @@ def nixl(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
             model,
             core=core,
             kv=harness.kv_config("nixl", role),
-            # the side channel of rank r listens on this port + r
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 4 * core)},
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + offset)},
             log=tmp / f"{name}.log",
-            log_stats=True,
-            tp=2,
+            log_stats=tp > 1,
+            tp=tp,
             **COMMON,
         )
-        for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
+        for name, core, role, tp, offset in (
+            ("prefill", 0, "kv_producer", 2, 0),
+            ("decode", 1, "kv_consumer", 2, 2),
+            ("tp1", 1, "kv_both", 1, 4),
+        )
     }
+    out: dict[str, Any] = {}
     with harness.running(started) as ready:
-        tokens, growth = _pd_by_request(ready["prefill"], ready["decode"], "nixl", PD)
-        groups = {n: sorted(x.call(cmd="stats")["kv_cache_groups"]) for n, x in ready.items()}
-    return {"tokens": tokens, "growth": growth, "groups": groups}
+        out["expected"] = harness.tokens(ready["tp1"].generate(PD, MAX_TOKENS))
+        out["tokens"], out["growth"] = _pd_by_request(ready["prefill"], ready["decode"], "nixl", PD)
+        out["groups"] = {
+            n: sorted(x.call(cmd="stats")["kv_cache_groups"]) for n, x in ready.items()
+        }
+        try:
+            out["tp1_to_tp2"] = _pd_by_request(ready["tp1"], ready["decode"], "nixl", TP1_TO_TP2)
+        except Exception as exc:  # recorded: NixlConnector is the reference, not under test
+            out["tp1_to_tp2"] = repr(exc)
+        try:
+            got = []
+            for prompt in TP2_TO_TP1:
+                params = _handed_over(ready["prefill"], [prompt])
+                got += harness.tokens(ready["tp1"].generate([prompt], MAX_TOKENS, params))
+            stats = ready["tp1"].call(cmd="stats")
+            out["tp2_to_tp1"] = (got, stats["nixl_bytes"], stats["nixl_failed"])
+        except Exception as exc:
+            out["tp2_to_tp1"] = repr(exc)
+    print(f"NixlConnector, heterogeneous TP: {out['tp1_to_tp2']!r} / {out['tp2_to_tp1']!r}")
+    return out
 
 
 def test_greedy_output_depends_on_an_early_token(engines: tuple[dict[str, Any], Path]) -> None:
@@ -214,7 +238,8 @@ def test_kvbridge_moves_at_most_what_nixl_connector_moves_at_tp2(
     """NixlConnector (``SupportsHMA``) on the same model, prompts and TP keeps the hybrid
     groups and equals the TP=1 engine; kvbridge moves at most ``MAX_RATIO`` times its bytes
     per request."""
-    assert nixl["groups"] == {"prefill": HYBRID, "decode": HYBRID}
+    assert nixl["groups"] == {"prefill": HYBRID, "decode": HYBRID, "tp1": HYBRID}
+    assert nixl["expected"] == kvbridge_pd["expected"]
     assert nixl["tokens"] == kvbridge_pd["expected"]
     ours = [g["bytes"] for g in kvbridge_pd["growth"]]
     theirs = [g["bytes"] for g in nixl["growth"]]
@@ -231,9 +256,11 @@ def test_prefill_tp1_to_decode_tp2_loads_head_slices_of_both_groups(
     expected = harness.tokens(e["tp1"].generate(TP1_TO_TP2, MAX_TOKENS))
     got, growth = _pd_by_request(e["tp1"], e["decode"], "kvbridge", TP1_TO_TP2)
     assert got == expected
-    for g in growth:  # both ranks read their half of the heads of 5 blocks' pages
+    # both ranks read their half of the heads of each moved block's pages: 5 blocks, then
+    # 2 (the second prompt shares 91 tokens with the first, as in ``PD``)
+    for blocks, g in zip(BLOCKS[1:], growth, strict=True):
         assert g["loads"] == 2 and g["failed"] == 0 and g["failed_blocks"] == 0, g
-        assert g["blocks"] == 2 * 5 and g["bytes"] == 2 * 5 * HEAD_PAGE, g
+        assert g["blocks"] == 2 * blocks and g["bytes"] == 2 * blocks * HEAD_PAGE, g
     log = (tmp / "decode.log").read_text()
     assert "head_slice" in log
     held = e["tp1"].call(cmd="drain", timeout_s=TTL_S - 2)  # both readers released
@@ -256,10 +283,11 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
     stats = decode.call(cmd="drain", timeout_s=10)
     loads = [v for k, v in stats["loads"].items() if k not in before]
     assert len(loads) == len(TP2_TO_TP1), stats["loads"]
-    for load in loads:  # 5 blocks, each page read from both prefill ranks into its halves
-        assert load["moved"] == 5 and not load["error"] and load["verified"], load
-        assert load["bytes"] == 5 * 2 * HEAD_PAGE and load["path"] == "sealed", load
-        assert load["descriptors"] == 2 * 5, load  # one per (rank, block): one owning layer
+    # 5 blocks, then 2 (as above), each page read from both prefill ranks into its halves
+    for blocks, load in zip(BLOCKS[1:], loads, strict=True):
+        assert load["moved"] == blocks and not load["error"] and load["verified"], load
+        assert load["bytes"] == blocks * 2 * HEAD_PAGE and load["path"] == "sealed", load
+        assert load["descriptors"] == 2 * blocks, load  # per (rank, block): 1 owning layer
     log = (tmp / "tp1.log").read_text()
     for rank in (0, 1):
         assert re.search(rf"connected to \S+ at 127\.0\.0\.1:{e['port'] + rank} \(head_slice", log)
