@@ -118,3 +118,60 @@ def test_prefill_with_kv_sharing_fast_prefill_hands_over_the_same_kv(
     loads = list(engines["decode"].call(cmd="stats")["loads"].values())
     assert all(not x["error"] for x in loads), loads
     assert loads and all(x["moved"] == 5 for x in loads), loads  # moved, not recomputed
+
+
+@pytest.mark.extended
+def test_prefill_skip_leaves_the_sharing_layers_out_and_hands_over_the_same_kv(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """vLLM's prefill skip on a model whose sharing layers cost most of a prefill
+    (``gemma4-deep``: 6 of 8 layers share the first two's KV): two kvbridge prefills, with
+    and without ``kv_sharing_fast_prefill``, hand the same prompts over to one decode, whose
+    tokens equal a single engine's either way; the prefills' wall times (fresh prompts,
+    interleaved) are printed for docs/VLLM.md."""
+    tmp = tmp_path_factory.mktemp("vllm-prefill-skip")
+    model_or_skip(tmp)
+    model = write_tiny_model("gemma4-deep", tmp / "gemma4-deep")
+    port = 20600 + (hash(str(tmp)) % 300) * 2
+    common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 900.0}
+    started = {
+        name: harness.Engine(
+            model,
+            core=0,
+            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port + i, lease_ttl_s=20),
+            log=tmp / f"{name}.log",
+            llm_args={"kv_sharing_fast_prefill": fast},
+            **common,
+        )
+        for i, (name, fast) in enumerate((("skip", True), ("plain", False)))
+    }
+    started["decode"] = harness.Engine(
+        model,
+        core=1,
+        kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=10),
+        log=tmp / "decode.log",
+        **common,
+    )
+    n = 256  # 8 blocks
+    with harness.running(started) as e:
+        first = [[3, *range(100, 100 + n - 1)], [9, *range(100, 100 + n - 1)]]
+        assert harness.tokens(e["plain"].generate(first[:1], MAX_TOKENS)) != harness.tokens(
+            e["plain"].generate(first[1:], MAX_TOKENS)
+        )
+        times: dict[str, list[float]] = {"skip": [], "plain": []}
+        for i in range(4):
+            for name in ("skip", "plain"):  # interleaved; each prompt new to every engine
+                prompt = [4 + i, *range(200 + 7 * i, 200 + 7 * i + n - 1)]
+                if name == "plain":
+                    prompt[0] += 400
+                pre = e[name].generate([prompt], 1, [{"do_remote_decode": True}])
+                times[name].append(pre["wall_ms"])
+                # after the timed prefill: the plain engine's cache then holds its own prompt
+                expected = harness.tokens(e["plain"].generate([prompt], MAX_TOKENS))
+                params = [o["kv_transfer_params"] for o in pre["outputs"]]
+                got = harness.tokens(e["decode"].generate([prompt], MAX_TOKENS, params))
+                assert got == expected, (name, i)
+        loads = list(e["decode"].call(cmd="stats")["loads"].values())
+    assert len(loads) == 8 and all(not x["error"] and x["moved"] for x in loads), loads
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"prefill wall ms of {n}-token prompts: {times}; medians {med}")

@@ -52,6 +52,24 @@ def test_real_vllm_refuses_whisper_with_kvbridge_by_name(tmp_path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.extended  # NixlConnector, the reference: one more failed start (~75 s)
+@pytest.mark.timeout(600)
+def test_real_vllm_refuses_whisper_with_nixl_connector_in_its_scheduler(tmp_path: Path) -> None:
+    """What kvbridge's refusal cites: vLLM itself runs no KV connector with an
+    encoder-decoder model, NixlConnector included."""
+    model_or_skip(tmp_path)  # the venv
+    model = write_tiny_model("whisper", tmp_path / "whisper")
+    kv = harness.kv_config("nixl", "kv_consumer")
+    with pytest.raises(LaunchError):
+        harness.Engine(
+            model, core=1, kv=kv, log=tmp_path / "whisper.log", max_model_len=448, tokenizer=True
+        ).close()
+    log = (tmp_path / "whisper.log").read_text()
+    assert "Encoder-decoder models are not currently supported with KV connectors" in log
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.extended  # the rule is the unit test above; this start costs ~75 s
 @pytest.mark.timeout(600)
 def test_real_vllm_refuses_mamba_with_kvbridge_by_name(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@
   instead of replicating one.
 - ``gemma4-full``: ``gemma4`` with full attention in every layer: a plain decoder whose
   last two layers share the first two's KV (one KV cache group, no sliding window).
+- ``gemma4-deep``: a wider ``gemma4`` (hidden 512, 8 layers) whose last 6 layers share
+  the first two's KV: the layers vLLM's prefill skip leaves out cost most of a prefill.
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
   is only started (kvbridge refuses models with Mamba layers).
 - ``whisper``: a Whisper-style encoder-decoder (one encoder and one decoder layer), made
@@ -113,6 +115,19 @@ def _write_gemma4_full(path: Path, seed: int) -> None:
     _write_gemma4(path, seed, layer_types=["full_attention"] * 4)
 
 
+def _write_gemma4_deep(path: Path, seed: int) -> None:
+    _write_gemma4(
+        path,
+        seed,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=8,
+        num_hidden_layers=8,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+        num_kv_shared_layers=6,
+    )
+
+
 def _write_gemma4_wide(path: Path, seed: int) -> None:
     """:func:`_write_gemma4` with Gemma-4's larger head size for the full-attention layers
     (``global_head_dim`` 128, 64 elsewhere): vLLM's KV cache groups then differ in page
@@ -153,6 +168,7 @@ WRITERS = {
     "gemma4-wide": _write_gemma4_wide,
     "gemma4-kv2": _write_gemma4_kv2,
     "gemma4-full": _write_gemma4_full,
+    "gemma4-deep": _write_gemma4_deep,
     "mamba": _write_mamba,
     "whisper": _write_whisper,
 }
