@@ -76,7 +76,14 @@ def engines(
         "decode": harness.Engine(
             model,
             core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=20),
+            # linked to both prefills at start: on a loaded 2-core machine a first load
+            # that must make its handshakes can take longer than its deadline
+            kv=harness.kv_config(
+                "kvbridge",
+                "kv_consumer",
+                load_timeout_s=20,
+                allowed_peers=[f"127.0.0.1:{port}", f"127.0.0.1:{port + 100}"],
+            ),
             log=tmp / "decode.log",
             log_stats=True,
             tp=2,
@@ -91,6 +98,7 @@ def engines(
                 control_port=port + 100,
                 lease_ttl_s=TTL_S,
                 load_timeout_s=20,
+                allowed_peers=[f"127.0.0.1:{port}"],
             ),
             log=tmp / "tp1.log",
             **COMMON,
