@@ -70,6 +70,10 @@ class Expected:
     offsets: Mapping[KVGroup, int] | None = None
     """Per group, where the load's blocks start in the owner's lease (fetched digests cover
     it all): :meth:`BlockLoad.lease_offset`; None: ``first_block`` for ``self``, else 0."""
+    by_seal: bool = False
+    """The digests are not asked for: the blocks' bytes are proved by the content tag of
+    their lease's seal (:meth:`landed` makes the digests the tag is checked with); if the
+    seal does not hold, the load asks the owner after all (:func:`expect_from`)."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -113,6 +117,11 @@ class Expected:
         """Where the load's ``group`` blocks start in the owner's lease."""
         default = self.first_block if group == KVGroup.SELF else 0
         return default if self.offsets is None else self.offsets.get(group, default)
+
+    def landed(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> list[bytes]:
+        """The digests, under this load's key, of blocks ``ids`` of bound ``layout`` as they
+        landed (this reader's algorithm for its memory), for the seal's content tag."""
+        return block_digests(layout, group, list(ids), self.key, None, self.helper)
 
     def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
