@@ -42,8 +42,7 @@ CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc", "kvbridge-noverify")
 """``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
 ``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
 kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU default ``LBHNC``.
-``kvbridge-noverify``: kvbridge with ``"verify_loads": false`` on both engines (no digests at
-hand-over, none checked at load), to measure what verification costs in the same run."""
+``kvbridge-noverify``: ``"verify_loads": false`` on both engines (what verification costs)."""
 DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
@@ -146,23 +145,8 @@ def _engines(
 ) -> tuple[Any, Any]:
     from kvbridge.worker import vllm as harness
 
-    shim: tuple[str, ...] = ()
-    if connector.startswith("kvbridge"):
-        shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
-        off = {"verify_loads": False} if connector == "kvbridge-noverify" else {}
-        p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port, **off)
-        # the decode names its prefill, as a deployment that limits dialing does: it links
-        # to it at start (kvbridge's early link), not at its first load
-        d_kv = harness.kv_config(
-            "kvbridge", "kv_consumer", allowed_peers=[f"127.0.0.1:{port}"], **off
-        )
-        p_env: dict[str, str] = {}
-        d_env: dict[str, str] = {}
-    else:
-        p_kv = harness.kv_config("nixl", "kv_producer")
-        d_kv = harness.kv_config("nixl", "kv_consumer")
-        p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-        d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}
+    p_kv, d_kv, p_env, d_env = harness.pair_configs(connector, port)
+    shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
     common: dict[str, Any] = {
         "wait": False,
         "max_model_len": max_model_len,
