@@ -257,7 +257,7 @@ class KVBridgePlanner(SchedulerConnector):
                 digest_algo=params.digest_algo,
                 digests_at_owner=verify and params.digests_at_owner,
                 lease_offsets=offsets,
-                whole_lease=_whole_lease(remote, params),
+                whole_lease=params.leased_whole(remote),
             )
         )
 
@@ -397,9 +397,3 @@ class KVBridgePlanner(SchedulerConnector):
             return False
         self._stores.append(BlockStore(request.request_id, tuple(ids[:n]), tuple(hashes[:n])))
         return True
-
-
-def _whole_lease(remote: Mapping[KVGroup, Sequence[BlockId]], params: KVTransferParams) -> bool:
-    """Whether a load reads every block of the owner's lease, in lease order."""
-    leased = {g: tuple(ids) for g, ids in params.block_ids.items() if ids}
-    return bool(leased) and all(tuple(remote.get(g, ())) == ids for g, ids in leased.items())

@@ -25,17 +25,16 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import SealReader, content_tag
+from kvbridge.connector.control.seal import SealReader
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
 from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
-from kvbridge.kernels import digest_algo
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.negotiate import TransferMode, source_ranks
+from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
 
 if TYPE_CHECKING:
@@ -174,11 +173,10 @@ class RemoteLoader:
         try:
             job.peer, job.cached = self._links.get(load, rank)
             job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
-            if job.expected is not None and _proved_by_seal(load, job.peer):
-                # no Digests round trip: the seal's content tag proves what landed
-                job.expected = replace(job.expected, by_seal=True, helper=self._digest_fetches)
-            elif job.expected is not None:
-                job.expected = self._expect(job)
+            fetches, timeout = self._digest_fetches, self.config.control_timeout_s
+            args = (load, job.peer, self.memory.layout, fetches, timeout)
+            if job.expected is not None:
+                job.expected = expect_from(job.expected, *args)
                 if job.expected is None:  # whole-block digests in the params: no slices
                     return unverifiable(load)
             if self.config.stall_before_read_s:
@@ -187,18 +185,10 @@ class RemoteLoader:
             if sealed is not None:
                 return sealed
             if job.expected is not None and job.expected.by_seal:  # the owner's digests now
-                job.expected = self._expect(job)
+                job.expected = expect_from(job.expected, *args, ask=True)
             return self._load_from_owner(job)
         except Exception as exc:
             return self._failed(job, exc, retry_stale)
-
-    def _expect(self, job: _Attempt) -> Expected | None:
-        """What the load's blocks must match, the owner's digests asked for if it keeps
-        them (:func:`expect_from`)."""
-        assert job.expected is not None and job.peer is not None
-        fetches, timeout = self._digest_fetches, self.config.control_timeout_s
-        expected = replace(job.expected, by_seal=False)
-        return expect_from(expected, job.load, job.peer, self.memory.layout, fetches, timeout)
 
     def _load_sealed(self, job: _Attempt) -> LoadResult | None:
         """The load without a control RPC: READ the claimed ids, then the lease's seal; a
@@ -238,12 +228,7 @@ class RemoteLoader:
             assert expected is not None
             if failed or len(landed) != len(done):
                 return None
-            try:
-                algo = digest_algo(self.memory.layout, KVGroup.SELF)
-                return content_tag(load.lease_id, load.seal, expected.key, algo, landed)
-            except Exception as exc:  # no tag: the seal does not hold, the owner is asked
-                log.info("request %s: no content tag (%s)", load.request_id, exc)
-                return None
+            return expected.tag(load, self.memory.layout, landed)
 
         holds = reader.holds(
             link,
@@ -402,18 +387,3 @@ class RemoteLoader:
             self._release(peer, lease)
         finally:
             self._links.drop(peer)
-
-
-def _proved_by_seal(load: BlockLoad, peer: Peer | None) -> bool:
-    """Whether a verified load's bytes can be proved by its lease seal's content tag: the
-    owner keeps the digests, the load reads every leased block straight into the KV cache
-    (no staging, no head slices) and the peer has a seal table."""
-    return (
-        peer is not None
-        and load.digests_at_owner
-        and load.whole_lease
-        and bool(load.seal and load.lease_id)
-        and peer.seal_link is not None
-        and peer.staging is None
-        and peer.link.mode is not TransferMode.HEAD_SLICE
-    )

@@ -130,7 +130,7 @@ def prefill(size: int, port: int) -> int:
 def _count_digests_calls() -> list[int]:
     """Count the ``Digests`` RPCs this process makes (a load proved by its seal's content
     tag makes none)."""
-    from kvbridge.connector.control.client import ControlClient
+    from kvbridge.connector.control import ControlClient
 
     calls = [0]
     ask = ControlClient.digests
