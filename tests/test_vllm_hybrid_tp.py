@@ -194,20 +194,18 @@ def nixl(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
         out["groups"] = {
             n: sorted(x.call(cmd="stats")["kv_cache_groups"]) for n, x in ready.items()
         }
-        try:
-            out["tp1_to_tp2"] = _pd_by_request(ready["tp1"], ready["decode"], "nixl", TP1_TO_TP2)
-        except Exception as exc:  # recorded: NixlConnector is the reference, not under test
-            out["tp1_to_tp2"] = repr(exc)
-        try:
-            got = []
-            for prompt in TP2_TO_TP1:
-                params = _handed_over(ready["prefill"], [prompt])
-                got += harness.tokens(ready["tp1"].generate([prompt], MAX_TOKENS, params))
-            stats = ready["tp1"].call(cmd="stats")
-            out["tp2_to_tp1"] = (got, stats["nixl_bytes"], stats["nixl_failed"])
-        except Exception as exc:
-            out["tp2_to_tp1"] = repr(exc)
-    print(f"NixlConnector, heterogeneous TP: {out['tp1_to_tp2']!r} / {out['tp2_to_tp1']!r}")
+        # heterogeneous TP, each pair's reference from an engine that is not its decode
+        out["expected_tp1_to_tp2"] = harness.tokens(ready["tp1"].generate(TP1_TO_TP2, MAX_TOKENS))
+        out["tp1_to_tp2"] = _pd_by_request(ready["tp1"], ready["decode"], "nixl", TP1_TO_TP2)
+        out["expected_tp2_to_tp1"] = harness.tokens(
+            ready["decode"].generate(TP2_TO_TP1, MAX_TOKENS)
+        )
+        got = []
+        for prompt in TP2_TO_TP1:
+            params = _handed_over(ready["prefill"], [prompt])
+            got += harness.tokens(ready["tp1"].generate([prompt], MAX_TOKENS, params))
+        stats = ready["tp1"].call(cmd="stats")
+        out["tp2_to_tp1"] = (got, stats["nixl_bytes"], stats["nixl_failed"])
     return out
 
 
@@ -255,6 +253,18 @@ def test_kvbridge_moves_at_most_what_nixl_connector_moves_at_tp2(
     assert all(g["loads"] >= 1 and g["failed"] == 0 for g in nixl["growth"]), nixl
     for a, b in zip(ours, theirs, strict=True):
         assert 0 < a <= MAX_RATIO * b, (ours, theirs)
+
+
+def test_nixl_connector_moves_the_same_bytes_at_heterogeneous_tp(nixl: dict[str, Any]) -> None:
+    """NixlConnector (the reference) on the heterogeneous pairs of the tests below: equal
+    output, and per request the bytes those tests require of kvbridge (ratio 1.00)."""
+    tokens, growth = nixl["tp1_to_tp2"]
+    assert tokens == nixl["expected_tp1_to_tp2"]
+    assert [g["bytes"] for g in growth] == [2 * b * HEAD_PAGE for b in BLOCKS[1:]], growth
+    tokens, reads, failed = nixl["tp2_to_tp1"]
+    assert tokens == nixl["expected_tp2_to_tp1"] and not failed, nixl["tp2_to_tp1"]
+    # one transfer per prefill rank: its head of each moved block
+    assert reads == [b * HEAD_PAGE for b in BLOCKS[1:] for _ in range(2)], reads
 
 
 def test_prefill_tp1_to_decode_tp2_loads_head_slices_of_both_groups(
