@@ -20,12 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from kvbridge.connector import BlockLoad
+from kvbridge.connector import BlockLoad, ConnectorConfig, LoadResult
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.offload import OffloadLoadResult
 from kvbridge.connector.offload.session import check_shared_pages
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import VllmScheduler
+from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.connector.windows import MAX_GROUP_LOOKUPS, AttentionGroups
 from kvbridge.connector.worker_side import KVBridgeWorker
 from kvbridge.proto import BlockHash, BlockId, ConfigError, KVLayout, RequestId
@@ -275,3 +276,28 @@ def test_a_group_load_is_one_load_and_any_shortfall_recomputes_all_of_it(held: i
     else:  # the self blocks alone are no prefix without the window: none are kept
         assert result.blocks_offloaded == 0
         assert result.bad_block_ids == (60, 61, 62, 42) and result.error
+
+
+class _Loader:
+    """A worker's loader whose finished loads are ``results``."""
+
+    def __init__(self, results: dict[str, LoadResult]) -> None:
+        self.results = results
+
+    def get_finished(self, _: set[str]) -> tuple[set[str], set[str]]:
+        return set(), set(self.results)
+
+    def pop_result(self, rid: str) -> LoadResult | None:
+        return self.results.pop(rid, None)
+
+
+def test_a_failed_load_is_reported_by_request_once() -> None:
+    """vLLM maps failed block ids to requests for one KV cache group only: with several,
+    the connector reports the request (``failed_recving``) from ``take_failed``."""
+    worker = VllmWorker(ConnectorConfig("engine-a"), WorkerSettings("tiny", BS))
+    ok = LoadResult(RequestId("ok"), 2, 0, (), 1.0, blocks_offloaded=2)
+    bad = LoadResult(RequestId("bad"), 2, 0, (BlockId(60), BlockId(42)), 1.0, error="gone")
+    worker.loader = _Loader({"ok": ok, "bad": bad})  # type: ignore[assignment]
+    assert worker.get_finished() == (set(), {"ok", "bad"})
+    assert worker.take_failed() == {"bad"}
+    assert worker.take_failed() == set()
