@@ -26,9 +26,8 @@ blocks only when the engine names them in ``update_state_after_alloc`` (it
 does not when its own cache already holds that encoder input's blocks) and
 prefill's cross hashes equal the request's.
 
-*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks,
-a sliding window's in-window blocks only (:mod:`kvbridge.connector.windows`), also to and
-from the offload daemon (a decode with remote prefill loads them from prefill alone).
+*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks (to
+a decode and the offload daemon), a sliding window's in-window ones only (``windows``).
 
 *Prefill* (``do_remote_decode``): when a request whose prompt was computed
 finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
@@ -167,14 +166,14 @@ class KVBridgePlanner(SchedulerConnector):
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
         if self.offload_lookup is None or last <= first:
             return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
-        all_names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:last])
-        names = all_names[first:]
-        hits = self._lookup(names)
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:last])
+        hits = self._lookup(names[first:])
         if hits > 0 and self.groups:  # every group's window at the hit's end, or shorter
-            hits = self.groups.offload_hit(all_names, first, hits, self._lookup) - first
+            hits = self.groups.offload_hit(names, first, hits, self._lookup) - first
         if hits <= 0:
             return 0, False
-        self._pending[request.request_id] = _Pending(None, first, names[:hits], all_names)
+        hashes = names[first : first + hits]
+        self._pending[request.request_id] = _Pending(None, first, hashes, names)
         return hits * self.block_size, True
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> int:
