@@ -516,7 +516,26 @@ def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unv
     assert "cannot be verified" in result.error
 
 
-# ----- heterogeneous TP, verified: real NIXL, one process per side -------------------------
+# ----- verified hand-overs: real NIXL, one process per side -------------------------------
+CLEAN = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "error": "", "wrong": []}
+"""A rank's report of a load in which every block came over, byte for byte."""
+
+
+def _verified_handover(prefill_tp: int, decode_tp: int) -> list[dict[str, Any]]:
+    """A vLLM-like prefill of ``prefill_tp`` ranks hands a request over with verification on
+    (the default: its digests stay with it); a decode of ``decode_tp`` ranks loads it. Each
+    decode rank's report (tests/harness/tp_pair.py)."""
+    _skip_without_nixl()
+    from tests.harness.tp_pair import Prefill, run_decode
+
+    prefill = Prefill(prefill_tp)
+    try:
+        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
+        return run_decode(decode_tp, prefill.params)
+    finally:
+        prefill.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
@@ -526,27 +545,12 @@ def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
     default); a decode of the other reads its head slices and checks them against the
     digests each prefill rank recorded: per head (decode TP bigger) or each rank's whole
     pages (decode TP smaller). Every block loads, byte for byte."""
-    _skip_without_nixl()
-    from tests.harness.tp_pair import Prefill, run_decode
-
-    prefill = Prefill(prefill_tp)
-    try:
-        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
-        ranks = run_decode(decode_tp, prefill.params)
-    finally:
-        prefill.close()
+    ranks = _verified_handover(prefill_tp, decode_tp)
     assert len(ranks) == decode_tp
     for got in ranks:
         assert got.pop("path") in ("sealed", "owner")
         assert got.pop("digests_calls") >= 1, ranks  # head slices: the owner's digests
-        assert got == {
-            "moved": 4,
-            "bad": [],
-            "mismatches": 0,
-            "verified": True,
-            "error": "",
-            "wrong": [],
-        }, ranks
+        assert got == CLEAN, ranks
 
 
 @pytest.mark.slow
@@ -558,15 +562,5 @@ def test_a_same_tp_verified_load_is_proved_by_its_seal_without_asking_for_digest
     lease's seal with them under the hand-over's key; a decode of the same TP size that reads
     every leased block checks what landed against that tag: every block loads, byte for
     byte, on the sealed path, and no ``Digests`` round trip is made."""
-    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
-        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
-    from tests.harness.tp_pair import Prefill, run_decode
-
-    prefill = Prefill(tp)
-    try:
-        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
-        ranks = run_decode(tp, prefill.params)
-    finally:
-        prefill.close()
-    clean = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "error": "", "wrong": []}
-    assert ranks == [{**clean, "path": "sealed", "digests_calls": 0}] * tp, ranks
+    ranks = _verified_handover(tp, tp)
+    assert ranks == [{**CLEAN, "path": "sealed", "digests_calls": 0}] * tp, ranks
