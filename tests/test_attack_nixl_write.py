@@ -108,9 +108,10 @@ def _growth(url: str, *names: str) -> Callable[[str], float]:
 
 def _release(control: str, params: dict[str, Any]) -> None:
     """Give back a lease no decode read (what a decode that never came would leave to the
-    lease's expiry): the shared prefill's pool is full again."""
+    lease's expiry; on a slow machine it may have expired already): the shared prefill's
+    pool is full again, which the ``pair`` fixture checks."""
     with ControlClient(control) as client:
-        assert client.release(LeaseId(params["lease_id"]))
+        client.release(LeaseId(params["lease_id"]))
 
 
 def test_junk_written_into_a_cached_kv_block_is_recomputed_not_decoded(
