@@ -4,11 +4,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from kvbridge.connector.control.seal import (
     SEAL_BYTES,
     TAG_BYTES,
+    SealReader,
     SealTable,
     content_tag,
     expected_seal,
@@ -68,3 +74,73 @@ def test_a_tag_of_the_wrong_length_is_refused(tag: bytes) -> None:
     with pytest.raises(ValueError):
         expected_seal(LEASE, SEAL, tag)
     assert not SealTable(8).publish(LEASE, SEAL, tag)
+
+
+class _FakeOwnerLink:
+    """A transport whose READs copy an owner's seal table into the reader's scratch slots
+    (the seal protocol's comparisons, without NIXL)."""
+
+    def __init__(self, table: SealTable) -> None:
+        self.table, self.reads = table, 0
+        self.reader: SealReader | None = None
+
+    def register(self, layout: Any, caches: Any) -> Any:
+        return SimpleNamespace(layout=layout)
+
+    def connect(self, name: str, metadata: bytes, seal: Any, memory: Any) -> Any:
+        return SimpleNamespace(remote_layout=seal)
+
+    def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
+        assert self.reader is not None
+        self.reads += 1
+        for mine, theirs in zip(local, remote, strict=True):
+            self.reader._slots[mine] = self.table._slots[theirs]
+        return SimpleNamespace(wait=lambda timeout_s: None, release=lambda: None)
+
+
+def _reader(table: SealTable) -> tuple[SealReader, _FakeOwnerLink, Any]:
+    fake = _FakeOwnerLink(table)
+    reader = SealReader(fake, 1)  # type: ignore[arg-type]
+    fake.reader = reader
+    return reader, fake, reader.connect("owner", b"", table.layout)
+
+
+def test_a_seal_written_after_the_first_read_is_waited_for_then_holds() -> None:
+    """vLLM's worker makes the lease an engine step after its scheduler handed out the id: a
+    reader that finds no slot with the lease's nonce READs again until ``wait_s``."""
+    key, table = new_key(), SealTable(64)
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    reader, fake, link = _reader(table)
+    late = threading.Timer(0.05, table.publish, (LEASE, SEAL, tag))
+    late.start()
+    try:
+        assert reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag, wait_s=5.0)
+    finally:
+        late.join()
+    assert fake.reads > 1
+    # without waiting, the same race is the slow path
+    table.retract(LEASE)
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag)
+
+
+def test_a_slot_with_the_nonce_but_another_tag_is_an_answer_at_once() -> None:
+    key, table = new_key(), SealTable(64)
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    table.publish(LEASE, SEAL, tag)
+    reader, fake, link = _reader(table)
+    assert reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag, wait_s=5.0)
+    other = content_tag(LEASE, SEAL, key ^ 1, ALGO_XXH3, DIGESTS)  # junk landed, or no key
+    t0 = time.monotonic()
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: other, wait_s=5.0)
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: None, wait_s=5.0)
+    assert not reader.holds(link, LEASE, bytes(32), 1.0, wait_s=5.0)  # another seal
+    assert time.monotonic() - t0 < 2.0 and fake.reads == 4
+    # a reader that checks no tag compares the nonce and the seal digest only
+    assert reader.holds(link, LEASE, SEAL, 1.0)
+
+
+def test_no_seal_at_all_is_the_slow_path_after_the_wait() -> None:
+    reader, fake, link = _reader(SealTable(64))
+    t0 = time.monotonic()
+    assert not reader.holds(link, LEASE, SEAL, 1.0, wait_s=0.1)
+    assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads > 1

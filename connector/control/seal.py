@@ -93,6 +93,8 @@ SEAL_GROUP = KVGroup.SELF
 PROBES = 4
 """A lease's seal sits in one of the ``PROBES`` slots after its home slot."""
 _MODEL = "kvbridge-seal-v1"
+SEAL_POLL_S = 0.002
+"""How often a load that found no seal for its lease READs the slots again (``wait_s``)."""
 RANKS_AT_ONCE = 8
 """Owners whose seals one :meth:`SealReader.holds_all` READs at once (scratch is sized so
 that every concurrent load can)."""
@@ -261,14 +263,27 @@ class SealReader:
         timeout_s: float,
         meanwhile: Callable[[], object] | None = None,
         tag: Callable[[], bytes | None] | None = None,
+        wait_s: float = 0.0,
     ) -> bool:
         """READ the lease's probe slots from the owner; True if one holds exactly the
         expected seal. Any failure is False (the caller takes the slow path).
         ``meanwhile`` runs while the seal READ is in flight (it must not raise).
         ``tag``: the content tag the slot must also hold, asked for after ``meanwhile``
         (None from it: no tag can be made, the seal does not hold); without it the
-        slot's tag bytes are not compared."""
-        return self.holds_all([link], lease_id, digest, timeout_s, meanwhile, tag)[0]
+        slot's tag bytes are not compared. ``wait_s``: while no probe slot holds the
+        lease's nonce at all (an owner that makes its lease a step after handing out its
+        id, as vLLM's worker does, may not have sealed it yet), READ the slots again,
+        every :data:`SEAL_POLL_S`, for up to this long; a slot that holds the nonce with
+        another digest or tag is an answer at once."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            absent: list[bool] = []
+            args = (lease_id, digest, timeout_s, meanwhile, tag, absent)
+            held = self.holds_all([link], *args)[0]
+            if held or absent != [True] or time.monotonic() + SEAL_POLL_S > deadline:
+                return held
+            meanwhile = None  # it ran while the first READ was in flight
+            time.sleep(SEAL_POLL_S)
 
     def holds_all(
         self,
@@ -278,12 +293,13 @@ class SealReader:
         timeout_s: float,
         meanwhile: Callable[[], object] | None = None,
         tag: Callable[[], bytes | None] | None = None,
+        absent: list[bool] | None = None,
     ) -> list[bool]:
         """:meth:`holds` for the same lease at several owners (the TP ranks of one engine),
         every seal READ posted before the first is waited for (at most
         :data:`RANKS_AT_ONCE` at a time). ``tag`` (one owner's content tag) needs one
-        link."""
-        if tag is not None and len(links) != 1:
+        link. ``absent`` gets, per link, whether no probe slot held the lease's nonce."""
+        if (tag is not None or absent is not None) and len(links) != 1:
             raise ValueError("a content tag is one owner's: check it over one link")
         if len(links) > RANKS_AT_ONCE:
             head = self.holds_all(links[:RANKS_AT_ONCE], lease_id, digest, timeout_s, meanwhile)
@@ -328,11 +344,11 @@ class SealReader:
                     log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
                     held.append(False)
                     continue
-                slots = mine[i * PROBES : (i + 1) * PROBES]
-                held.append(
-                    not no_tag
-                    and any(self._slots[s].numpy().tobytes()[: len(want)] == want for s in slots)
-                )
+                mine_i = mine[i * PROBES : (i + 1) * PROBES]
+                got = [self._slots[s].numpy().tobytes() for s in mine_i]
+                held.append(not no_tag and any(slot[: len(want)] == want for slot in got))
+                if absent is not None:
+                    absent.append(all(slot[:16] != want[:16] for slot in got))
             return held
         finally:
             for handle in handles:

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
+SEAL_WAIT_S = 0.05
+"""How long a load waits for a seal not yet written (vLLM's worker makes the lease an engine
+step after its scheduler handed out the id) before it asks the owner instead."""
 
 
 @dataclass(slots=True)
@@ -237,6 +240,7 @@ class RemoteLoader:
             self.config.load_timeout_s,
             check if direct and expected is not None else None,
             tag if by_seal else None,
+            wait_s=SEAL_WAIT_S,
         )
         if failed:
             raise failed[0]
