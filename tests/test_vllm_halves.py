@@ -341,21 +341,3 @@ def test_offload_verify_is_on_by_default_and_must_be_a_boolean() -> None:
     assert off.connector.offload_verify is False
     with pytest.raises(ConfigError, match="offload_verify must be true or false"):
         _config("kv_consumer", offload_verify="no")
-
-
-def test_a_load_that_left_blocks_unloaded_is_reported_failed_once() -> None:
-    """What the connector hands vLLM as ``failed_recving`` with several KV cache groups
-    (block ids repeat across groups there, so failures go per request)."""
-
-    class Failing(ReportingLoader):
-        def pop_result(self, request_id: RequestId) -> LoadResult:  # type: ignore[override]
-            bad = (BlockId(7),) if request_id == "bad" else ()
-            return LoadResult(request_id, 2, 2 - len(bad), bad, 0.5)
-
-    worker, _ = _producer_worker()
-    loader = Failing()
-    worker.loader = loader  # type: ignore[assignment]
-    loader.finished |= {RequestId("good"), RequestId("bad")}
-    assert worker.get_finished() == (set(), {RequestId("good"), RequestId("bad")})
-    assert worker.take_failed_loads() == {RequestId("bad")}
-    assert worker.take_failed_loads() == set()

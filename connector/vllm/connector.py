@@ -180,12 +180,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._head_size = model.get_head_size()
         # vLLM keeps its hybrid KV cache manager on (SupportsHMA): a KV cache group kind
         # kvbridge cannot move is refused here, at startup
-        self._groups, windows = vllm_groups(
-            kv_cache_config, _architecture(model), bool(self._cfg.connector.offload_address)
-        )
+        self._groups, windows = vllm_groups(kv_cache_config, _architecture(model))
         self._kv_cache_config = kv_cache_config
-        self._by_request = kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1
-        """Several KV cache groups: failed loads go to vLLM per request, not per block id."""
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
         self._lookup: OffloadLookup | None = None
@@ -284,26 +280,23 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, receiving = self.worker.get_finished()
-        self.worker.take_failed_loads()  # this caller reports failures by block id only
         return (set(sending) or None), (set(receiving) or None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Done sending, done receiving, and the received requests whose load failed. With
-        several KV cache groups vLLM cannot map a block id to a request (ids repeat across
-        groups) and refuses block-level failures (a ``RuntimeError`` that stops the engine),
-        so a failed load is reported per request: vLLM recomputes the whole request (with
-        ``kv_load_failure_policy: recompute``)."""
+        """:meth:`get_finished`, and with several KV cache groups the receives that failed:
+        vLLM maps failed block ids back to requests for one group only (block ids repeat
+        across groups), so a hybrid model's failed load is reported by request and vLLM
+        recomputes it whole."""
         sending, receiving = self.worker.get_finished()
-        failed = self.worker.take_failed_loads()
+        failed = self.worker.take_failed()  # taken every step, used with several groups
+        failed = failed if len(self._groups) > 1 else set()
         return KVConnectorTransferResults(
-            finished_sending=set(sending),
-            finished_recving=set(receiving),
-            failed_recving=set(failed) if self._by_request else set(),
+            finished_sending=set(sending), finished_recving=set(receiving), failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        bad = self.worker.load_errors()  # taken either way: the next step starts clean
-        return set() if self._by_request else {int(b) for b in bad}
+        bad = {int(b) for b in self.worker.load_errors()}
+        return set() if len(self._groups) > 1 else bad  # several groups: get_transfer_results
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This step's loads (vLLM calls it every step, on both halves; the scheduler has

@@ -245,12 +245,6 @@ class VllmWorker:
                         self._failed.add(rid)
         return self._sends.done([*released, *stored]), receiving
 
-    def take_failed_loads(self) -> set[RequestId]:
-        """Requests reported done receiving by :meth:`get_finished` whose load left blocks
-        unloaded (reported in :meth:`load_errors` too), since the last call."""
-        failed, self._failed = self._failed, set()
-        return failed
-
     def _keep_result(self, rid: RequestId, result: LoadResult) -> None:
         self.results.pop(rid, None)  # a reused request id moves to the newest end
         self.results[rid] = result
@@ -261,6 +255,12 @@ class VllmWorker:
     def pending_sends(self) -> int:
         """Finished requests whose blocks are still held for a decode peer or a store."""
         return len(self._sends)
+
+    def take_failed(self) -> set[RequestId]:
+        """Requests reported in ``get_finished`` whose load left blocks to recompute, since
+        the last call (a hybrid model's engine recomputes such a request whole)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def load_errors(self) -> set[BlockId]:
         return set() if self.loader is None else self.loader.get_block_ids_with_load_errors()
