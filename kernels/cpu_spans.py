@@ -10,7 +10,13 @@ per view shape from the views' own strides; ``cpu_spans.c`` then copies,
 for every (block, view pair), every run with ``memcpy``: one C call for
 all blocks of all layers, no temporary, no view or ``TensorIterator`` per
 block, split between ``torch.get_num_threads()`` threads (the GIL is
-released).
+released). Copies of at least :data:`STREAM_BYTES` whose runs are short
+(:data:`STREAM_MIN_RUN` to :data:`STREAM_MAX_RUN` bytes, e.g. the 256-byte
+heads of an NHD <-> HND conversion) write the destination with non-temporal
+(streaming) stores on x86-64: short runs scattered over a block cost plain
+stores a read of each destination line and cache-set conflicts, and a copy
+that big leaves little of its destination in cache anyway. Long runs keep
+``memcpy``, which is as fast there.
 
 The helper is an optional extension module (``kvbridge.kernels._cpu_spans``)
 that pip builds with the package where a C compiler exists. Without it
@@ -29,12 +35,29 @@ import torch
 
 from kvbridge.kernels.views import coalesce, widen
 
-__all__ = ["MIN_RUN_BYTES", "PART_BYTES", "available", "copy_pairs", "native_module"]
+__all__ = [
+    "MIN_RUN_BYTES",
+    "PART_BYTES",
+    "STREAM_BYTES",
+    "STREAM_MAX_RUN",
+    "STREAM_MIN_RUN",
+    "available",
+    "copy_pairs",
+    "native_module",
+]
 
 #: runs shorter than this are left to the torch path (a ``memcpy`` call per few bytes)
 MIN_RUN_BYTES = 32
 #: the work is split between threads only in parts of at least this many bytes
 PART_BYTES = 1 << 20
+#: calls moving at least this many bytes in runs of :data:`STREAM_MIN_RUN` to
+#: :data:`STREAM_MAX_RUN` bytes write with streaming stores (smaller copies stay in cache
+#: for the reader that usually follows)
+STREAM_BYTES = 8 << 20
+#: shorter runs would stream partial cache lines
+STREAM_MIN_RUN = 64
+#: longer runs copy as fast with memcpy, and faster from scattered sources
+STREAM_MAX_RUN = 4096
 
 
 @functools.cache
@@ -115,6 +138,7 @@ def copy_pairs(
         npairs = views.shape[1]
         nbytes = n * npairs * s_runs.numel() * run
         threads = max(1, min(torch.get_num_threads(), nbytes // PART_BYTES))
+        stream = nbytes >= STREAM_BYTES and STREAM_MIN_RUN <= run <= STREAM_MAX_RUN
         native.copy_spans(
             views[0].data_ptr(),
             views[1].data_ptr(),
@@ -129,5 +153,6 @@ def copy_pairs(
             s_runs.numel(),
             run,
             threads,
+            stream,
         )
     return True

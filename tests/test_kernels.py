@@ -50,7 +50,7 @@ def layout_of(shape: PresetShape, order: str, num_blocks: int = 6, **kw: int) ->
     return make_layout(shape, block_size=3, num_blocks=num_blocks, order=order, **kw)
 
 
-@pytest.fixture(autouse=True, params=["span copy", "torch"])
+@pytest.fixture(autouse=True, params=["span copy", "span copy streamed", "torch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     from kvbridge.kernels import cpu_spans
 
@@ -60,6 +60,10 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if not cpu_spans.available():
             pytest.skip("the compiled span copy is not built (no C compiler at install)")
         monkeypatch.setattr(cpu_spans, "MIN_RUN_BYTES", 1)  # these test blocks are tiny
+        if request.param == "span copy streamed":  # every run, of any length and alignment
+            monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 0)
+            monkeypatch.setattr(cpu_spans, "STREAM_MIN_RUN", 0)
+            monkeypatch.setattr(cpu_spans, "STREAM_MAX_RUN", 1 << 62)
     return str(request.param)
 
 
