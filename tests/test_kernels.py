@@ -311,6 +311,22 @@ def test_bad_mappings_are_rejected_before_any_write(mapping: object, match: str)
     assert_cache_equals(dst, before, layout)
 
 
+@pytest.mark.parametrize("count", [3, 2000])  # checked in Python / by torch ops
+def test_long_and_short_id_lists_are_rejected_alike(count: int) -> None:
+    layout = layout_of(small("float32"), "block-hnd", num_blocks=4096)
+    src, dst = random_cache(layout, 28), random_cache(layout, 29)
+    before = snapshot(dst)
+    ids = list(range(10, 10 + count))
+    for s_ids, d_ids, match in [
+        ([*ids[:-1], 4096], ids, "block id 4096 of group 'self' is outside 0..4095"),
+        (ids, [*ids[:-1], -3], "block id -3"),
+        (ids, [12, *ids[1:-2], 11, 11], "block id 11 of group 'self' appears more than once"),
+    ]:
+        with pytest.raises(LayoutError, match=match):
+            copy_blocks(src, dst, layout, BlockMapping(s_ids, d_ids))
+    assert_cache_equals(dst, before, layout)
+
+
 def test_incompatible_layouts_name_the_field_and_leave_dst_alone() -> None:
     sl = layout_of(small("float32"), "block-nhd")
     dl = layout_of(PresetShape("t", 4, 2, 16, "float32", share_every=2), "layer-nhd")
