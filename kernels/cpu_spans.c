@@ -19,12 +19,12 @@
  * units are split between ``threads`` threads (the calling one included); the GIL is
  * released while bytes move.
  *
- * With ``stream`` nonzero (the caller sets it for copies much bigger than a cache, and runs
- * of at least a cache line) the destination is written with non-temporal stores on x86-64:
- * a plain store first reads the destination line into the cache (a third memory pass) and
- * evicts lines the copy still needs, and runs scattered across a block (an order conversion
- * writes 256-byte runs 4 KiB apart) also meet set conflicts. Streamed, every run copies at
- * the speed of one long memcpy. Elsewhere (another CPU, or ``stream`` zero) memcpy.
+ * With ``stream`` nonzero (the caller sets it for copies much bigger than a cache whose runs
+ * are 64 B to 4 KiB) the destination is written with non-temporal stores on x86-64: a plain
+ * store first reads the destination line into the cache (a third memory pass), and short
+ * runs scattered across a block (an order conversion writes 256-byte runs 4 KiB apart) also
+ * meet cache-set conflicts. Streamed, such runs copy at least as fast as one long memcpy.
+ * Elsewhere (another CPU, or ``stream`` zero) memcpy.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
