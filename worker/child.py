@@ -107,9 +107,9 @@ def listening_on(line: str) -> dict[str, Any] | None:
     return {"address": rest[0].rstrip(",") if rest else "", "banner": line}
 
 
-def ready_timeout() -> tuple[float, str]:
+def ready_timeout(base_s: float = READY_TIMEOUT_S) -> tuple[float, str]:
     """The default wait for a ready line and why it is that long: :data:`READY_ENV` if set,
-    else :data:`READY_TIMEOUT_S` times the 1-minute load average per CPU (1 to
+    else ``base_s`` times the 1-minute load average per CPU (1 to
     :data:`MAX_LOAD_STRETCH`). LaunchError if the variable is not a positive number."""
     raw = os.environ.get(READY_ENV)
     if raw is not None:
@@ -126,8 +126,8 @@ def ready_timeout() -> tuple[float, str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     stretch = min(MAX_LOAD_STRETCH, max(1.0, load / max(1, cpus or 1)))
-    return READY_TIMEOUT_S * stretch, (
-        f"{READY_TIMEOUT_S:g}s x {stretch:.1f} for load average {load:.1f} on {cpus} CPU(s); "
+    return base_s * stretch, (
+        f"{base_s:g}s x {stretch:.1f} for load average {load:.1f} on {cpus} CPU(s); "
         f"set {READY_ENV} to wait longer"
     )
 
@@ -148,10 +148,13 @@ class ChildProcess(Closing):
         keep_stdout: bool = False,
         core: int | None = None,
         ready_timeout_s: float | None = None,
+        ready_base_s: float = READY_TIMEOUT_S,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready_timeout_s = ready_timeout_s
+        self.ready_base_s = ready_base_s
+        """The idle-machine wait :func:`ready_timeout` stretches when no timeout is given."""
         self.info: dict[str, Any] | None = None
         self._test = ready
         self._keep_stdout = keep_stdout
@@ -216,7 +219,7 @@ class ChildProcess(Closing):
         timeout = self.ready_timeout_s if timeout_s is None else timeout_s
         why_long = ""
         if timeout is None:
-            timeout, why_long = ready_timeout()
+            timeout, why_long = ready_timeout(self.ready_base_s)
         deadline = time.monotonic() + timeout
         while not self._event.is_set():
             left = deadline - time.monotonic()
