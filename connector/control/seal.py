@@ -24,6 +24,17 @@ seal it expects knows three things without a control RPC:
   new one over the same blocks gives another nonce;
 - hence the blocks held the named KV for the whole read.
 
+When the owner also recorded its blocks' digests (vLLM's worker, under the
+hand-over's secret digest key), the slot's last 16 bytes hold a **content tag**
+(:func:`content_tag`): a MAC, under that key, of the lease's nonce, its seal and
+every leased block's digest. A reader that read every leased block computes the
+digests of what landed and the tag they make; a slot holding that tag proves
+the bytes too, with no ``Digests`` round trip. The slot is registered memory, so
+a token holder can write it, but without the key (only in the params, router to
+decode, and in the owner's process) it cannot make a tag that matches other
+bytes: a wrong tag is the slow path, never a load of wrong bytes. A reader that
+verifies nothing (or read only part of the lease) compares the first 48 bytes.
+
 Anything else (no slot, another seal, a READ error) sends the load to the slow
 path, where the owner names the blocks over the control plane. A good seal lets
 the load finish without a control RPC; the reader then gives the lease back by
@@ -60,6 +71,8 @@ __all__ = [
     "SEAL_BYTES",
     "SEAL_GROUP",
     "SealTable",
+    "TAG_BYTES",
+    "content_tag",
     "expected_seal",
     "is_seal_layout",
     "probe_slots",
@@ -69,12 +82,19 @@ __all__ = [
 ]
 
 SEAL_BYTES = 64
-"""One slot: 16-byte lease nonce, 32-byte digest, 16 bytes zero."""
+"""One slot: 16-byte lease nonce, 32-byte seal digest, 16-byte content tag (zero: the owner
+recorded no digests)."""
+TAG_BYTES = 16
+"""The content tag's length (:func:`content_tag`)."""
+_SEALED = SEAL_BYTES - TAG_BYTES
+"""The bytes every reader compares: nonce and seal digest."""
 SEAL_GROUP = KVGroup.SELF
 """The seal table's one group (named like the KV default group, which transports expect)."""
 PROBES = 4
 """A lease's seal sits in one of the ``PROBES`` slots after its home slot."""
 _MODEL = "kvbridge-seal-v1"
+SEAL_POLL_S = 0.002
+"""How often a load that found no seal for its lease READs the slots again (``wait_s``)."""
 RANKS_AT_ONCE = 8
 """Owners whose seals one :meth:`SealReader.holds_all` READs at once (scratch is sized so
 that every concurrent load can)."""
@@ -119,15 +139,36 @@ def seal_digest(
 _LEASE_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def expected_seal(lease_id: str, digest: bytes) -> bytes:
-    """The 64 bytes a live lease's slot holds; ValueError for a lease id that is not 32
-    lowercase hex digits (the only ids a lease has, and the only ones a release names)."""
+def content_tag(
+    lease_id: str,
+    digest: bytes,
+    key: int,
+    algo: str,
+    digests: Mapping[KVGroup, Sequence[bytes]],
+) -> bytes:
+    """The 16-byte MAC binding a lease's nonce and seal ``digest`` to every leased block's
+    ``algo`` digest under the hand-over's secret ``key`` (BLAKE2b keyed with it). Groups
+    without blocks are left out, so the owner and a reader that read every block agree."""
+    h = hashlib.blake2b(
+        digest_size=TAG_BYTES, key=key.to_bytes(8, "little"), person=b"kvbridge-tag-v1"
+    )
+    h.update(lease_id.encode() + b"\0" + digest + algo.encode() + b"\0")
+    for group in sorted(g for g, d in digests.items() if d):
+        h.update(group.encode() + b"\0" + len(digests[group]).to_bytes(4, "little"))
+        h.update(b"".join(digests[group]))
+    return h.digest()
+
+
+def expected_seal(lease_id: str, digest: bytes, tag: bytes = b"") -> bytes:
+    """The 64 bytes a live lease's slot holds (``tag``: its content tag; none: zeros);
+    ValueError for a lease id that is not 32 lowercase hex digits (the only ids a lease
+    has, and the only ones a release names)."""
     if not _LEASE_ID.fullmatch(lease_id):
         raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
     nonce = bytes.fromhex(lease_id)
-    if len(nonce) != 16 or len(digest) != 32:
-        raise ValueError("a seal needs a 16-byte lease id and a 32-byte digest")
-    return nonce + digest + bytes(SEAL_BYTES - 48)
+    if len(nonce) != 16 or len(digest) != 32 or len(tag) not in (0, TAG_BYTES):
+        raise ValueError("a seal needs a 16-byte lease id, a 32-byte digest and a 16-byte tag")
+    return nonce + digest + (tag or bytes(TAG_BYTES))
 
 
 def probe_slots(lease_id: str, num_slots: int) -> list[BlockId]:
@@ -165,13 +206,14 @@ class SealTable:
     def num_slots(self) -> int:
         return self.layout.groups[0].num_blocks
 
-    def publish(self, lease_id: str, digest: bytes) -> bool:
-        """Write a lease's seal; False (no seal: readers take the slow path) if its probe
-        slots are all taken or the id is not a 32-digit hex lease id."""
+    def publish(self, lease_id: str, digest: bytes, tag: bytes = b"") -> bool:
+        """Write a lease's seal (with its content ``tag``, if any); False (no seal: readers
+        take the slow path) if its probe slots are all taken or the id is not a 32-digit
+        hex lease id."""
         import torch
 
         try:
-            seal = expected_seal(lease_id, digest)
+            seal = expected_seal(lease_id, digest, tag)
         except ValueError:
             return False
         with self._lock:
@@ -220,11 +262,28 @@ class SealReader:
         digest: bytes,
         timeout_s: float,
         meanwhile: Callable[[], object] | None = None,
+        tag: Callable[[], bytes | None] | None = None,
+        wait_s: float = 0.0,
     ) -> bool:
         """READ the lease's probe slots from the owner; True if one holds exactly the
         expected seal. Any failure is False (the caller takes the slow path).
-        ``meanwhile`` runs while the seal READ is in flight (it must not raise)."""
-        return self.holds_all([link], lease_id, digest, timeout_s, meanwhile)[0]
+        ``meanwhile`` runs while the seal READ is in flight (it must not raise).
+        ``tag``: the content tag the slot must also hold, asked for after ``meanwhile``
+        (None from it: no tag can be made, the seal does not hold); without it the
+        slot's tag bytes are not compared. ``wait_s``: while no probe slot holds the
+        lease's nonce at all (an owner that makes its lease a step after handing out its
+        id, as vLLM's worker does, may not have sealed it yet), READ the slots again,
+        every :data:`SEAL_POLL_S`, for up to this long; a slot that holds the nonce with
+        another digest or tag is an answer at once."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            absent: list[bool] = []
+            args = (lease_id, digest, timeout_s, meanwhile, tag, absent)
+            held = self.holds_all([link], *args)[0]
+            if held or absent != [True] or time.monotonic() + SEAL_POLL_S > deadline:
+                return held
+            meanwhile = None  # it ran while the first READ was in flight
+            time.sleep(SEAL_POLL_S)
 
     def holds_all(
         self,
@@ -233,10 +292,15 @@ class SealReader:
         digest: bytes,
         timeout_s: float,
         meanwhile: Callable[[], object] | None = None,
+        tag: Callable[[], bytes | None] | None = None,
+        absent: list[bool] | None = None,
     ) -> list[bool]:
         """:meth:`holds` for the same lease at several owners (the TP ranks of one engine),
         every seal READ posted before the first is waited for (at most
-        :data:`RANKS_AT_ONCE` at a time)."""
+        :data:`RANKS_AT_ONCE` at a time). ``tag`` (one owner's content tag) needs one
+        link. ``absent`` gets, per link, whether no probe slot held the lease's nonce."""
+        if (tag is not None or absent is not None) and len(links) != 1:
+            raise ValueError("a content tag is one owner's: check it over one link")
         if len(links) > RANKS_AT_ONCE:
             head = self.holds_all(links[:RANKS_AT_ONCE], lease_id, digest, timeout_s, meanwhile)
             return head + self.holds_all(links[RANKS_AT_ONCE:], lease_id, digest, timeout_s)
@@ -265,6 +329,10 @@ class SealReader:
                     handles.append(None)
             if meanwhile is not None:
                 meanwhile()
+            want_tag = None if tag is None else tag()
+            # a tag that could not be made holds nothing (the READs are still waited for)
+            no_tag = tag is not None and (want_tag is None or len(want_tag) != TAG_BYTES)
+            want = want[:_SEALED] + (want_tag or b"")
             held = []
             for i, handle in enumerate(handles):
                 if handle is None:
@@ -276,8 +344,11 @@ class SealReader:
                     log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
                     held.append(False)
                     continue
-                slots = mine[i * PROBES : (i + 1) * PROBES]
-                held.append(any(self._slots[s].numpy().tobytes() == want for s in slots))
+                mine_i = mine[i * PROBES : (i + 1) * PROBES]
+                got = [self._slots[s].numpy().tobytes() for s in mine_i]
+                held.append(not no_tag and any(slot[: len(want)] == want for slot in got))
+                if absent is not None:
+                    absent.append(all(slot[:16] != want[:16] for slot in got))
             return held
         finally:
             for handle in handles:

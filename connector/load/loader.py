@@ -32,9 +32,7 @@ from kvbridge.connector.load.ranks import load_from_ranks
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
 from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
-from kvbridge.proto.errors import (
-    KVBridgeError,
-)
+from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
@@ -52,6 +50,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
+SEAL_WAIT_S = 0.05
+"""How long a load waits for a seal not yet written (vLLM's worker makes the lease an engine
+step after its scheduler handed out the id) before it asks the owner instead."""
 
 
 @dataclass(slots=True)
@@ -175,16 +176,20 @@ class RemoteLoader:
         try:
             job.peer, job.cached = self._links.get(load, rank)
             job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
+            fetches, timeout = self._digest_fetches, self.config.control_timeout_s
+            args = (load, job.peer, self.memory.layout, fetches, timeout)
             if job.expected is not None:
-                fetches, timeout = self._digest_fetches, self.config.control_timeout_s
-                args = (load, job.peer, self.memory.layout, fetches, timeout)
                 job.expected = expect_from(job.expected, *args)
                 if job.expected is None:  # whole-block digests in the params: no slices
                     return unverifiable(load)
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
-            return sealed if sealed is not None else self._load_from_owner(job)
+            if sealed is not None:
+                return sealed
+            if job.expected is not None and job.expected.by_seal:  # the owner's digests now
+                job.expected = expect_from(job.expected, *args, ask=True)
+            return self._load_from_owner(job)
         except Exception as exc:
             return self._failed(job, exc, retry_stale)
 
@@ -207,23 +212,41 @@ class RemoteLoader:
         wanted = {g: (job.local[g], job.remote[g]) for g in job.local}
         done = self._read(job, wanted, check=not direct)
         failed: list[BaseException] = []
+        expected = job.expected
+        by_seal = expected is not None and expected.by_seal
+        landed: dict[KVGroup, list[bytes]] = {}
 
         def check() -> None:
+            assert expected is not None
             try:
                 for g, (read, _) in done.items():
-                    done[g] = (read, self._check(job, g, job.local[g]))
+                    if by_seal:
+                        landed[g] = expected.landed(self.memory.layout, g, job.local[g])
+                    else:
+                        done[g] = (read, self._check(job, g, job.local[g]))
             except BaseException as exc:  # re-raised below, after the seal READ finished
                 failed.append(exc)
+
+        def tag() -> bytes | None:
+            assert expected is not None
+            if failed or len(landed) != len(done):
+                return None
+            return expected.tag(load, self.memory.layout, landed)
 
         holds = reader.holds(
             link,
             load.lease_id,
             load.seal,
             self.config.load_timeout_s,
-            check if direct and job.expected is not None else None,
+            check if direct and expected is not None else None,
+            tag if by_seal else None,
+            wait_s=SEAL_WAIT_S,
         )
         if failed:
             raise failed[0]
+        if holds and by_seal:  # the tag over what landed matched: every block is proved
+            for g, (read, _) in done.items():
+                done[g] = (read, Checked(len(job.local[g]), 0))
         if not holds:
             log.info(
                 "request %s: the lease's seal does not hold; asking its owner", load.request_id
