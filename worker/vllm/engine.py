@@ -12,7 +12,7 @@ import json
 import subprocess
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +140,7 @@ class Engine:
             ready_base_s=STARTUP_BASE_S,
         )
         self.ready: dict[str, Any] | None = None
+        self._quit_sent = False
         if wait:
             self.wait_ready()
 
@@ -163,8 +164,14 @@ class Engine:
     def call(self, timeout_s: float = 300.0, **cmd: Any) -> dict[str, Any]:
         """Send one command and read its answer; a child that stays silent for ``timeout_s``
         is killed (the read then ends) and :class:`TimeoutError` raised."""
+        self._send(cmd)
+        return self._answer(timeout_s)
+
+    def _send(self, cmd: dict[str, Any]) -> None:
         self.child.stdin.write((json.dumps(cmd) + "\n").encode())
         self.child.stdin.flush()
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
         timer = threading.Timer(timeout_s, self.child.kill)
         timer.start()
         try:
@@ -184,11 +191,23 @@ class Engine:
     def kill(self) -> None:
         self.child.kill()
 
+    def quit(self) -> None:
+        """Ask a running engine to end without waiting for it (:meth:`close` waits), so that
+        several engines shut down at once."""
+        if self.child.poll() is None and self.ready is not None and not self._quit_sent:
+            with suppress(OSError):
+                self._send({"cmd": "quit"})
+            self._quit_sent = True
+
     def close(self) -> None:
-        """``quit``, then whatever it takes: the process is gone afterwards."""
+        """``quit`` (unless :meth:`quit` asked already), then whatever it takes: the process
+        is gone afterwards."""
         if self.child.poll() is None and self.ready is not None:
             try:
-                self.call(cmd="quit", timeout_s=10)
+                if not self._quit_sent:
+                    self._send({"cmd": "quit"})
+                    self._quit_sent = True
+                self._answer(10)
                 self.child.wait(20)
             except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
                 pass
@@ -209,6 +228,8 @@ def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
             engine.wait_ready()
         yield engines
     finally:
+        for engine in engines.values():  # all shut down at once, then each is waited for
+            engine.quit()
         for engine in engines.values():
             engine.close()
 
