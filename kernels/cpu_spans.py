@@ -10,7 +10,13 @@ per view shape from the views' own strides; ``cpu_spans.c`` then copies,
 for every (block, view pair), every run with ``memcpy``: one C call for
 all blocks of all layers, no temporary, no view or ``TensorIterator`` per
 block, split between ``torch.get_num_threads()`` threads (the GIL is
-released).
+released). Copies of at least :data:`STREAM_BYTES` whose runs are short
+(:data:`STREAM_MIN_RUN` to :data:`STREAM_MAX_RUN` bytes, e.g. the 256-byte
+heads of an NHD <-> HND conversion) write the destination with non-temporal
+(streaming) stores on x86-64: short runs scattered over a block cost plain
+stores a read of each destination line and cache-set conflicts, and a copy
+that big leaves little of its destination in cache anyway. Long runs keep
+``memcpy``, which is as fast there.
 
 The helper is an optional extension module (``kvbridge.kernels._cpu_spans``)
 that pip builds with the package where a C compiler exists. Without it
@@ -22,19 +28,38 @@ from __future__ import annotations
 
 import functools
 import importlib
+from array import array
 from collections.abc import Sequence
 from types import ModuleType
+from typing import TypeAlias
 
 import torch
 
 from kvbridge.kernels.views import coalesce, widen
 
-__all__ = ["MIN_RUN_BYTES", "PART_BYTES", "available", "copy_pairs", "native_module"]
+__all__ = [
+    "MIN_RUN_BYTES",
+    "PART_BYTES",
+    "STREAM_BYTES",
+    "STREAM_MAX_RUN",
+    "STREAM_MIN_RUN",
+    "available",
+    "copy_pairs",
+    "native_module",
+]
 
 #: runs shorter than this are left to the torch path (a ``memcpy`` call per few bytes)
 MIN_RUN_BYTES = 32
 #: the work is split between threads only in parts of at least this many bytes
 PART_BYTES = 1 << 20
+#: calls moving at least this many bytes in runs of :data:`STREAM_MIN_RUN` to
+#: :data:`STREAM_MAX_RUN` bytes write with streaming stores (smaller copies stay in cache
+#: for the reader that usually follows)
+STREAM_BYTES = 8 << 20
+#: shorter runs would stream partial cache lines
+STREAM_MIN_RUN = 64
+#: longer runs copy as fast with memcpy, and faster from scattered sources
+STREAM_MAX_RUN = 4096
 
 
 @functools.cache
@@ -56,7 +81,7 @@ def available() -> bool:
 @functools.lru_cache(maxsize=64)
 def _runs(
     shape: tuple[int, ...], src_stride: tuple[int, ...], dst_stride: tuple[int, ...], elem: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[array[int], array[int], int]:
     """Byte offsets of every run inside one block on each side (sorted by source offset,
     so the source is read front to back) and the run's length in bytes. ``shape`` and the
     strides are a view's dims after the block dim."""
@@ -71,7 +96,15 @@ def _runs(
         src = (src[:, None] + steps[None, :] * src_stride[d]).reshape(-1)
         dst = (dst[:, None] + steps[None, :] * dst_stride[d]).reshape(-1)
     order = torch.argsort(src)
-    return (src[order] * elem).contiguous(), (dst[order] * elem).contiguous(), run
+    return array("q", (src[order] * elem).tolist()), array("q", (dst[order] * elem).tolist()), run
+
+
+#: per group of equal view pairs: runs, the two block strides in bytes, the views' addresses
+_Plan: TypeAlias = "tuple[tuple[array[int], array[int], int], int, int, array[int], array[int]]"
+
+
+def _address(a: array[int]) -> int:
+    return a.buffer_info()[0]
 
 
 def copy_pairs(
@@ -93,7 +126,9 @@ def copy_pairs(
     native = native_module()
     if native is None:
         return False
-    plans: dict[tuple[object, ...], tuple[tuple[torch.Tensor, torch.Tensor, int], list[int]]] = {}
+    # plain Python and int64 arrays from here on: each torch op costs tens of microseconds
+    # when a big copy has just evicted the interpreter's and torch's working set
+    plans: dict[tuple[object, ...], _Plan] = {}
     for a, b in pairs:
         key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype)
         plan = plans.get(key)
@@ -103,31 +138,41 @@ def copy_pairs(
             if runs[2] < MIN_RUN_BYTES:
                 return False
             elem = wa.element_size()
-            plan = plans[key] = (runs, [wa.stride(0) * elem, wb.stride(0) * elem])
+            plan = plans[key] = (
+                runs,
+                wa.stride(0) * elem,
+                wb.stride(0) * elem,
+                array("q"),
+                array("q"),
+            )
         # a view's first byte is its coalesced view's: same storage offset, reinterpreted
-        plan[1].extend((a.data_ptr(), b.data_ptr()))
-    s_ids = src_ids.to(torch.int64).contiguous()
-    d_ids = dst_ids.to(torch.int64).contiguous()
-    n = s_ids.numel()
-    for (s_runs, d_runs, run), table in plans.values():
-        s_block, d_block, *ptrs = table
-        views = torch.tensor(ptrs, dtype=torch.int64).view(-1, 2).t().contiguous()
-        npairs = views.shape[1]
-        nbytes = n * npairs * s_runs.numel() * run
-        threads = max(1, min(torch.get_num_threads(), nbytes // PART_BYTES))
+        plan[3].append(a.data_ptr())
+        plan[4].append(b.data_ptr())
+    if src_ids.dtype != torch.int64 or not src_ids.is_contiguous():
+        src_ids = src_ids.to(torch.int64).contiguous()
+    if dst_ids.dtype != torch.int64 or not dst_ids.is_contiguous():
+        dst_ids = dst_ids.to(torch.int64).contiguous()
+    n = src_ids.numel()
+    threads_allowed = torch.get_num_threads()
+    for (s_runs, d_runs, run), s_block, d_block, s_views, d_views in plans.values():
+        npairs = len(s_views)
+        nbytes = n * npairs * len(s_runs) * run
+        threads = max(1, min(threads_allowed, nbytes // PART_BYTES))
+        stream = nbytes >= STREAM_BYTES and STREAM_MIN_RUN <= run <= STREAM_MAX_RUN
         native.copy_spans(
-            views[0].data_ptr(),
-            views[1].data_ptr(),
+            _address(s_views),
+            _address(d_views),
             npairs,
-            s_ids.data_ptr(),
-            d_ids.data_ptr(),
+            src_ids.data_ptr(),
+            dst_ids.data_ptr(),
             n,
             s_block,
             d_block,
-            s_runs.data_ptr(),
-            d_runs.data_ptr(),
-            s_runs.numel(),
+            _address(s_runs),
+            _address(d_runs),
+            len(s_runs),
             run,
             threads,
+            stream,
         )
     return True

@@ -20,9 +20,10 @@ the first byte moves.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 import torch
 
@@ -130,22 +131,41 @@ def check_ids(
 ) -> None:
     """Raise LayoutError for an id outside ``group``'s blocks (or a repeated one if ``distinct``).
 
-    The range test is vectorised; on failure :meth:`KVLayout.check_block_ids`
-    produces the message so that it reads the same as everywhere else.
+    Up to :data:`_FEW_IDS` ids are tested in Python, more by vectorised torch ops; either
+    way a repeated id is reported as the smallest one, and on an out-of-range id
+    :meth:`KVLayout.check_block_ids` produces the message so that it reads the same as
+    everywhere else.
     """
     n = layout.group(group).num_blocks
-    if ids.numel() and bool(((ids < 0) | (ids >= n)).any()):
-        bad = ids[(ids < 0) | (ids >= n)][:1].tolist()
-        try:
-            layout.check_block_ids(group, bad)
-        except LayoutError as exc:
-            raise LayoutError(f"{side}: {exc}") from None
-        raise AssertionError("check_block_ids accepted an out-of-range id")
+    if ids.numel() <= _FEW_IDS:  # one torch op: the vectorised checks cost more for few ids
+        few = ids.tolist()
+        if few and (min(few) < 0 or max(few) >= n):
+            _raise_out_of_range(layout, group, [v for v in few if not 0 <= v < n][:1], side)
+        if distinct and len(set(few)) != len(few):
+            _raise_repeated(group, min(v for v, c in Counter(few).items() if c > 1), side)
+        return
+    if bool(((ids < 0) | (ids >= n)).any()):
+        _raise_out_of_range(layout, group, ids[(ids < 0) | (ids >= n)][:1].tolist(), side)
     if distinct and ids.numel() > 1:
         uniq, counts = torch.unique(ids, return_counts=True)
         if bool((counts > 1).any()):
-            dup = int(uniq[counts > 1][0])
-            raise LayoutError(
-                f"{side}: block id {dup} of group {group!r} appears more than once; each "
-                "destination block may be written only once per call"
-            )
+            _raise_repeated(group, int(uniq[counts > 1][0]), side)
+
+
+#: id lists up to this long are checked in Python (one ``tolist``), longer ones by torch ops
+_FEW_IDS = 1024
+
+
+def _raise_out_of_range(layout: KVLayout, group: KVGroup, bad: list[int], side: str) -> NoReturn:
+    try:
+        layout.check_block_ids(group, bad)
+    except LayoutError as exc:
+        raise LayoutError(f"{side}: {exc}") from None
+    raise AssertionError("check_block_ids accepted an out-of-range id")
+
+
+def _raise_repeated(group: KVGroup, dup: int, side: str) -> NoReturn:
+    raise LayoutError(
+        f"{side}: block id {dup} of group {group!r} appears more than once; each "
+        "destination block may be written only once per call"
+    )

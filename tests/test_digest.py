@@ -10,6 +10,7 @@ from kvbridge.kernels import (
     BlockMapping,
     block_digests,
     convert_blocks,
+    keyed_block_digests,
     new_key,
     span_digest,
 )
@@ -64,6 +65,28 @@ def test_bad_keys_and_spans_outside_their_region_are_refused() -> None:
         span_digest(bound.regions, [Span(0, region.length - 8, 16)], 0)
     with pytest.raises(LayoutError, match="bound layout"):
         block_digests(layout, "self", [0], 0)
+
+
+@pytest.mark.parametrize("order", ["block-nhd", "layer-nhd"])
+def test_per_block_keys_give_each_block_the_digest_of_its_own_key(order: str) -> None:
+    layout, caches = _filled(order, seed=3)
+    bound = layout.bind(caches)
+    ids, keys = [5, 0, 7, 3], [new_key(), 7, new_key(), 7]
+    alone = [block_digests(bound, "self", [b], k)[0] for b, k in zip(ids, keys, strict=True)]
+    one_span = [  # the block's bytes hashed span by span, in the layout's order
+        span_digest(bound.regions, bound.block_spans("self", b), k)
+        for b, k in zip(ids, keys, strict=True)
+    ]
+    assert keyed_block_digests(bound, "self", ids, keys, "xxh3-128") == alone == one_span
+    assert block_digests(bound, "self", ids, 7) == [
+        block_digests(bound, "self", [b], 7)[0] for b in ids
+    ]
+    with pytest.raises(ValueError, match="3 keys for 4 blocks"):
+        keyed_block_digests(bound, "self", ids, keys[:3], "xxh3-128")
+    with pytest.raises(ValueError, match="digest key"):
+        keyed_block_digests(bound, "self", ids, [1, 2, 3, True], "xxh3-128")
+    with pytest.raises(LayoutError, match=r"outside 0\.\.7"):
+        keyed_block_digests(bound, "self", [8], [1], "xxh3-128")
 
 
 def _packed(order: str, heads: int = 4, seed: int = 5) -> tuple[KVLayout, dict[str, torch.Tensor]]:

@@ -50,7 +50,7 @@ def layout_of(shape: PresetShape, order: str, num_blocks: int = 6, **kw: int) ->
     return make_layout(shape, block_size=3, num_blocks=num_blocks, order=order, **kw)
 
 
-@pytest.fixture(autouse=True, params=["span copy", "torch"])
+@pytest.fixture(autouse=True, params=["span copy", "span copy streamed", "torch"])
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     from kvbridge.kernels import cpu_spans
 
@@ -60,6 +60,10 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if not cpu_spans.available():
             pytest.skip("the compiled span copy is not built (no C compiler at install)")
         monkeypatch.setattr(cpu_spans, "MIN_RUN_BYTES", 1)  # these test blocks are tiny
+        if request.param == "span copy streamed":  # every run, of any length and alignment
+            monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 0)
+            monkeypatch.setattr(cpu_spans, "STREAM_MIN_RUN", 0)
+            monkeypatch.setattr(cpu_spans, "STREAM_MAX_RUN", 1 << 62)
     return str(request.param)
 
 
@@ -304,6 +308,22 @@ def test_bad_mappings_are_rejected_before_any_write(mapping: object, match: str)
     before = snapshot(dst)
     with pytest.raises(LayoutError, match=match):
         copy_blocks(src, dst, layout, [(1, 1), *mapping] if isinstance(mapping, list) else mapping)  # type: ignore[arg-type]
+    assert_cache_equals(dst, before, layout)
+
+
+@pytest.mark.parametrize("count", [3, 2000])  # checked in Python / by torch ops
+def test_long_and_short_id_lists_are_rejected_alike(count: int) -> None:
+    layout = layout_of(small("float32"), "block-hnd", num_blocks=4096)
+    src, dst = random_cache(layout, 28), random_cache(layout, 29)
+    before = snapshot(dst)
+    ids = list(range(10, 10 + count))
+    for s_ids, d_ids, match in [
+        ([*ids[:-1], 4096], ids, "block id 4096 of group 'self' is outside 0..4095"),
+        (ids, [*ids[:-1], -3], "block id -3"),
+        (ids, [12, *ids[1:-2], 11, 11], "block id 11 of group 'self' appears more than once"),
+    ]:
+        with pytest.raises(LayoutError, match=match):
+            copy_blocks(src, dst, layout, BlockMapping(s_ids, d_ids))
     assert_cache_equals(dst, before, layout)
 
 

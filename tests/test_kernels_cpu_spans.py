@@ -15,6 +15,7 @@ from kvbridge.kernels import (
     copy_blocks,
     cpu_spans,
     gather_blocks,
+    scatter_blocks,
     torch_path,
 )
 from kvbridge.proto import KVGroup
@@ -90,7 +91,7 @@ def test_work_is_split_between_torchs_threads_bit_exact(
     want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
     convert_blocks(src, sl, dst, dl, BlockMapping([p[0] for p in pairs], [p[1] for p in pairs]))
     assert_cache_equals(dst, want, dl)
-    assert [c[-1] for c in spy.calls] == [3]
+    assert [c[12] for c in spy.calls] == [3]
 
 
 def test_runs_shorter_than_the_minimum_are_left_to_torch(
@@ -132,3 +133,45 @@ def test_gather_from_per_layer_tensors_is_one_call(spy: _Spy) -> None:
     gather_blocks(cache, layout, [4, 0, 4], staging)
     assert torch.equal(staging, reference_staging(cache, layout, [4, 0, 4], KVGroup.SELF))
     assert len(spy.calls) == 1
+
+
+def test_big_copies_of_short_runs_stream_and_others_do_not(
+    spy: _Spy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sl, dl = _layout("layer-nhd"), _layout("layer-hnd")
+    src = random_cache(sl, 9)
+    pairs = [(5, 0), (1, 4)]  # 2 blocks x 4 layers x 12 runs of 64 bytes: 6 KiB
+    monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 6 << 10)
+    for max_run in (64, 63):  # the 64-byte runs stream, then are too long to
+        monkeypatch.setattr(cpu_spans, "STREAM_MAX_RUN", max_run)
+        dst = random_cache(dl, 10)
+        want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
+        convert_blocks(src, sl, dst, dl, pairs)
+        assert_cache_equals(dst, want, dl)
+    monkeypatch.setattr(cpu_spans, "STREAM_BYTES", (6 << 10) + 1)  # one byte too few
+    convert_blocks(src, sl, random_cache(dl, 11), dl, pairs)
+    assert [c[13] for c in spy.calls] == [True, False, False]
+
+
+@pytest.mark.parametrize("offset", [1, 3, 17])
+def test_streamed_runs_are_exact_at_any_alignment(
+    spy: _Spy, monkeypatch: pytest.MonkeyPatch, offset: int
+) -> None:
+    # 1-byte elements and a staging buffer starting `offset` bytes into its allocation: the
+    # streamed stores meet unaligned heads and tails on the staging side, read and written
+    shape = PresetShape("t", 4, 2, 40, "float8_e4m3fn")  # 40-byte runs
+    layout = make_layout(shape, block_size=3, num_blocks=6, order="layer-hnd")
+    monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 0)
+    monkeypatch.setattr(cpu_spans, "STREAM_MIN_RUN", 0)
+    cache = random_cache(layout, 12)
+    ids = [4, 0, 2]
+    raw = torch.zeros(layout.block_bytes() * 3 + offset, dtype=torch.uint8)
+    staging = raw[offset:]
+    gather_blocks(cache, layout, ids, staging)
+    assert torch.equal(staging, reference_staging(cache, layout, ids, KVGroup.SELF))
+    assert torch.equal(raw[:offset], torch.zeros(offset, dtype=torch.uint8))
+    back = random_cache(layout, 13)
+    scatter_blocks(staging, back, layout, [1, 5, 3])
+    want = reference_copy(cache, layout, back, list(zip(ids, [1, 5, 3], strict=True)), KVGroup.SELF)
+    assert_cache_equals(back, want, layout)
+    assert [c[13] for c in spy.calls] == [True, True]

@@ -161,3 +161,41 @@ def test_close_stops_the_helper_thread(setup: Any) -> None:
     mover.close()
     mover.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-offload-move")]
+
+
+def test_a_store_writes_no_piece_before_its_digest_and_nothing_after_a_failed_one(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mover, pool, _ = setup
+    digested: list[list[int]] = []
+    real = moves.block_digests
+
+    def digests(layout: KVLayout, group: KVGroup, ids: list[int], *a: Any) -> list[bytes]:
+        # each piece's WRITE waits for its digest: none of this piece was written yet
+        assert not set(ids) & {b for op, blocks, *_ in pool.calls for b in blocks}
+        if len(digested) == 1:
+            raise ValueError("digest failed (test)")
+        digested.append(list(ids))
+        return real(layout, group, ids, *a)
+
+    monkeypatch.setattr(moves, "block_digests", digests)
+    with pytest.raises(ValueError, match="digest failed"):
+        mover.write(_Session(), [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], b"stored", new_key())
+    # the first piece, digested, may have been written; not the second, nor the notification
+    assert [(op, blocks, note) for op, blocks, note, _ in pool.calls] in (
+        [],
+        [("write", [0, 1], None)],
+    )
+    mover.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-offload-move")]
+
+
+def test_a_failed_write_piece_raises_and_the_last_piece_never_notifies(setup: Any) -> None:
+    mover, pool, _ = setup
+    pool.fail_on = 1
+    with pytest.raises(TransferError, match="write failed"):
+        mover.write(_Session(), [0, 1, 2, 3, 4], [0, 1, 2, 3, 4], b"stored", new_key())
+    assert [(op, blocks, note) for op, blocks, note, _ in pool.calls] == [
+        ("write", [0, 1], None),
+        ("write", [2, 3], None),
+    ]

@@ -9,26 +9,30 @@ Through a staging cache when the worker's inner order differs from the pool's
 (:mod:`kvbridge.connector.offload.staging`).
 
 Digesting costs about a fifth of a READ's time on the CPU, so a transfer of more than
-:data:`PIPELINE_BYTES` goes in pieces of that size that overlap the digests: a store
-digests piece *k + 1* while piece *k* is written, a verified load checks piece *k* (after
-its READ finished) while piece *k + 1* is read. The transfers run one at a time on the
-mover's one helper thread (NIXL's ``transfer()`` releases the GIL while CMA copies);
-:meth:`BlockMover.close` stops it.
+:data:`PIPELINE_BYTES` goes in pieces of that size that overlap the digests. The mover's
+one helper thread runs all the pieces' transfers back to back, one job per store or load
+(NIXL's ``transfer()`` copies on CMA inside the call and releases the GIL meanwhile),
+while the calling thread digests: a store's helper WRITEs piece *k* as soon as the caller
+has digested it (so no byte leaves before its digest is taken, and the WRITE reads bytes
+the digest just pulled into the cache), a verified load's caller checks piece *k* as soon
+as its READ landed while the helper already reads the next ones. Neither side waits for
+the other's round trip per piece. :meth:`BlockMover.close` stops the helper.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.offload.session import GROUP, Session
 from kvbridge.connector.offload.staging import chunks
 from kvbridge.kernels import block_digests, digest_algo
-from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES
+from kvbridge.kernels.digest import ALGO_DEVICE, ALGO_XXH3, DIGEST_BYTES, keyed_block_digests
 from kvbridge.proto import offload_pb2 as pb
 from kvbridge.proto.errors import WireError
 
@@ -71,19 +75,12 @@ class BlockMover:
         if helper is not None:
             helper.shutdown(wait=True)
 
-    def _post(
-        self,
-        op: str,
-        session: Session,
-        local_ids: Sequence[int],
-        slots: Sequence[int],
-        notify: bytes | None = None,
-    ) -> Future[None]:
-        """:meth:`transfer` on the helper thread."""
+    def _submit(self, job: Callable[[], None]) -> Future[None]:
+        """Run ``job`` on the helper thread."""
         with self._helper_lock:
             if self._helper is None:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-move")
-            return self._helper.submit(self.transfer, op, session, local_ids, slots, notify)
+            return self._helper.submit(job)
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         per = max(1, PIPELINE_BYTES // self._local.layout.block_bytes(GROUP))
@@ -183,23 +180,35 @@ class BlockMover:
         key: int,
         algo: str,
     ) -> list[bytes]:
-        """Digest piece k + 1 while piece k is written; the last WRITE carries ``notify``."""
-        digests: list[bytes] = []
-        pending: Future[None] | None = None
-        try:
-            for a, b in self._pieces(len(local_ids)):
-                digests += block_digests(self._local.layout, GROUP, local_ids[a:b], key, algo)
-                if pending is not None:
-                    pending.result()
+        """Digest the pieces here while the helper WRITEs each one already digested; the
+        last WRITE carries ``notify``."""
+        pieces = self._pieces(len(local_ids))
+        digested: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: next piece is ready
+
+        def writes() -> None:
+            for a, b in pieces:
+                if not digested.get():
+                    return  # the caller failed: nothing more is written
                 last = b == len(local_ids)
-                pending = self._post(
+                self.transfer(
                     "write", session, local_ids[a:b], slots[a:b], notify if last else None
                 )
-            assert pending is not None
-            pending.result()
-            pending = None
+
+        digests: list[bytes] = []
+        job = self._submit(writes)
+        finished = False
+        try:
+            for a, b in pieces:
+                if job.done():
+                    job.result()  # a failed WRITE raises here, before more digesting
+                digests += block_digests(self._local.layout, GROUP, local_ids[a:b], key, algo)
+                digested.put(True)
+            job.result()
+            finished = True
         finally:
-            _settle(pending)
+            if not finished:
+                digested.put(False)
+                _settle(job)
         return digests
 
     def _read_pipelined(
@@ -210,23 +219,34 @@ class BlockMover:
         digests: Sequence[Digest],
         pieces: list[tuple[int, int]],
     ) -> tuple[list[int], float]:
-        """Check piece k (its READ finished) while piece k + 1 is read."""
+        """Check each piece here once its READ landed while the helper reads the next."""
+        landed: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        stop = threading.Event()
 
-        def read(a: int, b: int) -> Future[None]:
-            return self._post("read", session, local_ids[a:b], slots[a:b])
+        def reads() -> None:
+            for a, b in pieces:
+                if stop.is_set():
+                    return  # the caller failed: its memory is its own again
+                try:
+                    self.transfer("read", session, local_ids[a:b], slots[a:b])
+                except BaseException as exc:
+                    landed.put(exc)
+                    return
+                landed.put(None)
 
         bad: list[int] = []
         verify_s = 0.0
-        pending: Future[None] | None = read(*pieces[0])
+        pending: Future[None] | None = self._submit(reads)
         try:
-            for k, (a, b) in enumerate(pieces):
-                assert pending is not None
-                pending.result()  # piece k landed (a failed READ raises here)
-                pending = read(*pieces[k + 1]) if k + 1 < len(pieces) else None
+            for a, b in pieces:
+                failed = landed.get()  # piece k landed, or the READ that failed
+                if failed is not None:
+                    raise failed
                 t0 = time.perf_counter()
                 bad += _verify(self._local.layout, local_ids[a:b], digests[a:b], a)
                 verify_s += time.perf_counter() - t0
         finally:
+            stop.set()
             _settle(pending)
         return bad, verify_s
 
@@ -263,8 +283,17 @@ def _verify(
     with the writer's algorithm)."""
     if digests is None:
         return []
+    if len(digests) != len(block_ids):
+        raise ValueError(f"{len(digests)} digests for {len(block_ids)} blocks")
+    keys = [key for key, _, _ in digests]
+    algos = {algo for _, _, algo in digests}
+    if len(algos) == 1:
+        got = keyed_block_digests(layout, GROUP, block_ids, keys, algos.pop())
+    else:  # blocks of writers with other algorithms: one at a time
+        got = [
+            keyed_block_digests(layout, GROUP, [b], [key], algo)[0]
+            for b, (key, _, algo) in zip(block_ids, digests, strict=True)
+        ]
     return [
-        first + i
-        for i, (block, (key, want, algo)) in enumerate(zip(block_ids, digests, strict=True))
-        if block_digests(layout, GROUP, [block], key, algo)[0] != want
+        first + i for i, (d, (_, want, _)) in enumerate(zip(got, digests, strict=True)) if d != want
     ]

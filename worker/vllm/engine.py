@@ -25,6 +25,10 @@ PREFIX = "KVB-JSON "
 """Answer lines of the instance start with this (vLLM logs to stdout too)."""
 
 
+STARTUP_BASE_S = 240.0
+"""An engine's wait for its ready line on an idle machine (stretched by load)."""
+
+
 def kv_config(connector: str, role: str, **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for kvbridge (``connector="kvbridge"``) or NixlConnector."""
     if connector == "kvbridge":
@@ -74,7 +78,7 @@ class Engine:
         kv: dict[str, Any] | None = None,
         log: Path | None = None,
         env: dict[str, str] | None = None,
-        startup_timeout_s: float = 240.0,
+        startup_timeout_s: float | None = None,
         wait: bool = True,
         log_stats: bool = False,
         max_model_len: int | None = None,
@@ -88,7 +92,10 @@ class Engine:
         backend is made to declare before the engine is built (``--cpu-kv-layouts``).
         ``kv_events``: vLLM's ``--kv-events-config``. ``tokenizer``: load the model's
         tokenizer (prompts are token ids either way; Whisper's processor needs one).
-        ``llm_args``: more ``vllm.LLM`` keyword arguments (``--llm-args``)."""
+        ``llm_args``: more ``vllm.LLM`` keyword arguments (``--llm-args``).
+        ``startup_timeout_s``: the wait for the engine's ready line; by default
+        :data:`STARTUP_BASE_S` stretched by the machine's load (or ``KVBRIDGE_READY_TIMEOUT_S``,
+        see :func:`kvbridge.worker.child.ready_timeout`)."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -130,6 +137,7 @@ class Engine:
             keep_stdout=True,
             core=core,
             ready_timeout_s=startup_timeout_s,
+            ready_base_s=STARTUP_BASE_S,
         )
         self.ready: dict[str, Any] | None = None
         self._quit_sent = False
