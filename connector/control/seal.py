@@ -36,6 +36,7 @@ KV: one descriptor per slot, ids checked against the layout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PROBES",
+    "SealCheck",
     "SealReader",
     "SEAL_BYTES",
     "SEAL_GROUP",
@@ -240,16 +242,35 @@ class SealReader:
         if len(links) > RANKS_AT_ONCE:
             head = self.holds_all(links[:RANKS_AT_ONCE], lease_id, digest, timeout_s, meanwhile)
             return head + self.holds_all(links[RANKS_AT_ONCE:], lease_id, digest, timeout_s)
+        check = self.post(links, lease_id, digest, timeout_s)
+        if check is None:
+            return [False] * len(links)
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            return check.wait(timeout_s)
+        finally:
+            check.close()
+
+    def post(
+        self, links: Sequence[PeerLink], lease_id: str, digest: bytes, timeout_s: float
+    ) -> SealCheck | None:
+        """Post the seal READs of :meth:`holds_all` (at most :data:`RANKS_AT_ONCE` links) and
+        return at once: the caller polls the :class:`SealCheck` (never blocks) or waits for
+        it. None: ``lease_id`` is no lease id (no seal can hold)."""
+        if len(links) > RANKS_AT_ONCE:
+            raise OutOfBlocksError(f"more than {RANKS_AT_ONCE} seals at once")
         try:
             want = expected_seal(lease_id, digest)
         except ValueError:
-            return [False] * len(links)
+            return None
         n = PROBES * len(links)
         with self._lock:
             if len(self._free) < n:
                 raise OutOfBlocksError("no free seal scratch slots (more loads than configured)")
             mine, self._free = self._free[:n], self._free[n:]
         handles: list[TransferHandle | None] = []
+        check = SealCheck(self, lease_id, want, mine, handles)
         try:
             for i, link in enumerate(links):
                 remote = probe_slots(lease_id, link.remote_layout.groups[0].num_blocks)
@@ -263,28 +284,14 @@ class SealReader:
                 except KVBridgeError as exc:
                     log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
                     handles.append(None)
-            if meanwhile is not None:
-                meanwhile()
-            held = []
-            for i, handle in enumerate(handles):
-                if handle is None:
-                    held.append(False)
-                    continue
-                try:
-                    handle.wait(timeout_s)
-                except KVBridgeError as exc:
-                    log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
-                    held.append(False)
-                    continue
-                slots = mine[i * PROBES : (i + 1) * PROBES]
-                held.append(any(self._slots[s].numpy().tobytes() == want for s in slots))
-            return held
-        finally:
-            for handle in handles:
-                if handle is not None:
-                    handle.release()
-            with self._lock:
-                self._free.extend(mine)
+        except BaseException:
+            check.close()
+            raise
+        return check
+
+    def _give_back(self, slots: list[BlockId]) -> None:
+        with self._lock:
+            self._free.extend(slots)
 
     def warm(self, link: PeerLink, timeout_s: float) -> float:
         """READ one of the peer's seal slots and throw it away: a new link's first transfer
@@ -319,3 +326,60 @@ class SealReader:
 
     def close(self) -> None:
         self.transport.unregister(self.memory)
+
+
+class SealCheck:
+    """Seal READs in flight (:meth:`SealReader.post`): :meth:`poll` never blocks, :meth:`wait`
+    does; :meth:`close` releases them and the scratch slots (idempotent)."""
+
+    def __init__(
+        self,
+        reader: SealReader,
+        lease_id: str,
+        want: bytes,
+        slots: list[BlockId],
+        handles: list[TransferHandle | None],
+    ) -> None:
+        self._reader = reader
+        self._lease = lease_id
+        self._want = want
+        self._slots: list[BlockId] | None = slots
+        self._handles = handles
+
+    def poll(self) -> list[bool] | None:
+        """Each owner's seal held (in link order) once every READ is over; None before."""
+        for handle in self._handles:
+            if handle is not None and handle.poll() == "pending":
+                return None
+        return self._held()
+
+    def wait(self, timeout_s: float) -> list[bool]:
+        """:meth:`poll`, waiting for the READs (each under ``timeout_s``)."""
+        for handle in self._handles:
+            if handle is not None:
+                with contextlib.suppress(KVBridgeError):  # _held reports it
+                    handle.wait(timeout_s)
+        return self._held()
+
+    def _held(self) -> list[bool]:
+        assert self._slots is not None, "a closed seal check"
+        held = []
+        for i, handle in enumerate(self._handles):
+            if handle is None or handle.poll() != "done":
+                if handle is not None:  # one not posted was logged by post
+                    error = getattr(handle, "error", None)
+                    log.info("reading the seal of lease %s failed (%s)", self._lease, error)
+                held.append(False)
+                continue
+            slots = self._slots[i * PROBES : (i + 1) * PROBES]
+            rows = self._reader._slots
+            held.append(any(rows[s].numpy().tobytes() == self._want for s in slots))
+        return held
+
+    def close(self) -> None:
+        for handle in self._handles:
+            if handle is not None:
+                handle.release()
+        if self._slots is not None:
+            slots, self._slots = self._slots, None
+            self._reader._give_back(slots)

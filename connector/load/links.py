@@ -215,6 +215,11 @@ class LinkCache:
         except CancelledError:
             raise PeerError("the link cache closed during the handshake") from None
 
+    def cached(self, load: BlockLoad, rank: int = 0) -> Peer | None:
+        """The link to ``load``'s engine's rank ``rank`` if it is made; never handshakes."""
+        with self._lock:
+            return None if self._closed else self._cached(load, rank)
+
     def _cached(self, load: BlockLoad, rank: int) -> Peer | None:
         peer = self._peers.get((EngineId(load.remote_engine), rank))
         return peer if peer is not None and peer.address == load.remote_address else None
