@@ -39,7 +39,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.releases import ReleaseListener
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
-from kvbridge.connector.load.inline import INLINE_LOADS
+from kvbridge.connector.load.inline import INLINE_LOADS, SPIN_S
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId, LeaseId, RequestId
@@ -179,10 +179,10 @@ class KVBridgeWorker(WorkerConnector):
         self, finished_request_ids: set[RequestId]
     ) -> tuple[set[RequestId], set[RequestId]]:
         done: set[RequestId] = set()
-        remote = self._remote
+        remote, spin_until = self._remote, time.perf_counter() + SPIN_S
         for rid, (load, inline) in list(self._state.inline.items()):
             assert remote is not None
-            out = remote.advance(inline)  # never raises, never blocks
+            out = remote.advance(inline, spin_until)  # never raises, never blocks
             if out is None:
                 continue
             del self._state.inline[rid]

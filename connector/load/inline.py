@@ -20,10 +20,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.base import BlockLoad
+from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.control.seal import RANKS_AT_ONCE
 from kvbridge.connector.load.reads import ReadFigures
 from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
@@ -40,12 +40,15 @@ if TYPE_CHECKING:
     from kvbridge.connector.transport.base import TransferHandle, Transport
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["INLINE_LOADS", "Attempt", "InlineLoad", "start_inline"]
+__all__ = ["INLINE_LOADS", "SPIN_S", "Attempt", "InlineLoad", "start_inline"]
 
 log = logging.getLogger(__name__)
 
 INLINE_LOADS = 64
 """Loads one engine drives from its own thread at once; more wait on the load pool."""
+SPIN_S = 1e-4
+"""How long one ``get_finished`` may poll READs in flight back to back (for all its loads
+together): one that lands within it is seen now rather than a step later."""
 
 
 @dataclass(slots=True)
@@ -79,6 +82,12 @@ class Attempt:
 
     def mark(self, step: str) -> None:
         self.steps.append((step, time.perf_counter()))
+
+    def done(self, result: LoadResult) -> LoadResult:
+        """``result`` with this load's link time and steps."""
+        self.mark("verdict")
+        steps = tuple(sorted((*result.steps, *self.steps), key=lambda step: step[1]))
+        return replace(result, link_ms=self.link_ms or result.link_ms, steps=steps)
 
 
 class InlineLoad:
@@ -124,14 +133,15 @@ class InlineLoad:
             raise
         job.mark("post")
 
-    def poll(self) -> bool:
-        """Advance as far as possible without waiting; True once every READ landed, every
-        seal was read and (if they all held) the blocks were checked. Raises a READ's
-        error, a digest fetch's, or TransferTimeoutError past the load's deadline."""
+    def poll(self, spin_until: float = 0.0) -> bool:
+        """Advance as far as possible without waiting (READs in flight are polled back to
+        back until ``time.perf_counter()`` passes ``spin_until``); True once every READ
+        landed, every seal was read and (if they all held) the blocks were checked. Raises
+        a READ's error, a digest fetch's, or TransferTimeoutError past the load's deadline."""
         job = self.job
         if self.reads is None:
             for handle in self._handles:
-                state = handle.poll()
+                state = _spin(handle, spin_until)
                 if state == "pending":
                     return self._in_time()
                 if state == "failed":
@@ -150,6 +160,8 @@ class InlineLoad:
         if self.held is None:
             assert self._seal is not None
             held = self._seal.poll()
+            while held is None and time.perf_counter() < spin_until:
+                held = self._seal.poll()
             if held is None:
                 return self._in_time()
             self._seal.close()
@@ -191,6 +203,13 @@ class InlineLoad:
         if self._seal is not None:
             self._seal.close()
             self._seal = None
+
+
+def _spin(handle: TransferHandle, until: float) -> str:
+    state = handle.poll()
+    while state == "pending" and time.perf_counter() < until:
+        state = handle.poll()
+    return state
 
 
 def start_inline(

@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
@@ -49,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
 
 log = logging.getLogger(__name__)
+Advanced = LoadResult | Callable[[], LoadResult] | None  # RemoteLoader.advance's answer
 
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
@@ -141,12 +141,7 @@ class RemoteLoader:
                 self.memory.layout,
             )
         job = Attempt(load)
-        return self._done(job, self._load(job, ranks[0], retry_stale))
-
-    def _done(self, job: Attempt, result: LoadResult) -> LoadResult:
-        job.mark("verdict")
-        steps = tuple(sorted((*result.steps, *job.steps), key=lambda step: step[1]))
-        return replace(result, link_ms=job.link_ms or result.link_ms, steps=steps)
+        return job.done(self._load(job, ranks[0], retry_stale))
 
     def start(self, load: BlockLoad) -> InlineLoad | None:
         """Post ``load``'s READs now, from the caller's (the engine's) thread, if it can go on
@@ -155,13 +150,13 @@ class RemoteLoader:
         args = (self._links, self._seal_reader, self.memory.layout, self._hashers)
         return start_inline(load, self._ranks(load), *args, self.config, self.transport)
 
-    def advance(self, inline: InlineLoad) -> LoadResult | Callable[[], LoadResult] | None:
-        """Poll a load :meth:`start` started, never blocking: None while under way, else its
-        result or, for a seal that did not hold or a failure, a call that finishes it on a
-        pool (the owner path, or the failure's handling: a retry, the release)."""
+    def advance(self, inline: InlineLoad, spin_until: float = 0.0) -> Advanced:
+        """Poll a load :meth:`start` started (never blocking; spinning until ``spin_until``):
+        None while under way, else its result or, for a seal that did not hold or a failure,
+        a call that finishes it on a pool (the owner path, the failure's handling)."""
         job, peers, load = inline.job, inline.peers, inline.job.load
         try:
-            if not inline.poll():
+            if not inline.poll(spin_until):
                 return None
         except Exception as exc:
             inline.close()
@@ -169,9 +164,9 @@ class RemoteLoader:
                 down = isinstance(exc, KVBridgeError) and not isinstance(exc, LeaseError)
                 for peer in peers if down else []:  # a link may be down: handshake again
                     self._forget(load.remote_engine, peer, None)
-                return self._done(job, ranks_failed(load, job.t0, str(exc) or repr(exc)))
+                return job.done(ranks_failed(load, job.t0, str(exc) or repr(exc)))
             error = exc
-            return lambda: self._done(job, self._failed(job, error, True))
+            return lambda: job.done(self._failed(job, error, True))
         held, reads = inline.held, inline.reads
         assert held is not None and reads is not None
         for peer, ok in zip(peers, held, strict=True):
@@ -181,13 +176,13 @@ class RemoteLoader:
         if len(peers) > 1:
             ranks = self._ranks(load)
             checked = inline.checked if job.expected is not None else None
-            return self._done(job, ranks_proven(load, job.t0, ranks, peers, held, reads, checked))
+            return job.done(ranks_proven(load, job.t0, ranks, peers, held, reads, checked))
         if not held[0]:
             log.info("request %s: the seal does not hold; asking its owner", load.request_id)
-            return lambda: self._done(job, self._owner_or_failed(job))
+            return lambda: job.done(self._owner_or_failed(job))
         assert inline.checked is not None
         done = {g: (read, inline.checked[g]) for g, read in zip(job.local, reads, strict=True)}
-        return self._done(job, self._verdict(job, done, "sealed"))
+        return job.done(self._verdict(job, done, "sealed"))
 
     def _owner_or_failed(self, job: Attempt) -> LoadResult:
         try:
