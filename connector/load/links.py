@@ -216,9 +216,8 @@ class LinkCache:
             raise PeerError("the link cache closed during the handshake") from None
 
     def cached(self, load: BlockLoad, rank: int = 0) -> Peer | None:
-        """The link to ``load``'s engine's rank ``rank`` if it is made; never handshakes."""
-        with self._lock:
-            return None if self._closed else self._cached(load, rank)
+        """The link to ``load``'s engine's rank ``rank`` if made (never handshakes, no lock)."""
+        return self._cached(load, rank)
 
     def _cached(self, load: BlockLoad, rank: int) -> Peer | None:
         peer = self._peers.get((EngineId(load.remote_engine), rank))
