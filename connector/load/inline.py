@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 INLINE_LOADS = 64
 """Loads one engine drives from its own thread at once; more wait on the load pool."""
+HELPED_BLOCKS = 16
+"""Blocks from which an inline load's check lets a second thread hash a share: below, the
+engine's thread hashes them all (a few µs each) rather than wake one."""
 SPIN_S = 1e-4
 """How long one ``get_finished`` may poll READs in flight back to back (for all its loads
 together): one that lands within it is seen now rather than a step later."""
@@ -244,7 +247,9 @@ def start_inline(
                 return None  # whole-block digests cannot check slices: the pool says so
             job.expected = fetch_from_ranks(linked, load, timeout)
         elif job.expected is not None:
-            job.expected = expect_from(job.expected, load, linked[0], layout, hashers, timeout)
+            blocks = sum(len(ids) for ids in job.local.values())
+            helper = hashers if blocks >= HELPED_BLOCKS else None
+            job.expected = expect_from(job.expected, load, linked[0], layout, helper, timeout)
             if job.expected is None:
                 return None
         job.mark("expect")

@@ -187,13 +187,13 @@ def expect_from(
     load: BlockLoad,
     peer: Peer,
     layout: KVLayout,
-    pool: Executor,
+    pool: Executor | None,
     timeout_s: float,
 ) -> Expected | None:
     """What ``load``'s blocks read from ``peer`` into bound ``layout`` must match:
     ``expected`` (the params' digests) or, when the owner keeps them, the owner's, asked
-    for now (its head digests, for a head-slice link); a thread of ``pool`` helps hash the
-    blocks. None: the link reads head slices but the digests in the params are of
+    for now (its head digests, for a head-slice link); a thread of ``pool`` (if any) helps
+    hash the blocks. None: the link reads head slices but the digests in the params are of
     whole blocks, so the load cannot be verified."""
     sliced = peer.link.mode is TransferMode.HEAD_SLICE
     if load.digests_at_owner:
