@@ -11,6 +11,7 @@ import pytest
 
 from kvbridge.connector import BlockLoad
 from kvbridge.connector.load import Attempt, InlineLoad
+from kvbridge.connector.load.inline import SEAL_WAIT_S
 from kvbridge.connector.load.verify import Checked
 from kvbridge.proto import BlockId, KVGroup, RequestId, TransferError, TransferTimeoutError
 
@@ -68,13 +69,20 @@ class SealCheck:
 
 
 class Seals:
-    def __init__(self, log: list[str], held: list[bool], polls: int = 2) -> None:
-        self.log, self.held, self.polls = log, held, polls
+    """Seal READs: each says ``held`` after ``polls`` polls (``sealed_after``: False before
+    that many reads, as an owner that seals the lease a step after naming it)."""
+
+    def __init__(
+        self, log: list[str], held: list[bool], polls: int = 2, sealed_after: int = 0
+    ) -> None:
+        self.log, self.held, self.polls, self.sealed_after = log, held, polls, sealed_after
         self.checks: list[SealCheck] = []
 
     def post(self, links: list[Any], lease: str, seal: bytes, timeout_s: float) -> SealCheck:
         self.log.append(f"seal {links}")
-        self.checks.append(SealCheck(self.log, self.held, self.polls))
+        early = len(self.checks) < self.sealed_after
+        held = [False] * len(self.held) if early else self.held
+        self.checks.append(SealCheck(self.log, held, self.polls))
         return self.checks[-1]
 
 
@@ -115,10 +123,10 @@ def _inline(
 
 def _run(inline: InlineLoad) -> int:
     """Poll until done; the number of polls that said "not yet"."""
-    pending = 0
+    pending, t0 = 0, time.monotonic()
     while not inline.poll():
         pending += 1
-        assert pending < 50
+        assert time.monotonic() - t0 < 2.0
     return pending
 
 
@@ -152,9 +160,24 @@ def test_blocks_are_checked_only_once_their_digests_arrived() -> None:
 def test_a_seal_that_does_not_hold_leaves_the_blocks_unchecked() -> None:
     transport = Transport(polls=1)
     seals = Seals(transport.log, [False], polls=1)
-    inline = _inline(transport, seals, digests=100)
+    inline = _inline(transport, seals, digests=10**9)
+    t0 = time.monotonic()
     _run(inline)
     assert inline.held == [False] and inline.checked is None
+    assert time.monotonic() - t0 >= SEAL_WAIT_S and len(seals.checks) > 1  # read again first
+    assert all(c.closed == 1 for c in seals.checks)
+
+
+def test_a_seal_made_a_step_after_the_answer_is_read_again_and_holds() -> None:
+    transport = Transport(polls=1)
+    seals = Seals(transport.log, [True], polls=0, sealed_after=3)
+    inline = _inline(transport, seals, digests=2)
+    _run(inline)
+    assert inline.held == [True] and len(seals.checks) == 4
+    assert inline.checked == {KVGroup.SELF: Checked(2, 0), KVGroup.CROSS: Checked(1, 0)}
+    # the seal is only ever read after every block READ landed
+    first_seal = next(i for i, e in enumerate(transport.log) if e.startswith("seal"))
+    assert all(h.left == 0 for h in transport.handles) and first_seal > 2
 
 
 def test_a_failed_read_raises_and_leaves_nothing_in_flight() -> None:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvbridge.connector.transport.base import TransferHandle, Transport
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["INLINE_LOADS", "SPIN_S", "Attempt", "InlineLoad", "start_inline"]
+__all__ = ["INLINE_LOADS", "SEAL_WAIT_S", "SPIN_S", "Attempt", "InlineLoad", "start_inline"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ INLINE_LOADS = 64
 HELPED_BLOCKS = 16
 """Blocks from which an inline load's check lets a second thread hash a share: below, the
 engine's thread hashes them all (a few µs each) rather than wake one."""
+SEAL_WAIT_S = 0.05
+"""How long an inline load reads a seal that does not hold again (once per ``get_finished``)
+before it asks the owner: vLLM's prefill worker makes a lease, and seals it, at the step
+after its answer named it, and a decode this fast can read before that step ran."""
 SPIN_S = 1e-4
 """How long one ``get_finished`` may poll READs in flight back to back (for all its loads
 together): one that lands within it is seen now rather than a step later."""
@@ -113,6 +117,7 @@ class InlineLoad:
         self._deadline = time.monotonic() + timeout_s
         self._handles: list[TransferHandle] = []
         self._seal: SealCheck | None = None
+        self._seal_until: float | None = None
         self.reads: list[ReadFigures] | None = None
         """Each READ's figures once all landed: rank after rank, each rank's groups in order."""
         self.held: list[bool] | None = None
@@ -152,12 +157,7 @@ class InlineLoad:
             self.reads = [ReadFigures.of(h) for h in self._handles]
             self._release_reads()
             job.mark("reads")
-            # only now the seals: READ after the blocks landed, they prove the blocks held
-            lease, seal = job.load.lease_id, job.load.seal
-            links = [p.seal_link for p in self.peers if p.seal_link is not None]
-            self._seal = self._seals.post(links, lease, seal, self._timeout_s)
-            if self._seal is None:
-                self.held = [False] * len(self.peers)
+            self._post_seals()  # only now: READ after the blocks landed, they prove them
         if self.checked is None and self._ready():  # while the seal READ is in flight
             self._check()
         if self.held is None:
@@ -168,13 +168,28 @@ class InlineLoad:
             if held is None:
                 return self._in_time()
             self._seal.close()
-            self._seal, self.held = None, held
+            self._seal = None
+            now = time.monotonic()
+            if self._seal_until is None:
+                self._seal_until = now + SEAL_WAIT_S
+            if not all(held) and now < self._seal_until:
+                self._post_seals()  # not sealed yet? read it again at the next poll
+                return self._in_time()
+            self.held = held
             job.mark("seal")
         if self.checked is None and all(self.held):
             if not self._ready():
                 return self._in_time()
             self._check()
         return True
+
+    def _post_seals(self) -> None:
+        job = self.job
+        lease, seal = job.load.lease_id, job.load.seal
+        links = [p.seal_link for p in self.peers if p.seal_link is not None]
+        self._seal = self._seals.post(links, lease, seal, self._timeout_s)
+        if self._seal is None:  # no lease id: no seal can hold
+            self.held = [False] * len(self.peers)
 
     def _ready(self) -> bool:
         return self.job.expected is None or self.job.expected.ready()
