@@ -114,6 +114,10 @@ class BlockLoad:
     lease_offsets: Mapping[KVGroup, int] = field(default_factory=dict)
     """Per attention group (``g<i>``): where ``local_ids[group][0]`` sits in the owner's
     lease of that group (its blocks of the prompt's last positions); absent: 0."""
+    whole_lease: bool = False
+    """``remote_ids`` are every block of the owner's lease, group by group in lease order:
+    with ``digests_at_owner``, the seal's content tag can prove the bytes read (no
+    ``Digests`` round trip; :func:`~kvbridge.connector.control.seal.content_tag`)."""
 
     def lease_offset(self, group: KVGroup) -> int:
         """Where this load's first ``group`` block sits in the owner's lease of the group."""

@@ -17,7 +17,7 @@ recomputed instead of read from wrong memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,12 @@ class KVTransferParams:
     digests_at_owner: bool = False
     """The digests are not here: the owner records them when it makes the lease (vLLM: in
     its worker process) and the reader asks its control server for them (``Digests``)."""
+
+    def leased_whole(self, remote: Mapping[KVGroup, Sequence[BlockId]]) -> bool:
+        """Whether ``remote`` (a load's ids per group) is every block of the lease, in
+        lease order."""
+        leased = {g: tuple(ids) for g, ids in self.block_ids.items() if ids}
+        return bool(leased) and all(tuple(remote.get(g, ())) == ids for g, ids in leased.items())
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -257,6 +257,7 @@ class KVBridgePlanner(SchedulerConnector):
                 digest_algo=params.digest_algo,
                 digests_at_owner=verify and params.digests_at_owner,
                 lease_offsets=offsets,
+                whole_lease=params.leased_whole(remote),
             )
         )
 

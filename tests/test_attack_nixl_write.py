@@ -248,15 +248,19 @@ def params_a_block(first: Any, i: int) -> int:
     return int(codec.unpack(first.kv_transfer_params, "KVTransferParams")["block_ids"]["self"][i])
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp", "victim_rank"), [(1, 2, 0), (2, 1, 1)])
+@pytest.mark.parametrize(
+    ("prefill_tp", "decode_tp", "victim_rank"), [(1, 2, 0), (2, 1, 1), (1, 1, 0)]
+)
 def test_junk_written_into_a_head_slice_is_recomputed_not_loaded(
     attacker: PeerProc, prefill_tp: int, decode_tp: int, victim_rank: int
 ) -> None:
-    """Heterogeneous TP (vLLM-like workers, verification on): a token holder claims twice
-    the prefill's TP size, so its link to one prefill rank is a head slice, and WRITEs junk
-    into the last heads of one handed-over block. The decode rank that reads those heads
+    """vLLM-like workers, verification on: a token holder claims twice the prefill's TP
+    size, so its link to one prefill rank is a head slice, and WRITEs junk into the last
+    heads of one handed-over block. Heterogeneous TP: the decode rank that reads those heads
     finds the slice's digest differs and recomputes from that block on; a rank that reads
-    only other heads loads everything; no loaded block differs from the prefill's KV."""
+    only other heads loads everything. Same TP (1-1): the seal's content tag no longer
+    matches what landed, so the decode asks the owner, whose digests single out the block.
+    No loaded block differs from the prefill's KV."""
     from tests.harness.tp_pair import PREFILL_IDS, Prefill, claimed_layout, run_decode
 
     prefill = Prefill(prefill_tp)
@@ -277,12 +281,19 @@ def test_junk_written_into_a_head_slice_is_recomputed_not_loaded(
         ranks = run_decode(decode_tp, prefill.params)
     finally:
         prefill.close()
+    paths = [r.pop("path") for r in ranks]
+    calls = ranks[0].pop("digests_calls")
+    for r in ranks[1:]:
+        r.pop("digests_calls")
     hit = {"moved": 2, "bad": [2, 3], "mismatches": 1, "verified": True, "wrong": []}
     clean = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "wrong": [], "error": ""}
     if decode_tp == 2:  # rank 0 reads heads 0-1 (clean), rank 1 heads 2-3 (the junk)
         assert ranks[0] == clean, ranks
         got = ranks[1]
-    else:  # the one rank fills its pages from both prefill ranks
+    else:  # the one rank fills its pages from both prefill ranks, or (1-1) reads whole pages
         (got,) = ranks
     assert "digest mismatch" in got.pop("error"), ranks
     assert got == hit, ranks
+    assert calls >= 1, ranks  # the owner's digests were asked for
+    if prefill_tp == decode_tp:  # the tag did not hold: the owner named the blocks
+        assert paths == ["owner"], paths

@@ -58,11 +58,16 @@ class SealCheck:
         self.log, self.held, self.left = log, held, polls
         self.closed = 0
 
-    def poll(self) -> list[bool] | None:
+    def poll(self) -> bool:
         if self.left > 0:
             self.left -= 1
-            return None
-        return self.held
+            return False
+        return True
+
+    def verdict(self, tag: bytes | None = None, *, tagged: bool = False) -> Any:
+        assert self.left == 0, "judged before the seal READ was over"
+        self.log.append(f"verdict {tag!r} {tagged}")
+        return self.held, [not h for h in self.held]  # a seal not there yet: absent
 
     def close(self) -> None:
         self.closed += 1
@@ -88,6 +93,8 @@ class Seals:
 
 class Digests:
     """Stands in for Expected: ready after ``polls`` asks; records each check."""
+
+    by_seal = False
 
     def __init__(self, log: list[str], polls: int) -> None:
         self.log, self.left = log, polls
@@ -211,3 +218,31 @@ def test_a_poll_spins_only_until_its_deadline() -> None:
     assert inline.poll(spin_until=t0 + 0.01) is False
     assert 0.01 <= time.perf_counter() - t0 < 0.5
     inline.close()
+
+
+class Tagged(Digests):
+    """Stands in for an Expected proved by the seal's content tag (no digests to fetch)."""
+
+    by_seal = True
+
+    def landed(self, layout: Any, group: KVGroup, ids: list[BlockId]) -> list[bytes]:
+        self.log.append(f"landed {group}")
+        return [b"d%d" % i for i in ids]
+
+    def tag(self, load: Any, layout: Any, landed: dict[KVGroup, list[bytes]]) -> bytes:
+        return b"tag:" + b"".join(d for g in sorted(landed) for d in landed[g])
+
+
+def test_a_load_proved_by_the_seal_tag_judges_the_seal_with_the_tag_of_what_landed() -> None:
+    transport = Transport(polls=1)
+    seals = Seals(transport.log, [True], polls=1)
+    inline = _inline(transport, seals)
+    inline.job.expected = Tagged(transport.log, 0)  # type: ignore[assignment]
+    inline._by_seal = True
+    _run(inline)
+    log = transport.log
+    verdict = next(e for e in log if e.startswith("verdict"))
+    assert verdict == "verdict b'tag:d3d1d2' True"  # cross then self, as the owner sorts
+    assert log.index("landed self") < log.index(verdict)
+    assert not [e for e in log if e.startswith("check")]  # nothing compared with digests
+    assert inline.checked == {KVGroup.SELF: Checked(2, 0), KVGroup.CROSS: Checked(1, 0)}

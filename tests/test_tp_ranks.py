@@ -540,6 +540,8 @@ def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
         prefill.close()
     assert len(ranks) == decode_tp
     for got in ranks:
+        assert got.pop("path") in ("sealed", "owner")
+        assert got.pop("digests_calls") >= 1, ranks  # head slices: the owner's digests
         assert got == {
             "moved": 4,
             "bad": [],
@@ -548,3 +550,26 @@ def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
             "error": "",
             "wrong": [],
         }, ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_same_tp_verified_load_is_proved_by_its_seal_without_asking_for_digests(
+    tp: int,
+) -> None:
+    """A vLLM-like prefill keeps its digests (they cannot go in the params) and tags its
+    lease's seal with them under the hand-over's key; a decode of the same TP size that reads
+    every leased block checks what landed against that tag: every block loads, byte for
+    byte, on the sealed path, and no ``Digests`` round trip is made."""
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
+    from tests.harness.tp_pair import Prefill, run_decode
+
+    prefill = Prefill(tp)
+    try:
+        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
+        ranks = run_decode(tp, prefill.params)
+    finally:
+        prefill.close()
+    clean = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "error": "", "wrong": []}
+    assert ranks == [{**clean, "path": "sealed", "digests_calls": 0}] * tp, ranks

@@ -41,7 +41,7 @@ from kvbridge.connector.control.bounds import (
     block_keys,
     check_ttl,
 )
-from kvbridge.connector.control.seal import SealTable, seal_digest
+from kvbridge.connector.control.seal import SealTable, content_tag, seal_digest
 from kvbridge.connector.control.types import HandOverDigests
 from kvbridge.proto.errors import ConfigError, ControlPlaneError, LeaseError
 from kvbridge.proto.layout import KVGroup
@@ -143,6 +143,7 @@ class LeaseTable:
         request_id: RequestId | None = None,
         lease_id: LeaseId | None = None,
         digests: HandOverDigests | None = None,
+        seal_key: int | None = None,
         peer: str | None = None,
         caps: PeerCaps | None = None,
     ) -> Lease:
@@ -152,7 +153,9 @@ class LeaseTable:
         into kv_transfer_params before the worker makes the lease); default a new one.
         ``digests`` are the blocks' hand-over digests, answered by :meth:`digests` while
         the lease lives. With a seal table, the lease's seal over ``blocks`` and
-        ``hashes`` is published under the lease id until the lease ends. With ``peer``
+        ``hashes`` is published under the lease id until the lease ends; with ``digests``
+        and the hand-over's ``seal_key`` too, the seal carries their content tag
+        (:func:`~kvbridge.connector.control.seal.content_tag`). With ``peer``
         and ``caps``, the lease counts against that peer's caps.
 
         If this raises (table full, peer over its caps, request or id already leased)
@@ -188,14 +191,21 @@ class LeaseTable:
             heapq.heappush(self._deadlines, (lease.expires_at, lease.lease_id))
             if digests is not None:
                 self._digests[lease.lease_id] = digests
-            sealed = self.seal is not None and self.seal.publish(
-                lease.lease_id, seal_digest(lease.blocks, lease.hashes)
-            )
+            sealed = self.seal is not None and self._publish(lease, digests, seal_key)
             if sealed:
                 self._sealed.add(lease.lease_id)
             self._lock.notify_all()
         log.debug("lease %s: %d blocks, ttl %.3gs", lease.lease_id, lease.num_blocks, ttl_s)
         return lease
+
+    def _publish(self, lease: Lease, digests: HandOverDigests | None, seal_key: int | None) -> bool:
+        """Write ``lease``'s seal, tagged with its blocks' digests where there are some."""
+        assert self.seal is not None
+        digest = seal_digest(lease.blocks, lease.hashes)
+        tag = b""
+        if digests is not None and seal_key is not None:
+            tag = content_tag(lease.lease_id, digest, seal_key, digests.algo, digests.groups)
+        return self.seal.publish(lease.lease_id, digest, tag)
 
     def get(self, lease_id: LeaseId) -> Lease | None:
         self.expire()

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Executor
 
     from kvbridge.connector.config import ConnectorConfig
-    from kvbridge.connector.control.seal import SealCheck, SealReader
+    from kvbridge.connector.control.seal_reader import SealCheck, SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
     from kvbridge.connector.transport.base import TransferHandle, Transport
     from kvbridge.proto.layout import KVLayout
@@ -50,9 +50,10 @@ HELPED_BLOCKS = 16
 """Blocks from which an inline load's check lets a second thread hash a share: below, the
 engine's thread hashes them all (a few µs each) rather than wake one."""
 SEAL_WAIT_S = 0.05
-"""How long an inline load reads a seal that does not hold again (once per ``get_finished``)
-before it asks the owner: vLLM's prefill worker makes a lease, and seals it, at the step
-after its answer named it, and a decode this fast can read before that step ran."""
+"""How long a load reads again a seal whose nonce is in no probe slot yet before it asks
+the owner: vLLM's prefill worker makes a lease, and seals it, at the engine step after its
+scheduler's answer named it, and a decode can read before that step ran (an inline load
+reads it again once per ``get_finished``, the pool's every ``SEAL_POLL_S``)."""
 SPIN_S = 1e-4
 """How long one ``get_finished`` may poll READs in flight back to back (for all its loads
 together): one that lands within it is seen now rather than a step later."""
@@ -124,6 +125,11 @@ class InlineLoad:
         """Each peer's seal verdict, once read."""
         self.checked: dict[KVGroup, Checked] | None = None
         """Each group's digest check (every block good when the load is not verified)."""
+        expected = job.expected
+        self._by_seal = expected is not None and expected.by_seal
+        """The blocks are proved by the seal's content tag (no digests to compare with)."""
+        self._landed: dict[KVGroup, list[bytes]] | None = None
+        """Their digests as they landed, for the tag (``_by_seal``)."""
 
     def post(self, transport: Transport) -> None:
         """Post every block READ (raises, with nothing left in flight, if one cannot be)."""
@@ -158,30 +164,46 @@ class InlineLoad:
             self._release_reads()
             job.mark("reads")
             self._post_seals()  # only now: READ after the blocks landed, they prove them
-        if self.checked is None and self._ready():  # while the seal READ is in flight
-            self._check()
+        if self.checked is None and self._landed is None and self._ready():
+            self._check()  # while the seal READ is in flight
         if self.held is None:
             assert self._seal is not None
-            held = self._seal.poll()
-            while held is None and time.perf_counter() < spin_until:
-                held = self._seal.poll()
-            if held is None:
+            done = self._seal.poll()
+            while not done and time.perf_counter() < spin_until:
+                done = self._seal.poll()
+            if not done:
                 return self._in_time()
+            if self._by_seal and self._landed is None:
+                self._check()  # the digests of what landed make the tag the slot must hold
+            tag, tagged = self._tag()
+            held, absent = self._seal.verdict(tag, tagged=tagged)
             self._seal.close()
             self._seal = None
             now = time.monotonic()
             if self._seal_until is None:
                 self._seal_until = now + SEAL_WAIT_S
-            if not all(held) and now < self._seal_until:
-                self._post_seals()  # not sealed yet? read it again at the next poll
+            if any(a and not h for a, h in zip(absent, held, strict=True)) and (
+                now < self._seal_until
+            ):
+                self._post_seals()  # not sealed yet: read it again at the next poll
                 return self._in_time()
             self.held = held
             job.mark("seal")
-        if self.checked is None and all(self.held):
+            if self._by_seal and all(held):  # the content tag proved every block
+                self.checked = {g: Checked(len(ids), 0) for g, ids in job.local.items()}
+        if self.checked is None and all(self.held) and not self._by_seal:
             if not self._ready():
                 return self._in_time()
             self._check()
         return True
+
+    def _tag(self) -> tuple[bytes | None, bool]:
+        """What :meth:`SealCheck.verdict` needs: the content tag over what landed, if the
+        load is proved by it."""
+        expected = self.job.expected
+        if not self._by_seal or expected is None or self._landed is None:
+            return None, False
+        return expected.tag(self.job.load, self._layout, self._landed), True
 
     def _post_seals(self) -> None:
         job = self.job
@@ -192,10 +214,17 @@ class InlineLoad:
             self.held = [False] * len(self.peers)
 
     def _ready(self) -> bool:
-        return self.job.expected is None or self.job.expected.ready()
+        return self.job.expected is None or self._by_seal or self.job.expected.ready()
 
     def _check(self) -> None:
         job, expected = self.job, self.job.expected
+        if self._by_seal:
+            assert expected is not None
+            self._landed = {
+                g: expected.landed(self._layout, g, ids) for g, ids in job.local.items()
+            }
+            job.mark("check")
+            return
         self.checked = {
             g: Checked(len(ids), 0) if expected is None else expected.check(self._layout, g, ids)
             for g, ids in job.local.items()

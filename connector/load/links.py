@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad
 from kvbridge.connector.control.peers import nixl_agent_name
-from kvbridge.connector.control.seal import SealReader
+from kvbridge.connector.control.seal_reader import SealReader
 from kvbridge.proto.errors import (
     KVBridgeError,
     OutOfBlocksError,

@@ -25,13 +25,19 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import SealReader
-from kvbridge.connector.load.inline import INLINE_LOADS, Attempt, InlineLoad, start_inline
+from kvbridge.connector.control.seal_reader import SealReader
+from kvbridge.connector.load.inline import (
+    INLINE_LOADS,
+    Attempt,
+    InlineLoad,
+    start_inline,
+)
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks, ranks_failed, ranks_proven
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
+from kvbridge.connector.load.sealed import load_sealed
 from kvbridge.connector.load.verify import Checked, expect_from, fetch_from_ranks
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
@@ -186,6 +192,10 @@ class RemoteLoader:
 
     def _owner_or_failed(self, job: Attempt) -> LoadResult:
         try:
+            peer, timeout = job.peer, self.config.control_timeout_s
+            if job.expected is not None and job.expected.by_seal and peer is not None:
+                args = (job.load, peer, self.memory.layout, self._hashers, timeout)
+                job.expected = expect_from(job.expected, *args, ask=True)  # the owner's now
             return self._load_from_owner(job)
         except Exception as exc:
             return self._failed(job, exc, True)
@@ -196,9 +206,9 @@ class RemoteLoader:
             job.peer, job.cached = self._links.get(load, rank)
             job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
             job.mark("link")
+            hashers, timeout = self._hashers, self.config.control_timeout_s
+            args = (load, job.peer, self.memory.layout, hashers, timeout)
             if job.expected is not None:
-                hashers, timeout = self._hashers, self.config.control_timeout_s
-                args = (load, job.peer, self.memory.layout, hashers, timeout)
                 job.expected = expect_from(job.expected, *args)
                 if job.expected is None:  # whole-block digests in the params: no slices
                     return unverifiable(load)
@@ -206,56 +216,26 @@ class RemoteLoader:
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
-            return sealed if sealed is not None else self._load_from_owner(job)
+            if sealed is not None:
+                return sealed
+            if job.expected is not None and job.expected.by_seal:  # the owner's digests now
+                job.expected = expect_from(job.expected, *args, ask=True)
+            return self._load_from_owner(job)
         except Exception as exc:
             return self._failed(job, exc, retry_stale)
 
     def _load_sealed(self, job: Attempt) -> LoadResult | None:
-        """The load without a control RPC: READ the claimed ids, then the lease's seal; a
-        seal that holds proves them (see :mod:`kvbridge.connector.control.seal`) and the
-        lease goes back by notification. None: no seal to check, or it did not hold (the
-        caller then asks the owner, and reads again what the owner names)."""
-        load, peer = job.load, job.peer
-        assert peer is not None
-        reader, link = self._seal_reader, peer.seal_link
-        if not load.lease_id or not load.seal or link is None:
-            return None
-        if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
-            return None
-        # every group's READ at once; blocks READ straight into the cache are checked while
-        # the seal READ is in flight (staged blocks before conversion, inside the read). The
-        # seal READ is posted only once the block READs are done: that order is the proof.
-        direct = peer.staging is None
-        wanted = {g: (job.local[g], job.remote[g]) for g in job.local}
-        done = self._read(job, wanted, check=not direct)
-        job.mark("reads")
-        failed: list[BaseException] = []
-
-        def check() -> None:
-            try:
-                for g, (read, _) in done.items():
-                    done[g] = (read, self._check(job, g, job.local[g]))
-            except BaseException as exc:  # re-raised below, after the seal READ finished
-                failed.append(exc)
-
-        holds = reader.holds(
-            link,
-            load.lease_id,
-            load.seal,
+        """The sealed path on this thread (:func:`~kvbridge.connector.load.sealed.load_sealed`);
+        None: the owner is asked."""
+        return load_sealed(
+            job,
+            self._seal_reader,
+            lambda wanted, check: self._read(job, wanted, check),
+            self.memory.layout,
             self.config.load_timeout_s,
-            check if direct and job.expected is not None else None,
+            self._reader(job.load),
+            lambda done: self._verdict(job, done, "sealed"),
         )
-        job.mark("seal")
-        if failed:
-            raise failed[0]
-        if not holds:
-            log.info(
-                "request %s: the lease's seal does not hold; asking its owner", load.request_id
-            )
-            return None
-        reader.release(link, load.lease_id, *self._reader(load))
-        job.mark("release")
-        return self._verdict(job, done, "sealed")
 
     def _load_from_owner(self, job: Attempt) -> LoadResult:
         """The owner names the blocks (for decode's own names), they are READ, and the

@@ -36,7 +36,7 @@ from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
-    from kvbridge.connector.control.seal import SealReader
+    from kvbridge.connector.control.seal_reader import SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
     from kvbridge.connector.load.verify import Checked, Expected
     from kvbridge.proto.layout import KVLayout

@@ -11,11 +11,13 @@ peer can write). See docs/DESIGN-NOTES.md, "Trust: verified loads".
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvbridge.kernels import ALGO_XXH3, block_digests, page_slice_digests
+from kvbridge.connector.control.seal import content_tag
+from kvbridge.kernels import ALGO_XXH3, block_digests, digest_algo, page_slice_digests
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, head_slices
@@ -30,7 +32,17 @@ if TYPE_CHECKING:
     from kvbridge.proto.layout import KVLayout
     from kvbridge.proto.types import BlockId
 
-__all__ = ["Checked", "Expected", "expect_from", "fetch_expected", "fetch_from_ranks"]
+__all__ = [
+    "Checked",
+    "Expected",
+    "expect_from",
+    "fetch_expected",
+    "fetch_from_ranks",
+    "proved_by_seal",
+]
+
+
+log = logging.getLogger(__name__)
 
 
 class PendingDigests(Protocol):
@@ -78,6 +90,10 @@ class Expected:
     offsets: Mapping[KVGroup, int] | None = None
     """Per group, where the load's blocks start in the owner's lease (fetched digests cover
     it all): :meth:`BlockLoad.lease_offset`; None: ``first_block`` for ``self``, else 0."""
+    by_seal: bool = False
+    """The digests are not asked for: the blocks' bytes are proved by the content tag of
+    their lease's seal (:meth:`landed` makes the digests the tag is checked with); if the
+    seal does not hold, the load asks the owner after all (:func:`expect_from`)."""
 
     @classmethod
     def of(cls, load: BlockLoad) -> Expected | None:
@@ -126,6 +142,24 @@ class Expected:
         """Where the load's ``group`` blocks start in the owner's lease."""
         default = self.first_block if group == KVGroup.SELF else 0
         return default if self.offsets is None else self.offsets.get(group, default)
+
+    def landed(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> list[bytes]:
+        """The digests, under this load's key, of blocks ``ids`` of bound ``layout`` as they
+        landed (this reader's algorithm for its memory), for the seal's content tag."""
+        return block_digests(layout, group, list(ids), self.key, None, self.helper)
+
+    def tag(
+        self, load: BlockLoad, layout: KVLayout, landed: Mapping[KVGroup, Sequence[bytes]]
+    ) -> bytes | None:
+        """The content tag ``load``'s seal must hold if the blocks that landed in bound
+        ``layout`` (their :meth:`landed` digests) are the owner's; None if none can be made
+        (the seal then does not hold, and the owner is asked)."""
+        try:
+            algo = digest_algo(layout, KVGroup.SELF)
+            return content_tag(load.lease_id, load.seal, self.key, algo, landed)
+        except Exception as exc:
+            log.info("request %s: no content tag (%s)", load.request_id, exc)
+            return None
 
     def check(self, layout: KVLayout, group: KVGroup, ids: Sequence[BlockId]) -> Checked:
         """Digest blocks ``ids`` of bound ``layout`` (where they landed) and compare them,
@@ -189,13 +223,18 @@ def expect_from(
     layout: KVLayout,
     pool: Executor | None,
     timeout_s: float,
+    *,
+    ask: bool = False,
 ) -> Expected | None:
     """What ``load``'s blocks read from ``peer`` into bound ``layout`` must match:
     ``expected`` (the params' digests) or, when the owner keeps them, the owner's, asked
     for now (its head digests, for a head-slice link); a thread of ``pool`` (if any) helps
     hash the blocks. None: the link reads head slices but the digests in the params are of
-    whole blocks, so the load cannot be verified."""
+    whole blocks, so the load cannot be verified. A load its seal's content tag can prove
+    (:func:`proved_by_seal`) asks for nothing, unless ``ask`` (its seal did not hold)."""
     sliced = peer.link.mode is TransferMode.HEAD_SLICE
+    if load.digests_at_owner and not ask and proved_by_seal(load, peer):
+        return replace(expected, by_seal=True, helper=pool)  # no Digests round trip
     if load.digests_at_owner:
         part = head_slices(layout, peer.link.remote_layout)[1] if sliced else None
         expected = fetch_expected(peer, load, timeout_s, part)
@@ -232,3 +271,18 @@ def fetch_from_ranks(peers: Sequence[Peer], load: BlockLoad, timeout_s: float) -
     lease = LeaseId(load.lease_id)
     pending = [p.client.digests_call(lease, timeout_s=timeout_s) for p in peers]
     return Expected.from_ranks(load, pending)
+
+
+def proved_by_seal(load: BlockLoad, peer: Peer | None) -> bool:
+    """Whether a verified load's bytes can be proved by its lease seal's content tag: the
+    owner keeps the digests, the load reads every leased block straight into the KV cache
+    (no staging, no head slices) and the peer has a seal table."""
+    return (
+        peer is not None
+        and load.digests_at_owner
+        and load.whole_lease
+        and bool(load.seal and load.lease_id)
+        and peer.seal_link is not None
+        and peer.staging is None
+        and peer.link.mode is not TransferMode.HEAD_SLICE
+    )

@@ -186,6 +186,7 @@ class VllmWorker:
                 request_id=order.request_id,
                 lease_id=order.lease_id,
                 digests=self._digests(order),
+                seal_key=order.digest_key,
             )
         except Exception as exc:  # e.g. the table is full: decode recomputes, vLLM frees
             log.warning("request %s: could not lease its blocks (%s)", order.request_id, exc)

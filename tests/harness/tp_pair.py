@@ -12,8 +12,9 @@ Started by ``tests/test_tp_ranks.py`` and ``tests/test_attack_nixl_write.py`` th
   closes.
 - ``python -m tests.harness.tp_pair decode TP PARAMS_JSON``: ``TP`` consumer workers plan
   and run the load those params name, wait for every rank to finish, and print one JSON line:
-  per rank what it moved and recomputed, its error and digest mismatches, and which loaded
-  blocks differ from the prefill's KV (byte for byte against the same seeded tensor).
+  per rank what it moved and recomputed, its error and digest mismatches, which loaded
+  blocks differ from the prefill's KV (byte for byte against the same seeded tensor), the
+  path that proved them, and how many ``Digests`` RPCs the process made.
 """
 
 from __future__ import annotations
@@ -126,8 +127,30 @@ def prefill(size: int, port: int) -> int:
     return 0
 
 
+def _count_digests_calls() -> list[int]:
+    """Count the ``Digests`` RPCs this process makes, waited for or sent without waiting
+    (a load proved by its seal's content tag makes none)."""
+    from kvbridge.connector.control import ControlClient
+
+    calls = [0]
+    ask, send = ControlClient.digests, ControlClient.digests_call
+
+    def counted(self: ControlClient, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return ask(self, *args, **kwargs)
+
+    def counted_call(self: ControlClient, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return send(self, *args, **kwargs)
+
+    ControlClient.digests = counted  # type: ignore[method-assign]
+    ControlClient.digests_call = counted_call  # type: ignore[method-assign]
+    return calls
+
+
 def decode(size: int, raw: str) -> int:
     params = json.loads(raw)
+    digests_calls = _count_digests_calls()
     bufs = [torch.zeros((LAYERS, BLOCKS, HEADS // size, BS, 2 * HEAD_SIZE)) for _ in range(size)]
     workers = [_worker("kv_consumer", r, size, 0, bufs[r]) for r in range(size)]
     out: list[dict[str, Any]] = []
@@ -161,11 +184,14 @@ def decode(size: int, raw: str) -> int:
                     "verified": result.verified,
                     "error": result.error,
                     "wrong": wrong,
+                    "path": result.path,
                 }
             )
     finally:
         for w in workers:
             w.close()
+    for rank in out:
+        rank["digests_calls"] = digests_calls[0]  # the process's, all ranks together
     print(json.dumps({"ranks": out}), flush=True)
     return 0
 

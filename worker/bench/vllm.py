@@ -38,10 +38,11 @@ MODELS: dict[str, dict[str, int]] = {
 HYBRID_MODELS = ("gemma3",)
 """Hybrid models (:mod:`kvbridge.worker.vllm.tiny_gemma`: sliding-window + full-attention
 layers, 2 KV heads of 64; vLLM keeps one KV cache group per attention kind)."""
-CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc")
+CONNECTORS = ("kvbridge", "nixl", "kvbridge-blhnc", "kvbridge-noverify")
 """``kvbridge-blhnc``: kvbridge with vLLM's CPU backend made to declare the block-outermost
 ``BLHNC`` layout too (the test-only shim of :mod:`kvbridge.worker.vllm.instance`), so
-kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU default ``LBHNC``."""
+kvbridge's request for it is honoured; plain ``kvbridge`` gets vLLM's CPU default ``LBHNC``.
+``kvbridge-noverify``: ``"verify_loads": false`` on both engines (what verification costs)."""
 DEFAULT_CONNECTORS = ("kvbridge", "nixl")
 BLOCK = 32
 VOCAB = 1024
@@ -69,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--connectors", nargs="+", choices=CONNECTORS, default=list(DEFAULT_CONNECTORS),
         help="connectors to alternate (default kvbridge nixl; kvbridge-blhnc adds kvbridge on "
-        "the block-outermost layout through a test-only shim of vLLM's CPU backend)",
+        "the block-outermost layout through a test-only shim of vLLM's CPU backend; "
+        "kvbridge-noverify adds kvbridge with load verification off)",
     )  # fmt: skip
     p.add_argument(
         "--lengths", nargs="+", choices=("short", "long"), default=["short", "long"],
@@ -143,20 +145,8 @@ def _engines(
 ) -> tuple[Any, Any]:
     from kvbridge.worker import vllm as harness
 
-    shim: tuple[str, ...] = ()
-    if connector.startswith("kvbridge"):
-        shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
-        p_kv = harness.kv_config("kvbridge", "kv_producer", control_port=port)
-        # the decode names its prefill, as a deployment that limits dialing does: it links
-        # to it at start (kvbridge's early link), not at its first load
-        d_kv = harness.kv_config("kvbridge", "kv_consumer", allowed_peers=[f"127.0.0.1:{port}"])
-        p_env: dict[str, str] = {}
-        d_env: dict[str, str] = {}
-    else:
-        p_kv = harness.kv_config("nixl", "kv_producer")
-        d_kv = harness.kv_config("nixl", "kv_consumer")
-        p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-        d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}
+    p_kv, d_kv, p_env, d_env = harness.pair_configs(connector, port)
+    shim = ("BLHNC", "LBHNC") if connector == "kvbridge-blhnc" else ()
     common: dict[str, Any] = {
         "wait": False,
         "max_model_len": max_model_len,

@@ -9,7 +9,7 @@ Gemma-3-style hybrid one (the tests' tiny models of other kinds are in
 that runs *inside* vLLM is :mod:`kvbridge.connector.vllm`.
 """
 
-from kvbridge.worker.vllm.engine import Engine, kv_config, running, tokens
+from kvbridge.worker.vllm.engine import Engine, kv_config, pair_configs, running, tokens
 from kvbridge.worker.vllm.venv import (
     PYTHON,
     RECIPE,
@@ -28,6 +28,7 @@ __all__ = [
     "VenvError",
     "ensure_venv",
     "kv_config",
+    "pair_configs",
     "running",
     "tokens",
     "write_hybrid_model",

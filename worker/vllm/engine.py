@@ -44,6 +44,25 @@ def kv_config(connector: str, role: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def pair_configs(
+    connector: str, port: int
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str], dict[str, str]]:
+    """The prefill's and the decode's ``--kv-transfer-config`` and environment for one
+    connector of ``kvbridge bench vllm`` (``kvbridge``, ``kvbridge-blhnc``,
+    ``kvbridge-noverify``: verification off on both, or ``nixl``), the prefill's side
+    channel on ``port`` (NixlConnector's decode on ``port + 1``)."""
+    if not connector.startswith("kvbridge"):
+        p_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        d_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + 1)}
+        return kv_config("nixl", "kv_producer"), kv_config("nixl", "kv_consumer"), p_env, d_env
+    off = {"verify_loads": False} if connector == "kvbridge-noverify" else {}
+    p_kv = kv_config("kvbridge", "kv_producer", control_port=port, **off)
+    # the decode names its prefill, as a deployment that limits dialing does: it links to it
+    # at start (kvbridge's early link), not at its first load
+    d_kv = kv_config("kvbridge", "kv_consumer", allowed_peers=[f"127.0.0.1:{port}"], **off)
+    return p_kv, d_kv, {}, {}
+
+
 class Engine:
     """One vLLM engine process; use as a context manager (it is closed on exit)."""
 

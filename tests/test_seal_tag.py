@@ -1,0 +1,148 @@
+"""The seal's content tag: what an owner that keeps its blocks' digests writes into the last
+16 bytes of a lease's seal slot, and what a reader that read every leased block recomputes
+(the NIXL round trip itself is in ``test_tp_ranks.py`` and ``test_attack_nixl_write.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvbridge.connector.control.seal import (
+    SEAL_BYTES,
+    TAG_BYTES,
+    SealTable,
+    content_tag,
+    expected_seal,
+    probe_slots,
+    seal_digest,
+)
+from kvbridge.connector.control.seal_reader import SealReader
+from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, new_key
+from kvbridge.proto import BlockHash, BlockId, KVGroup
+
+LEASE = "ab" * 16
+SEAL = seal_digest(
+    {KVGroup.SELF: [BlockId(3), BlockId(1)]}, {KVGroup.SELF: [BlockHash(b"a" * 16)] * 2}
+)
+DIGESTS = {KVGroup.SELF: [b"\x01" * 16, b"\x02" * 16], KVGroup.G0: [b"\x03" * 16]}
+
+
+def test_the_tag_depends_on_the_key_lease_seal_algorithm_and_every_digest() -> None:
+    key = new_key()
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    assert len(tag) == TAG_BYTES and tag == content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    changed = [
+        content_tag(LEASE, SEAL, key ^ 1, ALGO_XXH3, DIGESTS),
+        content_tag("cd" * 16, SEAL, key, ALGO_XXH3, DIGESTS),
+        content_tag(LEASE, bytes(32), key, ALGO_XXH3, DIGESTS),
+        content_tag(LEASE, SEAL, key, ALGO_DEVICE, DIGESTS),
+        content_tag(LEASE, SEAL, key, ALGO_XXH3, {**DIGESTS, KVGroup.G0: [b"\x04" * 16]}),
+        # the same digests in another order, or one group's moved to another group
+        content_tag(LEASE, SEAL, key, ALGO_XXH3, {**DIGESTS, KVGroup.SELF: DIGESTS["self"][::-1]}),
+        content_tag(LEASE, SEAL, key, ALGO_XXH3, {KVGroup.SELF: DIGESTS["self"] + DIGESTS["g0"]}),
+    ]
+    assert tag not in changed and len(set(changed)) == len(changed)
+
+
+def test_groups_without_blocks_and_the_groups_order_do_not_change_the_tag() -> None:
+    key = new_key()
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    reordered = {KVGroup.G0: DIGESTS["g0"], KVGroup.SELF: DIGESTS["self"], KVGroup.CROSS: []}
+    assert content_tag(LEASE, SEAL, key, ALGO_XXH3, reordered) == tag
+
+
+def test_a_tagged_seal_fills_the_slot_and_an_untagged_one_leaves_zeros() -> None:
+    key = new_key()
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    table = SealTable(64)
+    assert table.publish(LEASE, SEAL, tag)
+    (slot,) = [s for s in probe_slots(LEASE, 64) if table._slots[s].any()]
+    written = table._slots[slot].numpy().tobytes()
+    assert written == expected_seal(LEASE, SEAL, tag) and len(written) == SEAL_BYTES
+    assert written[:16] == bytes.fromhex(LEASE) and written[16:48] == SEAL and written[48:] == tag
+    table.retract(LEASE)
+    assert not table._slots.any()
+    assert expected_seal(LEASE, SEAL).endswith(bytes(TAG_BYTES))
+
+
+@pytest.mark.parametrize("tag", [b"\x00" * 15, b"\x00" * 17, b"x"])
+def test_a_tag_of_the_wrong_length_is_refused(tag: bytes) -> None:
+    with pytest.raises(ValueError):
+        expected_seal(LEASE, SEAL, tag)
+    assert not SealTable(8).publish(LEASE, SEAL, tag)
+
+
+class _FakeOwnerLink:
+    """A transport whose READs copy an owner's seal table into the reader's scratch slots
+    (the seal protocol's comparisons, without NIXL)."""
+
+    def __init__(self, table: SealTable) -> None:
+        self.table, self.reads = table, 0
+        self.reader: SealReader | None = None
+
+    def register(self, layout: Any, caches: Any) -> Any:
+        return SimpleNamespace(layout=layout)
+
+    def connect(self, name: str, metadata: bytes, seal: Any, memory: Any) -> Any:
+        return SimpleNamespace(remote_layout=seal)
+
+    def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
+        assert self.reader is not None
+        self.reads += 1
+        for mine, theirs in zip(local, remote, strict=True):
+            self.reader._slots[mine] = self.table._slots[theirs]
+        return SimpleNamespace(  # copied at once: done when posted
+            wait=lambda timeout_s: None, release=lambda: None, poll=lambda: "done"
+        )
+
+
+def _reader(table: SealTable) -> tuple[SealReader, _FakeOwnerLink, Any]:
+    fake = _FakeOwnerLink(table)
+    reader = SealReader(fake, 1)  # type: ignore[arg-type]
+    fake.reader = reader
+    return reader, fake, reader.connect("owner", b"", table.layout)
+
+
+def test_a_seal_written_after_the_first_read_is_waited_for_then_holds() -> None:
+    """vLLM's worker makes the lease an engine step after its scheduler handed out the id: a
+    reader that finds no slot with the lease's nonce READs again until ``wait_s``."""
+    key, table = new_key(), SealTable(64)
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    reader, fake, link = _reader(table)
+    late = threading.Timer(0.05, table.publish, (LEASE, SEAL, tag))
+    late.start()
+    try:
+        assert reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag, wait_s=5.0)
+    finally:
+        late.join()
+    assert fake.reads > 1
+    # without waiting, the same race is the slow path
+    table.retract(LEASE)
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag)
+
+
+def test_a_slot_with_the_nonce_but_another_tag_is_an_answer_at_once() -> None:
+    key, table = new_key(), SealTable(64)
+    tag = content_tag(LEASE, SEAL, key, ALGO_XXH3, DIGESTS)
+    table.publish(LEASE, SEAL, tag)
+    reader, fake, link = _reader(table)
+    assert reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: tag, wait_s=5.0)
+    other = content_tag(LEASE, SEAL, key ^ 1, ALGO_XXH3, DIGESTS)  # junk landed, or no key
+    t0 = time.monotonic()
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: other, wait_s=5.0)
+    assert not reader.holds(link, LEASE, SEAL, 1.0, tag=lambda: None, wait_s=5.0)
+    assert not reader.holds(link, LEASE, bytes(32), 1.0, wait_s=5.0)  # another seal
+    assert time.monotonic() - t0 < 2.0 and fake.reads == 4
+    # a reader that checks no tag compares the nonce and the seal digest only
+    assert reader.holds(link, LEASE, SEAL, 1.0)
+
+
+def test_no_seal_at_all_is_the_slow_path_after_the_wait() -> None:
+    reader, fake, link = _reader(SealTable(64))
+    t0 = time.monotonic()
+    assert not reader.holds(link, LEASE, SEAL, 1.0, wait_s=0.1)
+    assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads > 1
