@@ -182,7 +182,13 @@ class KVBridgeWorker(WorkerConnector):
         remote, spin_until = self._remote, time.perf_counter() + SPIN_S
         for rid, (load, inline) in list(self._state.inline.items()):
             assert remote is not None
-            out = remote.advance(inline, spin_until)  # never raises, never blocks
+            try:
+                out = remote.advance(inline, spin_until)  # never blocks
+            except Exception as exc:  # it catches everything; the last line of defence
+                log.exception("request %s: inline load failed", rid)
+                inline.close()
+                bad = load.local_ids.get(KVGroup.SELF, ())
+                out = load_result(load, 0.0, bad=bad, error=repr(exc), elapsed_ms=0.0)
             if out is None:
                 continue
             del self._state.inline[rid]
