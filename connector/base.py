@@ -89,6 +89,10 @@ class BlockLoad:
     offload_hashes: Sequence[BlockHash] = ()
     """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon
     first; what it lacks comes from the remote engine (or, with no remote, is recomputed)."""
+    offload_groups: Mapping[KVGroup, Sequence[BlockHash]] = field(default_factory=dict)
+    """A hybrid model's load from the offload daemon alone: per attention group (``g<i>``),
+    the daemon's names of ``local_ids[group]`` (the window at the hit's end). Loaded with
+    the ``self`` blocks or not at all: a shortfall recomputes the whole load."""
     remote_request_id: str = ""
     """The request id the remote engine leased the blocks under (its owner looks it up)."""
     first_block: int = 0
@@ -126,7 +130,9 @@ class BlockLoad:
 
 @dataclass(frozen=True, slots=True)
 class BlockStore:
-    """Store a finished request's full ``self`` blocks in the CPU offload daemon."""
+    """Store a finished request's full blocks in the CPU offload daemon: its ``self`` blocks,
+    then a hybrid model's other groups' blocks under their group names (vLLM's groups share
+    their pages, so every block moves as a ``self``-shaped page)."""
 
     request_id: RequestId
     block_ids: Sequence[BlockId]
@@ -148,7 +154,8 @@ class LoadResult:
     bytes_moved: int = 0
     """Bytes the transport read: only layers that own KV ever move."""
     blocks_offloaded: int = 0
-    """``self`` blocks loaded from the CPU offload daemon (not counted in blocks_moved)."""
+    """Blocks loaded from the CPU offload daemon (not counted in blocks_moved): ``self``
+    blocks, and a hybrid model's other groups' blocks of a load from the daemon alone."""
     descriptors: int = 0
     """Transport descriptors the peer READs used (the seal check's not counted)."""
     wire_descriptors: int = 0

@@ -26,8 +26,8 @@ blocks only when the engine names them in ``update_state_after_alloc`` (it
 does not when its own cache already holds that encoder input's blocks) and
 prefill's cross hashes equal the request's.
 
-*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks,
-a sliding window's in-window blocks only (:mod:`kvbridge.connector.windows`).
+*Hybrid models*: each further attention group's blocks travel with the ``self`` blocks (to
+a decode and the offload daemon), a sliding window's in-window ones only (``windows``).
 
 *Prefill* (``do_remote_decode``): when a request whose prompt was computed
 finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
@@ -79,6 +79,7 @@ class _Pending:
     first_block: int
     offload_hashes: tuple[BlockHash, ...] = ()
     """Names of the blocks from ``first_block`` on that the offload daemon holds."""
+    names: tuple[BlockHash, ...] = ()  # offload only: the prompt's names (a hybrid's groups)
 
 
 class KVBridgePlanner(SchedulerConnector):
@@ -145,11 +146,8 @@ class KVBridgePlanner(SchedulerConnector):
         if external <= 0:
             return 0, False
         # blocks the node's offload daemon holds come from there; the rest from prefill
-        names = tuple(
-            request.block_hashes.get(KVGroup.SELF, ())[
-                first : len(params.block_hashes[KVGroup.SELF])
-            ]
-        )
+        end = 0 if self.groups else len(params.block_hashes[KVGroup.SELF])  # hybrid: prefill's
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[first:end])
         hits = self._lookup(names)
         self._pending[request.request_id] = _Pending(params, first, names[:hits])
         return external, True
@@ -166,13 +164,16 @@ class KVBridgePlanner(SchedulerConnector):
     def _offload_hits(self, request: RequestView, first: int) -> tuple[int, bool]:
         """Blocks after the local prefix that the offload daemon holds (no remote prefill)."""
         last = (len(request.prompt_token_ids) - 1) // self.block_size  # keep a token to compute
-        if self.offload_lookup is None or last <= first or self.groups:  # (self blocks only)
+        if self.offload_lookup is None or last <= first:
             return 0, False  # (before naming the blocks: vLLM hashes its prompt on demand)
-        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[first:last])
-        hits = self._lookup(names)
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:last])
+        hits = self._lookup(names[first:])
+        if hits > 0 and self.groups:  # every group's window at the hit's end, or shorter
+            hits = self.groups.offload_hit(names, first, hits, self._lookup) - first
         if hits <= 0:
             return 0, False
-        self._pending[request.request_id] = _Pending(None, first, names[:hits])
+        hashes = names[first : first + hits]
+        self._pending[request.request_id] = _Pending(None, first, hashes, names)
         return hits * self.block_size, True
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> int:
@@ -211,14 +212,17 @@ class KVBridgePlanner(SchedulerConnector):
         k = len(offload_hashes)
         params = pending.params
         if params is None:  # blocks from the offload daemon only
+            ids, named = self.groups.offload_load(block_ids, pending.names, first, first + k)
+            own = tuple(block_ids[KVGroup.SELF][first : first + k])
             self._loads.append(
                 BlockLoad(
                     request_id=request.request_id,
                     remote_engine="",
                     remote_address="",
-                    local_ids={KVGroup.SELF: tuple(block_ids[KVGroup.SELF][first : first + k])},
+                    local_ids={KVGroup.SELF: own, **ids},
                     remote_ids={},
                     offload_hashes=offload_hashes,
+                    offload_groups=named,
                 )
             )
             return
@@ -290,19 +294,13 @@ class KVBridgePlanner(SchedulerConnector):
         """Whether to load prefill's cross blocks: the engine needs them and they are the
         blocks of this request's encoder input."""
         wanted = tuple(block_ids.get(KVGroup.CROSS, ()))
-        if not wanted:
-            return False
         theirs = params.block_hashes.get(KVGroup.CROSS, ())
-        if theirs != tuple(request.block_hashes.get(KVGroup.CROSS, ())) or len(theirs) != len(
-            wanted
-        ):
-            log.info(
-                "request %s: prefill's cross blocks are not this encoder input's; "
-                "computing them here",
-                request.request_id,
-            )
+        mine = tuple(request.block_hashes.get(KVGroup.CROSS, ()))
+        if wanted and (theirs != mine or len(theirs) != len(wanted)):
+            why = "prefill's cross blocks are not this encoder input's; computing them here"
+            log.info("request %s: %s", request.request_id, why)
             return False
-        return True
+        return bool(wanted)
 
     def build_connector_meta(self) -> StepMetadata:
         loads, self._loads = tuple(self._loads), []
@@ -395,5 +393,8 @@ class KVBridgePlanner(SchedulerConnector):
         n = self.issuer.verified_prefix(KVGroup.SELF, ids[: len(hashes)], hashes)
         if n <= 0:
             return False
-        self._stores.append(BlockStore(request.request_id, tuple(ids[:n]), tuple(hashes[:n])))
+        more, named = self.groups.store(block_ids, hashes[:n])  # a hybrid's other groups
+        self._stores.append(
+            BlockStore(request.request_id, (*ids[:n], *more), (*hashes[:n], *named))
+        )
         return True

@@ -15,11 +15,18 @@ tagged with the group (:func:`~kvbridge.connector.handover.group_name`); they tr
 and verified like ``self``'s, and a group not read whole makes the whole request recompute.
 The engine's placeholder for a block it does not hold (vLLM's null block) is never handed
 over or loaded into. Used by the planner (:mod:`kvbridge.connector.planner`) only.
+
+**Offload.** The CPU offload daemon keys a block by its name, so a group's block is stored
+under its group name too (never confused with the ``self`` block of the same position).
+A store takes each group's non-null full blocks (:meth:`AttentionGroups.store`); a prefix
+hit of ``P`` blocks needs every ``self`` block before ``P`` and each group's blocks of the
+window at ``P`` tokens (:meth:`AttentionGroups.offload_hit`: the longest ``P`` all groups
+can serve, like vLLM's own ``HybridKVCacheCoordinator.find_longest_cache_hit``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.connector.handover import group_name
@@ -29,7 +36,11 @@ from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.specs import is_attention_group
 from kvbridge.proto.types import BlockHash, BlockId
 
-__all__ = ["AttentionGroups", "Groups"]
+__all__ = ["MAX_GROUP_LOOKUPS", "AttentionGroups", "Groups"]
+
+MAX_GROUP_LOOKUPS = 8
+"""Lookups one offload plan may ask the daemon for the attention groups' blocks (each miss
+inside a window lowers the candidate prefix to the missing block); past it: no hit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +129,77 @@ class AttentionGroups:
             if digests is not None:
                 digests[g] = params.digests.get(g, ())[offset:]
         return offsets
+
+    def store(
+        self,
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
+        names: Sequence[BlockHash],
+    ) -> tuple[list[BlockId], list[BlockHash]]:
+        """Offload: each group's blocks at the full-block positions ``names`` name (the
+        ``self`` blocks stored), under the group's names; never the engine's null block
+        (a window's dropped positions)."""
+        ids: list[BlockId] = []
+        hashes: list[BlockHash] = []
+        for g in self.windows:
+            mine = block_ids.get(g, ())
+            for pos, name in enumerate(names[: len(mine)]):
+                if mine[pos] != self.null_block:
+                    ids.append(mine[pos])
+                    hashes.append(group_name(g, name))
+        return ids, hashes
+
+    def offload_hit(
+        self,
+        names: Sequence[BlockHash],
+        first: int,
+        hits: int,
+        lookup: Callable[[Sequence[BlockHash]], int],
+    ) -> int:
+        """Offload: the longest prefix ``P`` (in blocks, ``first < P <= first + hits``) that
+        every group can serve from the daemon, or ``first`` (no hit). ``names``: the
+        prompt's full-block names; ``first``: the engine's own prefix hit (it holds each
+        group's blocks of the window before it); ``hits``: the daemon's leading ``self``
+        blocks from ``first``; ``lookup``: the daemon's leading hits of a list of names.
+        A group's blocks of the window at ``P`` tokens must all be in the daemon; a missing
+        one at position ``m`` rules out every ``P > m`` (their windows reach back to it),
+        so the next candidate is ``m``. At most :data:`MAX_GROUP_LOOKUPS` lookups."""
+        p = first + hits
+        asked = 0
+        while p > first:
+            for g in self.windows:
+                lo = max(first, self.start(g, p * self.block_size))
+                want = [group_name(g, n) for n in names[lo:p]]
+                if asked == MAX_GROUP_LOOKUPS:
+                    return first
+                asked += 1
+                got = max(0, min(len(want), lookup(want)))
+                if got < len(want):
+                    p = lo + got
+                    break
+            else:
+                return p
+        return first
+
+    def offload_load(
+        self,
+        block_ids: Mapping[KVGroup, Sequence[BlockId]],
+        names: Sequence[BlockHash],
+        first: int,
+        end: int,
+    ) -> tuple[_Ids, _Names]:
+        """Offload: each group's local blocks to load for a hit of ``end`` blocks after the
+        engine's own ``first``, and their names: the window at ``end`` blocks' tokens, from
+        ``first`` on, without the engine's null blocks (it attends to none there)."""
+        ids: _Ids = {}
+        hashes: _Names = {}
+        for g in self.windows:
+            mine = block_ids.get(g, ())
+            lo = max(first, self.start(g, end * self.block_size))
+            pos = [p for p in range(lo, min(end, len(mine))) if mine[p] != self.null_block]
+            if pos:
+                ids[g] = tuple(mine[p] for p in pos)
+                hashes[g] = tuple(group_name(g, names[p]) for p in pos)
+        return ids, hashes
 
     @staticmethod
     def names_of(params: KVTransferParams) -> dict[KVGroup, tuple[BlockHash, ...]]:

@@ -42,7 +42,7 @@ from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.connector.load.inline import INLINE_LOADS, SPIN_S
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.types import BlockId, LeaseId, RequestId
+from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
@@ -290,6 +290,27 @@ class KVBridgeWorker(WorkerConnector):
         self._state.store_counts = replace(counts, failed=counts.failed + 1)
         log.warning("request %s: offload store failed: %s", rid, error)
 
+    def _load_groups(self, load: BlockLoad, local_self: list[BlockId]) -> LoadResult:
+        """A hybrid model's load from the offload daemon alone: the ``self`` blocks and each
+        group's window in one load (every group's blocks are ``self``-shaped pages); any
+        shortfall fails the whole load (every block recomputed), since a prefix of one
+        group without the other's window is no prefix at all."""
+        assert self.offload is not None
+        group_ids, group_names = _flat_groups(load)
+        ids = local_self + group_ids
+        got = self.offload.load(ids, [*load.offload_hashes, *group_names])  # never raises
+        ok = got.loaded == len(ids)
+        return load_result(
+            load,
+            0.0,
+            requested=len(ids),
+            bad=() if ok else ids,
+            error="" if ok else got.error or f"the daemon held {got.loaded} of {len(ids)} blocks",
+            offloaded=got.loaded if ok else 0,
+            elapsed_ms=got.elapsed_s * 1e3,
+            offload_bad_digest=got.bad_digest,
+        )
+
     def _load(self, load: BlockLoad) -> LoadResult:
         """Blocks from the offload daemon first, the rest from the remote engine."""
         remote = self._remote
@@ -299,6 +320,8 @@ class KVBridgeWorker(WorkerConnector):
             return remote.load(load)
         k = len(load.offload_hashes)
         local_self = list(load.local_ids[KVGroup.SELF])
+        if load.offload_groups:
+            return self._load_groups(load, local_self[:k])
         got = self.offload.load(local_self[:k], list(load.offload_hashes))  # never raises
         m = got.loaded
         if not load.remote_engine:  # nothing to fall back on: recompute what is missing
@@ -341,6 +364,16 @@ def _log_steps(rid: RequestId, started: float, result: LoadResult) -> None:
         "failed" if result.error else "ok",
         result.path or "-",
     )
+
+
+def _flat_groups(load: BlockLoad) -> tuple[list[BlockId], list[BlockHash]]:
+    """A hybrid model's offload load's group blocks and their names, group after group."""
+    ids: list[BlockId] = []
+    names: list[BlockHash] = []
+    for g, hashes in load.offload_groups.items():
+        ids.extend(load.local_ids[g])
+        names.extend(hashes)
+    return ids, names
 
 
 def _skip_self(load: BlockLoad, n: int) -> BlockLoad:

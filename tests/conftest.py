@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.peer import PeerProc, attacker_idle, attacker_peer
 from tests.harness.vllm import SharedPair, shared_pair
 
 os.environ.setdefault("UCX_MODULES", "^ib")
@@ -55,6 +56,22 @@ def tls_files(tmp_path: Path) -> tuple[Path, Path]:
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedPair]:
     """The session's kvbridge P/D pair and plain engine in real vLLM (tests/harness/vllm.py)."""
     yield from shared_pair(tmp_path_factory.mktemp("vllm-pair"))
+
+
+@pytest.fixture(scope="module")
+def attacker_process() -> Iterator[PeerProc]:
+    """One token holder's NIXL agent per module (tests/harness/peer.py: ``attacker_peer``)."""
+    with attacker_peer() as peer:
+        yield peer
+
+
+@pytest.fixture
+def attacker(attacker_process: PeerProc) -> Iterator[PeerProc]:
+    """The module's attacker process; after the test nothing of it is left registered,
+    linked or in flight (each ``forge`` cleans up after itself)."""
+    attacker_idle(attacker_process)
+    yield attacker_process
+    attacker_idle(attacker_process)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -10,10 +10,9 @@ prefill recorded at hand-over, and a block that does not match is recomputed.
 
 from __future__ import annotations
 
-import os
 import random
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ from kvbridge.connector.control import ControlClient, PeerInfo, Role
 from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.connector.control.seal import expected_seal, probe_slots, seal_digest
 from kvbridge.connector.planner import tail_name
-from kvbridge.proto import EngineId, codec
+from kvbridge.proto import EngineId, LeaseId, codec
 from kvbridge.worker.engine import Engine, EngineConfig
 from kvbridge.worker.serving.node_cmd import engine_config_from_args
-from kvbridge.worker.tools import make_encoder_inputs, make_workload
+from kvbridge.worker.tools import check_no_leaks, make_encoder_inputs, make_workload
 from tests.harness.nodes import NodePair, node_args, reference
-from tests.harness.peer import PeerProc, start_peers
+from tests.harness.peer import PeerProc
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +41,26 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(1, 512) for _ in range(n)]
 
 
-@pytest.fixture
-def attacker() -> Iterator[PeerProc]:
-    env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
-    (peer,) = start_peers("mallory", env=env)
+@pytest.fixture(scope="module")
+def _shared_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodePair]:
+    pair = NodePair(
+        tmp_path_factory.mktemp("attack-pair"), node_args(), decode_extra=["--metrics-port", "0"]
+    )
     try:
-        yield peer
+        yield pair
     finally:
-        peer.stop()
+        pair.close()
+
+
+@pytest.fixture
+def pair(_shared_pair: NodePair) -> Iterator[NodePair]:
+    """The module's default prefill/decode pair (decode serves metrics), for the tests that
+    need no other node flags; each uses prompts of its own seeds (nothing another test
+    cached or corrupted is hit), compares metrics as growth, and leaves both nodes as it
+    found them: every pool full and no lease held (checked after the test)."""
+    assert check_no_leaks({"prefill": _shared_pair.prefill, "decode": _shared_pair.decode}) == []
+    yield _shared_pair
+    assert check_no_leaks({"prefill": _shared_pair.prefill, "decode": _shared_pair.decode}) == []
 
 
 def _handshake(control: str, config: Any = None) -> Any:
@@ -88,65 +99,75 @@ def _metric(url: str, name: str) -> float:
     )
 
 
+def _growth(url: str, *names: str) -> Callable[[str], float]:
+    """``names``' values now; call the result for how much each grew since (the shared
+    decode counts every earlier test's loads too)."""
+    before = {name: _metric(url, name) for name in names}
+    return lambda name: _metric(url, name) - before[name]
+
+
+def _release(control: str, params: dict[str, Any]) -> None:
+    """Give back a lease no decode read (what a decode that never came would leave to the
+    lease's expiry; on a slow machine it may have expired already): the shared prefill's
+    pool is full again, which the ``pair`` fixture checks."""
+    with ControlClient(control) as client:
+        client.release(LeaseId(params["lease_id"]))
+
+
 def test_junk_written_into_a_cached_kv_block_is_recomputed_not_decoded(
-    tmp_path: Path, attacker: PeerProc
+    pair: NodePair, attacker: PeerProc
 ) -> None:
     prompt = _prompt(41, 5 * BS + 7)
     (expected,) = reference([prompt], MAX_TOKENS)
-    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
-    try:
-        first = pair.prefill.generate(prompt, 1, "w", {"do_remote_decode": True})
-        params: dict[str, Any] = codec.unpack(first.kv_transfer_params, "KVTransferParams")
-        victim = params["block_ids"]["self"][2]  # the third block of the prompt, in place
-        _forge(attacker, pair.info["prefill"]["control"], victim)
-        rest = pair.decode.generate(prompt + list(first.token_ids), MAX_TOKENS - 1, "w", params)
-        assert list(first.token_ids) + list(rest.token_ids) == expected
-        # blocks 0-1 were verified and kept; the junk block and every later one recomputed
-        assert rest.stats.blocks_moved == 2 and rest.stats.blocks_recomputed >= 4
-        assert "digest" in rest.stats.load_error
-        url = pair.info["decode"]["metrics"]
-        assert _metric(url, "kvbridge_digest_mismatches_total") == 1.0
-        # nothing unverified was cached: an honest request for the same prompt is right
-        again = pair.decode.generate(prompt, MAX_TOKENS, "w-again", None)
-        assert list(again.token_ids) == expected
-    finally:
-        pair.close()
+    grew = _growth(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total")
+    first = pair.prefill.generate(prompt, 1, "w", {"do_remote_decode": True})
+    params: dict[str, Any] = codec.unpack(first.kv_transfer_params, "KVTransferParams")
+    victim = params["block_ids"]["self"][2]  # the third block of the prompt, in place
+    _forge(attacker, pair.info["prefill"]["control"], victim)
+    rest = pair.decode.generate(prompt + list(first.token_ids), MAX_TOKENS - 1, "w", params)
+    assert list(first.token_ids) + list(rest.token_ids) == expected
+    # blocks 0-1 were verified and kept; the junk block and every later one recomputed
+    assert rest.stats.blocks_moved == 2 and rest.stats.blocks_recomputed >= 4
+    assert "digest" in rest.stats.load_error
+    assert grew("kvbridge_digest_mismatches_total") == 1.0
+    # nothing unverified was cached: an honest request for the same prompt is right
+    again = pair.decode.generate(prompt, MAX_TOKENS, "w-again", None)
+    assert list(again.token_ids) == expected
 
 
 def test_a_forged_seal_over_swapped_ids_does_not_make_decode_read_them(
-    tmp_path: Path, attacker: PeerProc
+    pair: NodePair, attacker: PeerProc
 ) -> None:
     a, b = _prompt(50, 4 * BS + 3), _prompt(51, 4 * BS + 3)
     expected_a, _ = reference([a, b], MAX_TOKENS)
-    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
-    try:
-        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
-        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
-        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
-        swapped = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")["block_ids"]
-        params["block_ids"] = swapped  # a's lease and names, b's blocks
-        # the seal decode will expect for those ids under a's names, written into a free
-        # probe slot of a's lease: the seal check alone now passes
-        full = list(params["block_hashes"]["self"])
-        names = {"self": [*full, tail_name(full, a[len(full) * BS :])]}
-        forged = expected_seal(params["lease_id"], seal_digest(swapped, names))
-        peer = _handshake(pair.info["prefill"]["control"])
-        assert peer.seal_layout is not None
-        slots = peer.seal_layout.groups[0].num_blocks
-        attacker.call(
-            "forge",
-            peer=nixl_agent_name(peer.engine_id, 0, 1),
-            metadata=peer.agent_metadata,
-            layout=peer.seal_layout.to_bytes(),
-            block_id=int(probe_slots(params["lease_id"], slots)[3]),
-            payload=forged,
-        )
-        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
-        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
-        assert rest.stats.blocks_recomputed > 0 and "digest" in rest.stats.load_error
-        assert _metric(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total") >= 1
-    finally:
-        pair.close()
+    grew = _growth(pair.info["decode"]["metrics"], "kvbridge_digest_mismatches_total")
+    first_a = pair.prefill.generate(a, 1, "seal-a", {"do_remote_decode": True})
+    first_b = pair.prefill.generate(b, 1, "seal-b", {"do_remote_decode": True})
+    params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+    params_b = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")
+    swapped = params_b["block_ids"]
+    params["block_ids"] = swapped  # a's lease and names, b's blocks
+    # the seal decode will expect for those ids under a's names, written into a free
+    # probe slot of a's lease: the seal check alone now passes
+    full = list(params["block_hashes"]["self"])
+    names = {"self": [*full, tail_name(full, a[len(full) * BS :])]}
+    forged = expected_seal(params["lease_id"], seal_digest(swapped, names))
+    peer = _handshake(pair.info["prefill"]["control"])
+    assert peer.seal_layout is not None
+    slots = peer.seal_layout.groups[0].num_blocks
+    attacker.call(
+        "forge",
+        peer=nixl_agent_name(peer.engine_id, 0, 1),
+        metadata=peer.agent_metadata,
+        layout=peer.seal_layout.to_bytes(),
+        block_id=int(probe_slots(params["lease_id"], slots)[3]),
+        payload=forged,
+    )
+    rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "seal-a", params)
+    assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+    assert rest.stats.blocks_recomputed > 0 and "digest" in rest.stats.load_error
+    assert grew("kvbridge_digest_mismatches_total") >= 1
+    _release(pair.info["prefill"]["control"], params_b)
 
 
 def test_a_rearranged_load_checks_the_staging_copy_before_converting_it(
@@ -220,28 +241,25 @@ def test_with_verification_off_the_junk_is_decoded(tmp_path: Path, attacker: Pee
         pair.close()
 
 
-def test_the_owner_path_checks_the_blocks_it_reads_too(tmp_path: Path, attacker: PeerProc) -> None:
+def test_the_owner_path_checks_the_blocks_it_reads_too(pair: NodePair, attacker: PeerProc) -> None:
     a, b = _prompt(80, 4 * BS + 3), _prompt(81, 4 * BS + 3)
     expected_a, _ = reference([a, b], MAX_TOKENS)
-    pair = NodePair(tmp_path, node_args(), decode_extra=["--metrics-port", "0"])
-    try:
-        first_a = pair.prefill.generate(a, 1, "a", {"do_remote_decode": True})
-        first_b = pair.prefill.generate(b, 1, "b", {"do_remote_decode": True})
-        params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
-        # swapped ids: the seal does not hold, so the owner names a's blocks ...
-        params["block_ids"] = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")[
-            "block_ids"
-        ]
-        # ... one of which holds junk
-        _forge(attacker, pair.info["prefill"]["control"], params_a_block(first_a, 1))
-        rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "a", params)
-        assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
-        assert rest.stats.blocks_moved == 1 and "digest" in rest.stats.load_error
-        url = pair.info["decode"]["metrics"]
-        assert _metric(url, "kvbridge_digest_mismatches_total") == 1
-        assert _metric(url, "kvbridge_loads_total") == 1  # the owner path (no sealed load)
-    finally:
-        pair.close()
+    url = pair.info["decode"]["metrics"]
+    grew = _growth(url, "kvbridge_digest_mismatches_total", "kvbridge_loads_total")
+    first_a = pair.prefill.generate(a, 1, "owner-a", {"do_remote_decode": True})
+    first_b = pair.prefill.generate(b, 1, "owner-b", {"do_remote_decode": True})
+    params = codec.unpack(first_a.kv_transfer_params, "KVTransferParams")
+    params_b = codec.unpack(first_b.kv_transfer_params, "KVTransferParams")
+    # swapped ids: the seal does not hold, so the owner names a's blocks ...
+    params["block_ids"] = params_b["block_ids"]
+    # ... one of which holds junk
+    _forge(attacker, pair.info["prefill"]["control"], params_a_block(first_a, 1))
+    rest = pair.decode.generate(a + list(first_a.token_ids), MAX_TOKENS - 1, "owner-a", params)
+    assert list(first_a.token_ids) + list(rest.token_ids) == expected_a
+    assert rest.stats.blocks_moved == 1 and "digest" in rest.stats.load_error
+    assert grew("kvbridge_digest_mismatches_total") == 1
+    assert grew("kvbridge_loads_total") == 1  # the owner path (no sealed load)
+    _release(pair.info["prefill"]["control"], params_b)
 
 
 def params_a_block(first: Any, i: int) -> int:

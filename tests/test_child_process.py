@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -12,6 +13,7 @@ import pytest
 
 from kvbridge.proto import KVBridgeError
 from kvbridge.worker import ChildProcess, LaunchError, json_object, listening_on
+from kvbridge.worker.child import READY_ENV, READY_TIMEOUT_S, ready_timeout
 
 
 def python(code: str) -> list[str]:
@@ -93,3 +95,43 @@ def test_stderr_goes_to_the_log_file(tmp_path: Path) -> None:
         pass
     assert "hello log" in (tmp_path / "c.log").read_text()
     assert "hello log" in child.log()
+
+
+def test_a_child_that_exits_while_a_grandchild_holds_its_stdout_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    # the grandchild inherits stdout, so the pipe never ends: only the exit says "not ready"
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(g.pid)); sys.exit(4)"
+    )
+    child = ChildProcess(python(code), name="parent")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LaunchError, match="parent exited with 4"):
+            child.wait_ready(60)
+        assert time.monotonic() - t0 < 15  # not the 60 s deadline
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        child.close()
+
+
+def test_the_ready_wait_comes_from_the_environment_or_scales_with_load(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(READY_ENV, "1.5")
+    assert ready_timeout() == (1.5, f"from {READY_ENV}")
+    child = ChildProcess(python("import time; time.sleep(60)"), name="slow")
+    with pytest.raises(LaunchError, match=rf"slow was not ready after 1.5s \(from {READY_ENV}\)"):
+        child.wait_ready()
+    for bad in ("soon", "0", "-3", "inf"):
+        monkeypatch.setenv(READY_ENV, bad)
+        with pytest.raises(LaunchError, match=rf"^{READY_ENV}=.* must be a positive number"):
+            ready_timeout()
+    monkeypatch.delenv(READY_ENV)
+    wait, why = ready_timeout()
+    assert READY_TIMEOUT_S <= wait <= READY_TIMEOUT_S * 5, (wait, why)
+    assert "load average" in why and READY_ENV in why

@@ -7,6 +7,7 @@ counts links, since the peers here have no KV memory to connect to.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from kvbridge.connector.control import ControlClient, ControlServer, PeerInfo, R
 from kvbridge.connector.control.seal import seal_layout
 from kvbridge.connector.load import LinkCache, Peer
 from kvbridge.connector.transport import LocalMemory
+from kvbridge.connector.transport.steps import link_step
 from kvbridge.proto import (
     BlockId,
     IncompatibleLayoutError,
@@ -228,6 +230,63 @@ def test_a_load_waits_for_a_handshake_no_longer_than_its_deadline(
         a.gate.set()
         cache.close()  # waits for the held handshake, then drops its link
     assert counter.disconnected == len(counter.connected)
+
+
+class StuckLoad(LinkCounter):
+    """A transport whose loading of the peer's agent metadata hangs until ``gate`` opens,
+    naming its steps as NixlTransport.connect does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def connect(self, engine: str, metadata: bytes, layout: KVLayout, target: object) -> object:
+        link_step(f"NIXL add_remote_agent (loading {engine}'s agent metadata)")
+        self.gate.wait(WAIT_S)
+        link_step("NIXL descriptor list prep")
+        return super().connect(engine, metadata, layout, target)
+
+
+@pytest.mark.parametrize("stuck_in", ["handshake", "add_remote_agent"])
+def test_a_load_that_gives_up_on_a_link_names_the_step_that_did_not_finish(
+    prefills: dict[str, Prefill], stuck_in: str
+) -> None:
+    a = prefills["prefill-a"]
+    transport = StuckLoad()
+    if stuck_in == "handshake":
+        a.gate.clear()
+    else:
+        a.gate.set()
+    cache = LinkCache(
+        transport,  # type: ignore[arg-type]
+        lambda address, rank: ControlClient(address, timeout_s=5.0),
+        lambda layout: peer(layout, "decode-0", Role.DECODE),
+        LocalMemory(1, LAYOUT, "cpu"),
+        {},
+        None,  # type: ignore[arg-type]
+        handshake_wait_s=0.5,
+    )
+    try:
+        with pytest.raises(TransferTimeoutError) as info:
+            cache.get(a.load())
+    finally:
+        a.gate.set()
+        transport.gate.set()
+        cache.close()
+    message = str(info.value)
+    assert message.startswith("no handshake with prefill-a (TP rank 0) at 127.0.0.1:"), message
+    if stuck_in == "handshake":
+        assert re.search(
+            r"in 0\.5s: the handshake RPC \(dial included\) not finished after", message
+        )
+        assert "add_remote_agent" not in message
+    else:
+        assert re.search(
+            r"in 0\.5s: the handshake RPC \(dial included\) finished in \d+\.\d\ds, "
+            r"NIXL add_remote_agent \(loading prefill-a's agent metadata\) "
+            r"not finished after 0\.\ds$",
+            message,
+        ), message
 
 
 def test_a_new_link_is_warmed_by_a_seal_read_before_any_load_gets_it() -> None:

@@ -65,14 +65,33 @@ def load(w: WorkerProc, ids: list[int], hs: list[bytes]) -> int:
     return int(got["loaded"])
 
 
-@pytest.fixture
-def workers() -> Iterator[list[WorkerProc]]:
+@pytest.fixture(scope="module")
+def _worker_procs() -> Iterator[list[WorkerProc]]:
     procs = start_workers("disk-writer", "disk-reader", "disk-reader2")
     try:
         yield procs  # type: ignore[misc]
     finally:
         for p in procs:
             p.stop()
+
+
+def reset(p: WorkerProc) -> None:
+    """Close ``p``'s client and unregister its memory: its NIXL agent must then hold no
+    link, registration or leaked transfer."""
+    state = p.call("reset")
+    assert (state["links"], state["memories"], state["leaked"]) == (0, 0, 0), (p.name, state)
+
+
+@pytest.fixture
+def workers(_worker_procs: list[WorkerProc]) -> Iterator[list[WorkerProc]]:
+    """The module's three worker processes (one NIXL agent each), which every test sets up
+    afresh against its own daemon; after the test each is reset (client closed, memory
+    unregistered) and must hold no link, registration or leaked transfer."""
+    for p in _worker_procs:
+        reset(p)
+    yield _worker_procs
+    for p in _worker_procs:
+        reset(p)
 
 
 def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(
@@ -102,7 +121,7 @@ def test_evicted_blocks_go_to_disk_and_come_back_bit_exact(
         assert m["disk_bad_digest_blocks_total"] == 0
         assert (m["cached_blocks"], m["disk_blocks"]) == (4, 8)
         for p in (w, reader):
-            p.call("close")
+            reset(p)
     finally:
         d.stop()
 
@@ -119,7 +138,7 @@ def test_a_sigkilled_daemon_restarts_serving_its_disk_and_never_a_corrupt_block(
         for i in range(0, 12, 4):
             store(w, list(range(i, i + 4)), hs[i : i + 4])
         want = w.call("blocks", ids=list(range(12)))["blocks"]
-        w.call("close")
+        reset(w)
     finally:
         d.kill()  # SIGKILL: no orderly shutdown
         d.stop()
@@ -154,7 +173,7 @@ def test_a_sigkilled_daemon_restarts_serving_its_disk_and_never_a_corrupt_block(
         assert load(reader2, list(range(20, 24)), hs[:4]) == 4
         assert reader2.call("blocks", ids=list(range(20, 24)))["blocks"] == want[:4]
         for p in (reader, reader2):
-            p.call("close")
+            reset(p)
     finally:
         d.stop()
 
@@ -185,7 +204,7 @@ def test_pinned_blocks_are_never_demoted(tmp_path: Path, workers: list[WorkerPro
         setup(reader2, d.address, seed=3)
         assert reader2.call("lookup", hashes=rest[:4])["hits"] == 4
         assert reader2.call("lookup", hashes=pinned)["hits"] == 0
-        reader2.call("close")
+        reset(reader2)
     finally:
         d.stop()
 
@@ -209,7 +228,7 @@ def test_disk_lru_drops_the_least_recently_used_blocks(
         assert reader.call("lookup", hashes=hs[:2])["hits"] == 2
         assert metrics(port)["disk_evicted_blocks_total"] == 2
         for p in (w, reader):
-            p.call("close")
+            reset(p)
     finally:
         d.stop()
 
@@ -219,7 +238,11 @@ def test_disk_lru_drops_the_least_recently_used_blocks(
     [
         (["--disk-capacity", "lots"], "--disk-capacity 'lots' is not a size"),
         (["--disk-capacity", "0"], "--disk-capacity '0' must be at least one byte"),
-        (["--disk-capacity", "100B", "--model", "tiny"], "--disk-capacity of 100 bytes holds no"),
+        # a small host pool: the default 8GiB one is allocated (seconds) before the disk opens
+        (
+            ["--disk-capacity", "100B", "--model", "tiny", "--capacity", "1MiB"],
+            "--disk-capacity of 100 bytes holds no",
+        ),
         (["--disk", "/proc/kvbridge-disk"], "--disk '/proc/kvbridge-disk' is not a writable"),
     ],
 )
@@ -306,7 +329,7 @@ def test_the_disk_tier_publishes_its_blocks_with_medium_storage(
         assert set(hs[:4]) <= storage_in and storage_out == set(hs[:2])
         assert {h for k, m, h in got if (k, m) == ("BlockRemoved", "CPU")} >= set(hs[:4])
         for p in (w, reader):
-            p.call("close")
+            reset(p)
     finally:
         d.kill()
         d.stop()

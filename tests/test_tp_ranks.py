@@ -355,12 +355,16 @@ def test_a_tp2_reader_refuses_a_rank_it_does_not_read_from(stack: ExitStack) -> 
     assert counter.connected == []
 
 
+def _skip_without_nixl() -> None:
+    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
+        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
+
+
 @pytest.mark.parametrize("reader_tp", [2, 1])
 def test_head_slice_reads_move_each_ranks_heads_byte_for_byte(reader_tp: int) -> None:
     """Real NIXL READs (in a subprocess, as every NIXL agent in these tests): TP=1 -> TP=2
     ranks each get their half of every page; TP=2 ranks -> TP=1 fill its two halves."""
-    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
-        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
+    _skip_without_nixl()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.harness.head_slices", str(reader_tp)],
         cwd=Path(__file__).resolve().parent.parent,
@@ -445,22 +449,15 @@ class FakeLinks:
         return peer(rank, rank, rank), True
 
 
-@pytest.mark.parametrize(
-    ("holds", "seal", "moved", "released"),
-    [
-        ({0: True, 1: True}, b"s" * 32, 2, [0, 1]),
-        ({0: True, 1: False}, b"s" * 32, 0, [0]),  # rank 1 unproven: recompute all
-        ({0: True, 1: True}, b"", 0, []),  # no seal in the params: no proof, recompute
-    ],
-)
-def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
-    holds: dict[int, bool], seal: bytes, moved: int, released: list[int]
-) -> None:
+def _load_across_ranks(
+    load: BlockLoad, holds: dict[int, bool]
+) -> tuple[Any, FakeSeals, list[list[int]]]:
+    """Run ``load`` across TP ranks 0 and 1 (fake links, seals per ``holds``, READs that
+    succeed): ``(result, seals, the links of each READ call)``."""
     from kvbridge.connector.load import ReadFigures, load_from_ranks
 
-    ids = {"self": (BlockId(4), BlockId(5))}
-    load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
-    seals, reads = FakeSeals(holds), []
+    seals = FakeSeals(holds)
+    reads: list[list[int]] = []
 
     def read(requests: list[Any]) -> list[ReadFigures]:
         reads.append([r.link for r in requests])
@@ -475,6 +472,23 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
         1.0,
         lambda e, p: None,  # type: ignore[arg-type]
     )
+    return result, seals, reads
+
+
+@pytest.mark.parametrize(
+    ("holds", "seal", "moved", "released"),
+    [
+        ({0: True, 1: True}, b"s" * 32, 2, [0, 1]),
+        ({0: True, 1: False}, b"s" * 32, 0, [0]),  # rank 1 unproven: recompute all
+        ({0: True, 1: True}, b"", 0, []),  # no seal in the params: no proof, recompute
+    ],
+)
+def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
+    holds: dict[int, bool], seal: bytes, moved: int, released: list[int]
+) -> None:
+    ids = {"self": (BlockId(4), BlockId(5))}
+    load = BlockLoad(RequestId("r"), ENGINE, "a:1", ids, ids, "c" * 32, seal=seal, remote_tp_size=2)
+    result, seals, reads = _load_across_ranks(load, holds)
     assert result.blocks_moved == moved and seals.released == released
     assert result.bad_block_ids == (() if moved else ids["self"])
     if seal:  # every rank's slices posted in one go, then every rank's seal in one go
@@ -482,8 +496,6 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
 
 
 def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unverified() -> None:
-    from kvbridge.connector.load import ReadFigures, load_from_ranks
-
     ids = {"self": (BlockId(4), BlockId(5))}
     load = BlockLoad(
         RequestId("r"),
@@ -497,28 +509,33 @@ def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unv
         digest_key=7,
         digests={"self": (b"d" * 16, b"e" * 16)},
     )
-    seals, reads = FakeSeals({0: True, 1: True}), []
-
-    def read(requests: list[Any]) -> list[ReadFigures]:
-        reads.append([r.link for r in requests])
-        return [ReadFigures(len(r.local) * 8, len(r.local), len(r.local), 0.001) for r in requests]
-
-    result = load_from_ranks(
-        load,
-        [0, 1],
-        FakeLinks(),
-        seals,
-        read,
-        1.0,
-        lambda e, p: None,  # type: ignore[arg-type]
-    )
+    result, _, reads = _load_across_ranks(load, {0: True, 1: True})
     # one rank's whole-block digests cannot check slices of several: nothing is read, every
     # block recomputed (a vLLM owner keeps per-rank and per-head digests instead)
     assert result.blocks_moved == 0 and result.bad_block_ids == ids["self"] and reads == []
     assert "cannot be verified" in result.error
 
 
-# ----- heterogeneous TP, verified: real NIXL, one process per side -------------------------
+# ----- verified hand-overs: real NIXL, one process per side -------------------------------
+CLEAN = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "error": "", "wrong": []}
+"""A rank's report of a load in which every block came over, byte for byte."""
+
+
+def _verified_handover(prefill_tp: int, decode_tp: int) -> list[dict[str, Any]]:
+    """A vLLM-like prefill of ``prefill_tp`` ranks hands a request over with verification on
+    (the default: its digests stay with it); a decode of ``decode_tp`` ranks loads it. Each
+    decode rank's report (tests/harness/tp_pair.py)."""
+    _skip_without_nixl()
+    from tests.harness.tp_pair import Prefill, run_decode
+
+    prefill = Prefill(prefill_tp)
+    try:
+        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
+        return run_decode(decode_tp, prefill.params)
+    finally:
+        prefill.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
 def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
@@ -528,28 +545,12 @@ def test_a_heterogeneous_tp_load_with_a_digest_key_is_verified_and_loads(
     default); a decode of the other reads its head slices and checks them against the
     digests each prefill rank recorded: per head (decode TP bigger) or each rank's whole
     pages (decode TP smaller). Every block loads, byte for byte."""
-    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
-        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
-    from tests.harness.tp_pair import Prefill, run_decode
-
-    prefill = Prefill(prefill_tp)
-    try:
-        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
-        ranks = run_decode(decode_tp, prefill.params)
-    finally:
-        prefill.close()
+    ranks = _verified_handover(prefill_tp, decode_tp)
     assert len(ranks) == decode_tp
     for got in ranks:
         assert got.pop("path") in ("sealed", "owner")
         assert got.pop("digests_calls") >= 1, ranks  # head slices: the owner's digests
-        assert got == {
-            "moved": 4,
-            "bad": [],
-            "mismatches": 0,
-            "verified": True,
-            "error": "",
-            "wrong": [],
-        }, ranks
+        assert got == CLEAN, ranks
 
 
 @pytest.mark.slow
@@ -561,15 +562,5 @@ def test_a_same_tp_verified_load_is_proved_by_its_seal_without_asking_for_digest
     lease's seal with them under the hand-over's key; a decode of the same TP size that reads
     every leased block checks what landed against that tag: every block loads, byte for
     byte, on the sealed path, and no ``Digests`` round trip is made."""
-    if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13", "nixl")):
-        pytest.skip("needs NIXL (nixl-cu12 or nixl-cu13)")
-    from tests.harness.tp_pair import Prefill, run_decode
-
-    prefill = Prefill(tp)
-    try:
-        assert prefill.params["digest_key"] is not None and prefill.params["digests_at_owner"]
-        ranks = run_decode(tp, prefill.params)
-    finally:
-        prefill.close()
-    clean = {"moved": 4, "bad": [], "mismatches": 0, "verified": True, "error": "", "wrong": []}
-    assert ranks == [{**clean, "path": "sealed", "digests_calls": 0}] * tp, ranks
+    ranks = _verified_handover(tp, tp)
+    assert ranks == [{**CLEAN, "path": "sealed", "digests_calls": 0}] * tp, ranks

@@ -221,7 +221,7 @@ def test_layers_go_to_their_vllm_groups_and_kv_sharing_layers_to_their_targets()
         layer_groups(config, GROUPS, layers, {"l3": "l1"})
 
 
-def test_vllm_groups_names_them_and_refuses_several_with_an_offload_daemon() -> None:
+def test_vllm_groups_names_them_by_vllms_index_and_the_full_group_is_self() -> None:
     def spec(name: str, window: int | None) -> Any:
         cls = type(name, (), {})
         out = cls()
@@ -236,7 +236,5 @@ def test_vllm_groups_names_them_and_refuses_several_with_an_offload_daemon() -> 
         ]
     )
     assert vllm_groups(config, "M") == (("g0", "self"), {"g0": 32})
-    with pytest.raises(ConfigError, match="--disable-hybrid-kv-cache-manager"):
-        vllm_groups(config, "M", offload=True)
     one = SimpleNamespace(kv_cache_groups=config.kv_cache_groups[1:])
-    assert vllm_groups(one, "M", offload=True) == (("self",), {})
+    assert vllm_groups(one, "M") == (("self",), {})

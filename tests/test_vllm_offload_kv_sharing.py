@@ -9,7 +9,8 @@ their full blocks (those its generated tokens completed included); a fresh *read
 them from the daemon and must produce the writer's tokens. The same at TP=2 with
 ``gemma4-kv2`` (2 KV heads, one per rank): every rank stores and loads its own. The
 engines run with vLLM's hybrid KV cache manager off (``--disable-hybrid-kv-cache-manager``):
-the daemon keeps one KV cache group's blocks, and kvbridge refuses offload with several.
+one KV cache group whose block is both owning layers' pages (with the hybrid groups kept:
+``test_vllm_offload_hybrid.py``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, An
                 startup_timeout_s=600.0,
                 log_stats=tp > 1,
                 tp=tp,
-                # the daemon keeps one KV cache group's blocks: kvbridge refuses offload
-                # with vLLM's hybrid KV cache groups, so they are turned off here
+                # one KV cache group: a block is both owning layers' pages (the hybrid
+                # groups kept: test_vllm_offload_hybrid.py)
                 llm_args={"disable_hybrid_kv_cache_manager": True},
             )
             for core, name in enumerate(("writer", "reader"))

@@ -15,8 +15,6 @@ block is caught.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +23,7 @@ from kvbridge.connector.control import ControlClient, PeerInfo, Role
 from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.proto import EngineId, KVLayout
 from kvbridge.worker import vllm as harness
-from tests.harness.peer import PeerProc, start_peers
+from tests.harness.peer import PeerProc
 from tests.harness.vllm import SharedPair
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -93,16 +91,6 @@ def test_no_blocks_held_after_decode_released_them(engines: dict[str, harness.En
     assert prefill["leases"] == 0 and prefill["held_requests"] == 0
     assert prefill["blocks_in_use"] == 0, prefill
     assert engines["decode"].call(cmd="drain", timeout_s=10)["blocks_in_use"] == 0
-
-
-@pytest.fixture
-def attacker() -> Iterator[PeerProc]:
-    env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
-    (peer,) = start_peers("mallory", env=env)
-    try:
-        yield peer
-    finally:
-        peer.stop()
 
 
 def _forge(attacker: PeerProc, engines: dict[str, harness.Engine], block: int) -> None:

@@ -35,6 +35,10 @@ PROMPTS = [PREFIX + [100 + i] * (i + 3) for i in range(4)]  # 3 blocks each
 OTHER_FIRST = [9, *PREFIX[1:], 100, 100, 100]  # PROMPTS[0] with another first token
 TP1_TO_TP2 = [[7, *range(200, 260), 300 + i] for i in range(2)]
 TP2_TO_TP1 = [[8, *range(400, 460), 500 + i] for i in range(2)]
+LINK_PROMPT = [[6, *range(600, 660)]]
+"""Handed over once per pair before any test: it makes the pair's links (no prefix in
+common with the tests' prompts)."""
+LINK_TRIES = 4
 MAX_TOKENS = 4
 TTL_S = 30
 """Prefill leases: long enough for a first load that pays the handshake on a loaded machine;
@@ -79,7 +83,31 @@ def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
         ),
     }
     with harness.running(started) as engines:
+        # every pair's links are made here, before any test counts its loads: a test then
+        # measures its own loads over warm links, whichever test runs first and however
+        # long a first link takes on a loaded machine
+        _link(engines["prefill"], engines["decode"], tmp / "decode.log", port, (0, 1))
+        _link(engines["tp1"], engines["decode"], tmp / "decode.log", port + 100, (0, 0))
+        _link(engines["prefill"], engines["tp1"], tmp / "tp1.log", port, (0, 1))
+        for producer in ("prefill", "tp1"):  # leases of a warm-up that gave up: expired
+            held = engines[producer].call(cmd="drain", timeout_s=TTL_S + 10)
+            assert held["blocks_in_use"] == 0, (producer, held)
         yield {**engines, "port": port}, tmp
+
+
+def _link(
+    producer: harness.Engine, consumer: harness.Engine, log: Path, port: int, ranks: tuple[int, ...]
+) -> None:
+    """Hand :data:`LINK_PROMPT` over from ``producer`` to ``consumer`` until the consumer's
+    log shows a link to each of the producer's ranks it reads (control ``port + rank``). A
+    load that gave up waiting for its link recomputes, and the link is still made behind it
+    for the next try."""
+    want = [rf"connected to \S+ at 127\.0\.0\.1:{port + rank} " for rank in ranks]
+    for _ in range(LINK_TRIES):
+        consumer.generate(LINK_PROMPT, 1, _handed_over(producer, LINK_PROMPT))
+        if all(re.search(w, log.read_text()) for w in want):
+            return
+    raise AssertionError(f"no link to {want} after {LINK_TRIES} tries: {log.read_text()[-3000:]}")
 
 
 def _handed_over(prefill: harness.Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:

@@ -13,6 +13,13 @@ helper processes), :func:`json_object` (``kvbridge serve`` prints its addresses
 as one JSON object) and :func:`listening_on` (the daemons' ``... listening on
 HOST:PORT`` banner).
 
+How long a child may take to print its ready line: ``ready_timeout_s`` when the
+owner gives one, else :data:`READY_ENV` (seconds) when set, else
+:data:`READY_TIMEOUT_S` stretched by the machine's load (a child of kvbridge's
+imports torch and NIXL first: over a minute at load average 25 on two cores). A
+child that exits before it is ready fails the wait at once, whatever the deadline
+(also when a grandchild keeps its stdout open).
+
 Teardown never leaks: :meth:`ChildProcess.close` (also on ``__exit__`` and when
 readiness fails) resumes a stopped child, asks it to end, kills it after a
 grace period, joins the reader thread and closes every pipe and file.
@@ -36,11 +43,28 @@ from typing import IO, Any
 from kvbridge.proto.closing import Closing
 from kvbridge.proto.errors import KVBridgeError
 
-__all__ = ["ChildProcess", "LaunchError", "json_object", "listening_on", "ready_prefix"]
+__all__ = [
+    "READY_ENV",
+    "READY_TIMEOUT_S",
+    "ChildProcess",
+    "LaunchError",
+    "json_object",
+    "listening_on",
+    "ready_prefix",
+    "ready_timeout",
+]
 
 ReadyTest = Callable[[str], "dict[str, Any] | None"]
 
 READY = "READY "
+READY_TIMEOUT_S = 120.0
+"""The default wait for a ready line on an idle machine; :func:`ready_timeout` stretches it
+up to :data:`MAX_LOAD_STRETCH` times while the machine is loaded."""
+MAX_LOAD_STRETCH = 5.0
+READY_ENV = "KVBRIDGE_READY_TIMEOUT_S"
+"""Environment variable: the wait for a child's ready line in seconds (not stretched)."""
+EXIT_POLL_S = 0.25
+"""How often a wait for the ready line checks whether the child has exited."""
 
 
 class LaunchError(KVBridgeError, RuntimeError):
@@ -83,6 +107,31 @@ def listening_on(line: str) -> dict[str, Any] | None:
     return {"address": rest[0].rstrip(",") if rest else "", "banner": line}
 
 
+def ready_timeout(base_s: float = READY_TIMEOUT_S) -> tuple[float, str]:
+    """The default wait for a ready line and why it is that long: :data:`READY_ENV` if set,
+    else ``base_s`` times the 1-minute load average per CPU (1 to
+    :data:`MAX_LOAD_STRETCH`). LaunchError if the variable is not a positive number."""
+    raw = os.environ.get(READY_ENV)
+    if raw is not None:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value < float("inf"):
+            raise LaunchError(
+                f"{READY_ENV}={raw!r} must be a positive number of seconds (e.g. 300), "
+                "or unset for the load-scaled default"
+            )
+        return value, f"from {READY_ENV}"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    stretch = min(MAX_LOAD_STRETCH, max(1.0, load / max(1, cpus or 1)))
+    return base_s * stretch, (
+        f"{base_s:g}s x {stretch:.1f} for load average {load:.1f} on {cpus} CPU(s); "
+        f"set {READY_ENV} to wait longer"
+    )
+
+
 class ChildProcess(Closing):
     """A started child; :meth:`wait_ready` (or ``with``) waits for its readiness line."""
 
@@ -98,11 +147,14 @@ class ChildProcess(Closing):
         stdin: bool = False,
         keep_stdout: bool = False,
         core: int | None = None,
-        ready_timeout_s: float = 60.0,
+        ready_timeout_s: float | None = None,
+        ready_base_s: float = READY_TIMEOUT_S,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.ready_timeout_s = ready_timeout_s
+        self.ready_base_s = ready_base_s
+        """The idle-machine wait :func:`ready_timeout` stretches when no timeout is given."""
         self.info: dict[str, Any] | None = None
         self._test = ready
         self._keep_stdout = keep_stdout
@@ -160,11 +212,24 @@ class ChildProcess(Closing):
 
     def wait_ready(self, timeout_s: float | None = None) -> dict[str, Any]:
         """The ready info; closes the child and raises :class:`LaunchError` if it exits,
-        prints a malformed ready line, or says nothing within the deadline."""
+        prints a malformed ready line, or says nothing within the deadline (``timeout_s``,
+        else the one given at start, else :func:`ready_timeout`'s)."""
         if self.info is not None:
             return self.info
         timeout = self.ready_timeout_s if timeout_s is None else timeout_s
-        self._event.wait(timeout)
+        why_long = ""
+        if timeout is None:
+            timeout, why_long = ready_timeout(self.ready_base_s)
+        deadline = time.monotonic() + timeout
+        while not self._event.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._event.wait(min(EXIT_POLL_S, left)):
+                break
+            if self.proc.poll() is not None:  # exited, its stdout still open elsewhere
+                self._event.wait(0.5)  # a ready line already in the pipe still counts
+                break
         if self.info is not None:
             return self.info
         if self._event.is_set() and self._error is None:  # stdout ended: it is exiting
@@ -175,7 +240,7 @@ class ChildProcess(Closing):
             if self._error is not None
             else f"exited with {self.proc.poll()}"
             if self.proc.poll() is not None
-            else f"was not ready after {timeout:g}s"
+            else f"was not ready after {timeout:g}s" + (f" ({why_long})" if why_long else "")
         )
         self.close(grace_s=0)
         raise LaunchError(f"{self.name} {why}: {' '.join(self.argv)}\n{self.log()[-3000:]}")

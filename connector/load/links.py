@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import BlockLoad
 from kvbridge.connector.control.peers import nixl_agent_name
 from kvbridge.connector.control.seal_reader import SealReader
+from kvbridge.connector.load.rank_check import check_rank
+from kvbridge.connector.transport.steps import LinkSteps, link_step, link_steps
 from kvbridge.proto.errors import (
     KVBridgeError,
     OutOfBlocksError,
@@ -45,7 +47,7 @@ from kvbridge.proto.errors import (
     TransferTimeoutError,
 )
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.negotiate import TransferMode, source_ranks
+from kvbridge.proto.negotiate import TransferMode
 from kvbridge.proto.types import BlockId, EngineId, RequestId
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ ClientFactory = Callable[[str, int], "ControlClient"]
 
 EARLY_LINK_TRIES = 20
 """Handshakes tried with a peer named at start (pauses 0.5 s doubling to 5 s: ~1.5 min)."""
+HANDSHAKE_STEP = "the handshake RPC (dial included)"
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
 
@@ -139,8 +142,9 @@ class LinkCache:
         self._staging: dict[tuple[str, ...], Staging] = {}
         self._staging_lock = threading.Lock()
         self._peers: dict[tuple[EngineId, int], Peer] = {}
-        self._pending: dict[tuple[EngineId, int, str], Future[Peer]] = {}
-        """Handshakes in flight, by (engine, address): loads from it wait for this one."""
+        self._pending: dict[tuple[EngineId, int, str], tuple[Future[Peer], LinkSteps]] = {}
+        """Handshakes in flight, by (engine, rank, address): loads from it wait for this one;
+        with where it stands."""
         self._handshakes = ThreadPoolExecutor(max_handshakes, thread_name_prefix="kvb-handshake")
         self._wait_s = handshake_wait_s
         self._warm_s = warm_timeout_s
@@ -204,13 +208,13 @@ class LinkCache:
                 return peer, True
             if self._closed:
                 raise PeerError("the link cache is closed")
-            pending = self._start(load, rank)
+            pending, steps = self._start(load, rank)
         try:
             return pending.result(timeout=self._wait_s), False
         except FutureTimeout:
             raise TransferTimeoutError(
-                f"no handshake with {load.remote_engine} at {load.remote_address} "
-                f"in {self._wait_s:.1f}s"
+                f"no handshake with {load.remote_engine} (TP rank {rank}) at "
+                f"{load.remote_address} in {self._wait_s:.1f}s: {steps.stuck()}"
             ) from None
         except CancelledError:
             raise PeerError("the link cache closed during the handshake") from None
@@ -223,23 +227,29 @@ class LinkCache:
         peer = self._peers.get((EngineId(load.remote_engine), rank))
         return peer if peer is not None and peer.address == load.remote_address else None
 
-    def _start(self, load: BlockLoad, rank: int) -> Future[Peer]:
+    def _start(self, load: BlockLoad, rank: int) -> tuple[Future[Peer], LinkSteps]:
         """The handshake with ``load``'s engine's rank ``rank`` at its address, started if
         none is pending (call with the lock held)."""
         key = (EngineId(load.remote_engine), rank, load.remote_address)
         pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[key] = self._handshakes.submit(self._connect, load, rank)
+            steps = LinkSteps("waiting for a handshake thread", always=HANDSHAKE_STEP)
+            future = self._handshakes.submit(self._connect, load, rank, steps)
+            pending = self._pending[key] = (future, steps)
         return pending
 
-    def _connect(self, load: BlockLoad, rank: int) -> Peer:
+    def _connect(self, load: BlockLoad, rank: int, steps: LinkSteps) -> Peer:
         """Handshake and link on the handshake pool; the new link replaces the engine's old
         one only once the engine proved itself."""
         engine = (EngineId(load.remote_engine), rank)
         key = (EngineId(load.remote_engine), rank, load.remote_address)
         try:
-            client, hs = self._handshake(load, rank)
-            fresh = self._link(load, client, hs, rank)
+            with link_steps(steps.enter):
+                steps.enter(HANDSHAKE_STEP)
+                client, hs = self._handshake(load, rank)
+                fresh = self._link(load, client, hs, rank)
+                steps.enter("done")
+            log.info("link to %s (TP rank %d) made: %s", load.remote_engine, rank, steps.done())
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)
@@ -321,7 +331,7 @@ class LinkCache:
                     f"{load.remote_address} is engine {hs.peer.engine_id!r}, but the request "
                     f"names {load.remote_engine!r}; not reading from it"
                 )
-            _check_rank(self._memory.layout, hs.peer.layout, client.address, load, rank)
+            check_rank(self._memory.layout, hs.peer.layout, client.address, load, rank)
         except BaseException:
             client.close()
             raise
@@ -339,10 +349,12 @@ class LinkCache:
                 target = staging.memory
             remote = hs.peer.layout
             agent = nixl_agent_name(hs.peer.engine_id, remote.tp_rank, remote.tp_size)
+            link_step("connecting the transport")
             link = self.transport.connect(agent, hs.peer.agent_metadata, remote, target)
             made.append(link)
             seal_link = None
             if hs.peer.seal_layout is not None:
+                link_step("connecting the seal table link")
                 try:
                     seal_link = self._seal_reader.connect(
                         agent, hs.peer.agent_metadata, hs.peer.seal_layout
@@ -353,6 +365,7 @@ class LinkCache:
             if seal_link is not None:
                 made.append(seal_link)
                 # the endpoint's wireup: here, once, not inside the first loads' READs
+                link_step("the warm-up READ of a seal slot")
                 warm_ms = self._seal_reader.warm(seal_link, self._warm_s) * 1e3
         except BaseException:
             for made_link in made:
@@ -383,18 +396,3 @@ class LinkCache:
                 free = {g: [BlockId(i) for i in range(n)] for g, n in counts.items()}
                 staging = self._staging[remote.order] = Staging(memory, caches, free)
             return staging
-
-
-def _check_rank(
-    local: KVLayout, remote: KVLayout, address: str, load: BlockLoad, rank: int
-) -> None:
-    """The peer must be TP rank ``rank`` of the TP size the load names, and ``rank`` one
-    this worker reads from (:func:`source_ranks`): any other rank holds other KV heads
-    (wrong tokens), so the load fails closed."""
-    want = source_ranks(local.tp_rank, local.tp_size, load.remote_tp_size)
-    if (remote.tp_size, remote.tp_rank) != (load.remote_tp_size, rank) or rank not in want:
-        raise PeerError(
-            f"{address} is TP rank {remote.tp_rank} of {remote.tp_size}; this worker (TP rank "
-            f"{local.tp_rank} of {local.tp_size}) reads rank(s) {want} of "
-            f"{load.remote_tp_size}: its blocks hold other KV heads; not reading from it"
-        )

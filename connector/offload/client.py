@@ -44,7 +44,13 @@ import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
 from kvbridge.connector.offload.moves import BlockMover, load_digests
-from kvbridge.connector.offload.session import GROUP, Session, checked_slots, handshake
+from kvbridge.connector.offload.session import (
+    GROUP,
+    Session,
+    check_shared_pages,
+    checked_slots,
+    handshake,
+)
 from kvbridge.connector.offload.types import (
     OffloadClientConfig,
     OffloadLoadResult,
@@ -93,6 +99,7 @@ class OffloadClient(Closing):
     ) -> None:
         """``caches``: the tensors of ``local``; with them a pool in another inner order
         (``REARRANGE``) is used through a staging cache, without them it is refused."""
+        check_shared_pages(local.layout)
         self.config = config
         self._transport = transport
         self._local = local

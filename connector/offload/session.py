@@ -27,9 +27,10 @@ from kvbridge.connector.control.types import (
 )
 from kvbridge.connector.offload.staging import Staging
 from kvbridge.proto import offload_pb2 as pb
-from kvbridge.proto.errors import IncompatibleLayoutError, WireError
-from kvbridge.proto.layout import KVGroup
+from kvbridge.proto.errors import ConfigError, IncompatibleLayoutError, WireError
+from kvbridge.proto.layout import KVGroup, KVLayout
 from kvbridge.proto.negotiate import TransferMode, negotiate
+from kvbridge.proto.specs import is_attention_group
 from kvbridge.proto.types import EngineId
 
 if TYPE_CHECKING:
@@ -40,12 +41,13 @@ if TYPE_CHECKING:
     from kvbridge.connector.offload.types import OffloadClientConfig
     from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
 
-__all__ = ["GROUP", "Session", "checked_slots", "handshake"]
+__all__ = ["GROUP", "Session", "check_shared_pages", "checked_slots", "handshake"]
 
 log = logging.getLogger(__name__)
 
 GROUP = KVGroup.SELF
-"""The only group the daemon holds."""
+"""The group whose pages the daemon holds: a hybrid model's other attention groups are
+stored as ``self``-shaped pages too (:func:`check_shared_pages`)."""
 
 Call = Callable[[str, Any, float | None], Any]
 
@@ -116,6 +118,40 @@ def handshake(
         resp.capacity_blocks,
     )
     return Session(resp.instance, resp.session, daemon, link, staging)
+
+
+def check_shared_pages(layout: KVLayout) -> None:
+    """ConfigError unless every attention group (``g<i>``) of ``layout`` sees the very pages
+    of ``self``: the same regions, block count and strides (vLLM's hybrid KV cache groups
+    with equal page sizes: tensor ``i`` holds layer ``i`` of every group). Then a group's
+    block ``b`` is the bytes of ``self``'s block ``b``, and the offload daemon's
+    ``self``-shaped slots hold every group's blocks, each under its group's name."""
+    if not layout.regions:
+        return  # not bound to memory: nothing to move yet
+
+    def pages(group: KVGroup) -> list[tuple[int, int, str]]:
+        return sorted(
+            (r.addr, r.length, r.device)
+            for r in map(layout.regions.__getitem__, layout.regions_of(group))
+        )
+
+    mine = pages(GROUP)
+    for g in layout.groups:
+        if not is_attention_group(g.name):
+            continue
+        theirs = pages(g.name)
+        if (
+            theirs != mine
+            or g.num_blocks != layout.group(GROUP).num_blocks
+            or layout.strides(g.name) != layout.strides(GROUP)
+        ):
+            raise ConfigError(
+                f"offload_address: KV cache group {g.name!r} does not share the pages of "
+                f"group 'self' ({len(theirs)} regions, {g.num_blocks} blocks; 'self': "
+                f"{len(mine)}, {layout.group(GROUP).num_blocks}), and the offload daemon "
+                "keeps self-shaped pages only; run without offload_address, or start vLLM "
+                "with --disable-hybrid-kv-cache-manager"
+            )
 
 
 def checked_slots(

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -179,9 +180,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._head_size = model.get_head_size()
         # vLLM keeps its hybrid KV cache manager on (SupportsHMA): a KV cache group kind
         # kvbridge cannot move is refused here, at startup
-        self._groups, windows = vllm_groups(
-            kv_cache_config, _architecture(model), bool(self._cfg.connector.offload_address)
-        )
+        self._groups, windows = vllm_groups(kv_cache_config, _architecture(model))
         self._kv_cache_config = kv_cache_config
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
@@ -283,8 +282,21 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         sending, receiving = self.worker.get_finished()
         return (set(sending) or None), (set(receiving) or None)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and with several KV cache groups the receives that failed:
+        vLLM maps failed block ids back to requests for one group only (block ids repeat
+        across groups), so a hybrid model's failed load is reported by request and vLLM
+        recomputes it whole."""
+        sending, receiving = self.worker.get_finished()
+        failed = self.worker.take_failed()  # taken every step, used with several groups
+        failed = failed if len(self._groups) > 1 else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending), finished_recving=set(receiving), failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return {int(b) for b in self.worker.load_errors()}
+        bad = {int(b) for b in self.worker.load_errors()}
+        return set() if len(self._groups) > 1 else bad  # several groups: get_transfer_results
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This step's loads (vLLM calls it every step, on both halves; the scheduler has

@@ -149,22 +149,14 @@ def vllm_group_kinds(kv_cache_config: Any) -> list[GroupKind]:
 
 
 def vllm_groups(
-    kv_cache_config: Any, architecture: str, offload: bool = False
+    kv_cache_config: Any, architecture: str
 ) -> tuple[tuple[KVGroup, ...], dict[KVGroup, int | None]]:
     """kvbridge's name of each of vLLM's KV cache groups (by vLLM's index: ``self`` for the
     main full-attention group, ``g<i>`` for the others) and the others' sliding windows
-    (:func:`plan_groups`: raises ConfigError for a group kind kvbridge cannot move). With
-    ``offload`` (an offload daemon is configured) several groups are refused: the daemon
-    keeps one group's blocks."""
+    (:func:`plan_groups`: raises ConfigError for a group kind kvbridge cannot move). The
+    offload daemon keeps every group's blocks, each under its group's names."""
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
         return (KVGroup.SELF,), {}
-    if offload:
-        raise ConfigError(
-            f"kvbridge's offload daemon keeps the blocks of one KV cache group, and vLLM "
-            f"keeps {len(kv_cache_config.kv_cache_groups)} for {architecture} (its hybrid KV "
-            "cache manager): start vLLM with --disable-hybrid-kv-cache-manager to offload, "
-            "or without offload_address"
-        )
     main, windows = plan_groups(vllm_group_kinds(kv_cache_config), architecture)
     count = len(kv_cache_config.kv_cache_groups)
     names = tuple(KVGroup.SELF if i == main else attention_group(i) for i in range(count))

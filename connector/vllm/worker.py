@@ -122,6 +122,7 @@ class VllmWorker:
         self.stats = TransferStats()
         """Loads since vLLM last collected them (``get_kv_connector_stats``, every step)."""
         self._sends = _Sends()
+        self._failed: set[RequestId] = set()
 
     # ----- start-up ------------------------------------------------------------------------
     def register(
@@ -236,6 +237,8 @@ class VllmWorker:
                 if result is not None:
                     self._keep_result(rid, result)
                     self.stats.record(result)
+                    if result.bad_block_ids:
+                        self._failed.add(rid)
         return self._sends.done([*released, *stored]), receiving
 
     def _keep_result(self, rid: RequestId, result: LoadResult) -> None:
@@ -248,6 +251,12 @@ class VllmWorker:
     def pending_sends(self) -> int:
         """Finished requests whose blocks are still held for a decode peer or a store."""
         return len(self._sends)
+
+    def take_failed(self) -> set[RequestId]:
+        """Requests reported in ``get_finished`` whose load left blocks to recompute, since
+        the last call (a hybrid model's engine recomputes such a request whole)."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     def load_errors(self) -> set[BlockId]:
         return set() if self.loader is None else self.loader.get_block_ids_with_load_errors()

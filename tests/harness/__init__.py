@@ -3,7 +3,8 @@
 - ``frames``: the length-prefixed msgpack protocol between a test and a helper process,
   and the helper side's loop (``READY {json}`` on stdout, then frames);
 - ``peer``: :class:`PeerProc`, the test side of one helper process (a
-  :class:`kvbridge.worker.ChildProcess`), and :func:`start_peers`;
+  :class:`kvbridge.worker.ChildProcess`), :func:`start_peers`, and the attack tests'
+  token holder (:func:`attacker_peer`, behind the ``attacker`` fixture);
 - ``transport_peer`` / ``offload_worker``: the helper processes (``python -m``), a
   transport or an :class:`~kvbridge.connector.offload.OffloadClient` each;
 - ``offload``: the offload daemon and offload workers as processes;

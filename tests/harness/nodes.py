@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.worker.engine import Engine, EngineConfig
-from kvbridge.worker.serving import EngineClient, Router, start_node
+from kvbridge.worker.serving import EngineClient, Router, node_process
 
 
 def node_args(**overrides: Any) -> argparse.Namespace:
@@ -47,25 +47,29 @@ class NodePair:
         self.args = args
         self._stack = ExitStack()
         try:
-            self.prefill_proc, pinfo = self._stack.enter_context(
-                start_node("prefill", args, prefill_order or args.order, tmp, None, prefill_extra)
-            )
-            self.decode_proc, dinfo = self._stack.enter_context(
-                start_node(
+            # both start at once (each imports torch and NIXL: seconds of CPU apiece)
+            procs = {
+                "prefill": node_process(
+                    "prefill", args, prefill_order or args.order, tmp, None, prefill_extra
+                ),
+                "decode": node_process(
                     "decode",
                     args,
                     decode_order or args.decode_order or args.order,
                     tmp,
                     None,
                     decode_extra,
-                )
-            )
-            self.info = {"prefill": pinfo, "decode": dinfo}
+                ),
+            }
+            for proc in procs.values():
+                self._stack.callback(proc.close)
+            self.prefill_proc, self.decode_proc = procs["prefill"], procs["decode"]
+            self.info = {name: proc.wait_ready() for name, proc in procs.items()}
             """Each node's ready info (``inference``, ``control``, ``metrics`` with
             ``--metrics-port``)."""
-            self.prefill = EngineClient(pinfo["inference"], timeout_s=60)
+            self.prefill = EngineClient(self.info["prefill"]["inference"], timeout_s=60)
             self._stack.callback(self.prefill.close)
-            self.decode = EngineClient(dinfo["inference"], timeout_s=60)
+            self.decode = EngineClient(self.info["decode"]["inference"], timeout_s=60)
             self._stack.callback(self.decode.close)
         except BaseException:
             self._stack.close()

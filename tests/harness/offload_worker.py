@@ -153,6 +153,19 @@ class Worker:
     def op_stats(self) -> dict[str, Any]:
         return {"stats": self._c().stats()}
 
+    def op_reset(self) -> dict[str, Any]:
+        """Close the client and unregister the memory but keep the NIXL agent, so that one
+        process serves test after test (the next ``setup`` starts afresh); returns what the
+        transport still holds, all zero when nothing leaked."""
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if getattr(self, "memory", None) is not None:
+            self.transport.unregister(self.memory)
+            del self.memory
+        t = self.transport
+        return {"links": len(t._links), "memories": len(t._registrations), "leaked": len(t._leaked)}
+
     def op_close(self) -> dict[str, Any]:
         if self.client is not None:
             self.client.close()

@@ -6,9 +6,12 @@ The test process loads no NIXL: each transport lives in its own
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +125,26 @@ def start_peers(
             p.stop()
         raise
     return peers
+
+
+@contextmanager
+def attacker_peer(name: str = "mallory") -> Iterator[PeerProc]:
+    """A token holder's own NIXL agent (a ``transport_peer`` process) for the attack tests:
+    its ``forge`` op WRITEs junk into a remote memory a handshake described. Each ``forge``
+    unregisters what it registered, so one process serves any number of tests; the caller
+    checks :func:`attacker_idle` after each."""
+    env = {**os.environ, "UCX_MODULES": os.environ.get("UCX_MODULES", "^ib")}
+    (peer,) = start_peers(name, env=env)
+    try:
+        yield peer
+    finally:
+        peer.stop()
+
+
+def attacker_idle(peer: PeerProc) -> dict[str, Any]:
+    """The attacker's transport state once a test is done: no transfer pending or leaked,
+    no link or memory left over (``forge`` cleans up after itself)."""
+    state = peer.call("state")
+    assert state["pending"] == 0 and state["leaked"] == 0, state
+    assert state["links"] == 0 and state["memories"] == 0, state
+    return state

@@ -156,6 +156,8 @@ class Peer:
             "links_down": sum(1 for s in t._links.values() if s.down is not None),
             "dlists": sum(len(s.dlists) for s in t._links.values()),
             "peers": sorted(t._peers),
+            "links": len(t._links),
+            "memories": len(t._registrations),
         }
 
     def op_forge(
@@ -172,28 +174,37 @@ class Peer:
         ``block_id`` of a remote memory described by ``layout`` (a KV cache or a seal table),
         with the agent metadata a handshake gave it. ``claim``: the layout of the memory it
         writes from (default ``layout``); one of another TP size writes a head slice of
-        each of the block's pages (``HEAD_SLICE``)."""
+        each of the block's pages (``HEAD_SLICE``). The link and the memory are gone
+        again when it returns: one attacker process serves test after test."""
         remote = KVLayout.from_bytes(layout)
         mine = remote if claim is None else KVLayout.from_bytes(claim)
         kv = mine.allocate()
         memory = self.transport.register(mine, kv)
-        self.memories.append((memory, kv))
-        bound = memory.layout
-        spans = list(bound.block_spans(group, block_id))
-        total = sum(s.length for s in spans)
-        data = (payload * (total // len(payload) + 1))[:total]
-        pos = 0
-        for span in spans:
-            region = bound.regions[span.region]
-            ctypes.memmove(region.addr + span.offset, data[pos : pos + span.length], span.length)
-            pos += span.length
-        link = self.transport.connect(peer, metadata, remote, memory)
-        self.links.append(link)
-        handle = self.transport.write_blocks(link, group, [block_id], [block_id], timeout_s=10)
         try:
-            handle.wait()
+            bound = memory.layout
+            spans = list(bound.block_spans(group, block_id))
+            total = sum(s.length for s in spans)
+            data = (payload * (total // len(payload) + 1))[:total]
+            pos = 0
+            for span in spans:
+                region = bound.regions[span.region]
+                ctypes.memmove(
+                    region.addr + span.offset, data[pos : pos + span.length], span.length
+                )
+                pos += span.length
+            link = self.transport.connect(peer, metadata, remote, memory)
+            try:
+                handle = self.transport.write_blocks(
+                    link, group, [block_id], [block_id], timeout_s=10
+                )
+                try:
+                    handle.wait()
+                finally:
+                    handle.release()
+            finally:
+                self.transport.disconnect(link)
         finally:
-            handle.release()
+            self.transport.unregister(memory)
         return {"nbytes": total}
 
     def op_close(self) -> dict[str, Any]:

@@ -203,6 +203,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    auth = read_auth(args)
+    capacity = parse_bytes(args.capacity)
+    check_memory(capacity, args.capacity)
+    # the flags checked without the server's modules (they import torch: seconds): a bad
+    # size or path is reported at once
+    disk_path = None if args.disk is None else check_disk_dir(args.disk)
+    disk_capacity = parse_bytes(args.disk_capacity, "--disk-capacity")
+
     from kvbridge.connector.events import MEDIUM_CPU
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
     from kvbridge.proto.layout import parse_order
@@ -211,9 +219,6 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.offload.pool import pool_key
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
-    auth = read_auth(args)
-    capacity = parse_bytes(args.capacity)
-    check_memory(capacity, args.capacity)
     layout = None
     if args.preset is not None:
         layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
@@ -229,8 +234,8 @@ def run(args: argparse.Namespace) -> int:
         max_pinned_per_writer=args.max_pinned_per_writer,
         max_sessions=args.max_sessions,
         idle_timeout_s=args.idle_timeout,
-        disk_path=None if args.disk is None else check_disk_dir(args.disk),
-        disk_capacity_bytes=parse_bytes(args.disk_capacity, "--disk-capacity"),
+        disk_path=disk_path,
+        disk_capacity_bytes=disk_capacity,
     )
     metrics_config = (
         None

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from kvbridge.worker.serving.inference import GenerateResult
     from kvbridge.worker.serving.launch import (
         OffloadDaemonProcess,
+        node_process,
         start_node,
         start_offload_daemon,
     )
@@ -47,6 +48,7 @@ _HOME = {
     "RoutedResult": "router",
     "Router": "router",
     "RouterConfig": "router",
+    "node_process": "launch",
     "start_node": "launch",
     "start_offload_daemon": "launch",
 }
@@ -63,6 +65,7 @@ __all__ = [
     "RoutedResult",
     "Router",
     "RouterConfig",
+    "node_process",
     "start_node",
     "start_offload_daemon",
 ]

@@ -15,7 +15,13 @@ from pathlib import Path
 from kvbridge.worker.child import ChildProcess, json_object, listening_on
 from kvbridge.worker.serving.node_cmd import engine_model_flags
 
-__all__ = ["OffloadDaemonProcess", "node_command", "start_node", "start_offload_daemon"]
+__all__ = [
+    "OffloadDaemonProcess",
+    "node_command",
+    "node_process",
+    "start_node",
+    "start_offload_daemon",
+]
 
 
 def node_command(
@@ -48,6 +54,37 @@ def node_command(
     ]
 
 
+def node_process(
+    name: str,
+    args: argparse.Namespace,
+    order: str,
+    workdir: Path,
+    core: int | None,
+    extra: list[str] | None = None,
+    *,
+    role: str | None = None,
+    token: str | None = None,
+) -> ChildProcess:
+    """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``; log in
+    ``workdir/NAME.log``) without waiting for it: its ``wait_ready()`` (or ``with``) gives
+    its ready info (``inference``, ``control``, ``engine_id``), so several nodes start at
+    once. ``token`` reaches the node as ``$KVBRIDGE_TOKEN`` (not on its command line, where
+    ``ps`` would show it)."""
+    role = role or name
+    env = {"OMP_NUM_THREADS": "1"}
+    if token is not None:
+        env["KVBRIDGE_TOKEN"] = token
+    return ChildProcess(
+        node_command(name, args, order, role, extra or []),
+        name=f"{role} node {name}",
+        ready=json_object,
+        env=env,
+        log=workdir / f"{name}.log",
+        core=core,
+        ready_timeout_s=args.startup_timeout,
+    )
+
+
 @contextmanager
 def start_node(
     name: str,
@@ -60,23 +97,9 @@ def start_node(
     role: str | None = None,
     token: str | None = None,
 ) -> Iterator[tuple[ChildProcess, dict[str, str]]]:
-    """Start ``kvbridge serve --role ROLE`` (ROLE defaults to ``name``; log in
-    ``workdir/NAME.log``) and yield (process, its ready info: ``inference``, ``control``,
-    ``engine_id``) once it serves; always stops it. ``token`` reaches the node as
-    ``$KVBRIDGE_TOKEN`` (not on its command line, where ``ps`` would show it)."""
-    role = role or name
-    env = {"OMP_NUM_THREADS": "1"}
-    if token is not None:
-        env["KVBRIDGE_TOKEN"] = token
-    with ChildProcess(
-        node_command(name, args, order, role, extra or []),
-        name=f"{role} node {name}",
-        ready=json_object,
-        env=env,
-        log=workdir / f"{name}.log",
-        core=core,
-        ready_timeout_s=args.startup_timeout,
-    ) as proc:
+    """:func:`node_process`, then yield (process, its ready info) once it serves; always
+    stops it."""
+    with node_process(name, args, order, workdir, core, extra, role=role, token=token) as proc:
         assert proc.info is not None
         yield proc, proc.info
 

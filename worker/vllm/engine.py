@@ -12,7 +12,7 @@ import json
 import subprocess
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,10 @@ __all__ = ["PREFIX", "Engine", "kv_config", "running", "tokens"]
 
 PREFIX = "KVB-JSON "
 """Answer lines of the instance start with this (vLLM logs to stdout too)."""
+
+
+STARTUP_BASE_S = 240.0
+"""An engine's wait for its ready line on an idle machine (stretched by load)."""
 
 
 def kv_config(connector: str, role: str, **extra: Any) -> dict[str, Any]:
@@ -74,7 +78,7 @@ class Engine:
         kv: dict[str, Any] | None = None,
         log: Path | None = None,
         env: dict[str, str] | None = None,
-        startup_timeout_s: float = 240.0,
+        startup_timeout_s: float | None = None,
         wait: bool = True,
         log_stats: bool = False,
         max_model_len: int | None = None,
@@ -88,7 +92,10 @@ class Engine:
         backend is made to declare before the engine is built (``--cpu-kv-layouts``).
         ``kv_events``: vLLM's ``--kv-events-config``. ``tokenizer``: load the model's
         tokenizer (prompts are token ids either way; Whisper's processor needs one).
-        ``llm_args``: more ``vllm.LLM`` keyword arguments (``--llm-args``)."""
+        ``llm_args``: more ``vllm.LLM`` keyword arguments (``--llm-args``).
+        ``startup_timeout_s``: the wait for the engine's ready line; by default
+        :data:`STARTUP_BASE_S` stretched by the machine's load (or ``KVBRIDGE_READY_TIMEOUT_S``,
+        see :func:`kvbridge.worker.child.ready_timeout`)."""
         cmd = [str(PYTHON), "-m", "kvbridge.worker.vllm.instance", "--model", str(model)]
         if max_model_len is not None:
             cmd += ["--max-model-len", str(max_model_len)]
@@ -130,8 +137,10 @@ class Engine:
             keep_stdout=True,
             core=core,
             ready_timeout_s=startup_timeout_s,
+            ready_base_s=STARTUP_BASE_S,
         )
         self.ready: dict[str, Any] | None = None
+        self._quit_sent = False
         if wait:
             self.wait_ready()
 
@@ -155,8 +164,14 @@ class Engine:
     def call(self, timeout_s: float = 300.0, **cmd: Any) -> dict[str, Any]:
         """Send one command and read its answer; a child that stays silent for ``timeout_s``
         is killed (the read then ends) and :class:`TimeoutError` raised."""
+        self._send(cmd)
+        return self._answer(timeout_s)
+
+    def _send(self, cmd: dict[str, Any]) -> None:
         self.child.stdin.write((json.dumps(cmd) + "\n").encode())
         self.child.stdin.flush()
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
         timer = threading.Timer(timeout_s, self.child.kill)
         timer.start()
         try:
@@ -176,11 +191,23 @@ class Engine:
     def kill(self) -> None:
         self.child.kill()
 
+    def quit(self) -> None:
+        """Ask a running engine to end without waiting for it (:meth:`close` waits), so that
+        several engines shut down at once."""
+        if self.child.poll() is None and self.ready is not None and not self._quit_sent:
+            with suppress(OSError):
+                self._send({"cmd": "quit"})
+            self._quit_sent = True
+
     def close(self) -> None:
-        """``quit``, then whatever it takes: the process is gone afterwards."""
+        """``quit`` (unless :meth:`quit` asked already), then whatever it takes: the process
+        is gone afterwards."""
         if self.child.poll() is None and self.ready is not None:
             try:
-                self.call(cmd="quit", timeout_s=10)
+                if not self._quit_sent:
+                    self._send({"cmd": "quit"})
+                    self._quit_sent = True
+                self._answer(10)
                 self.child.wait(20)
             except (OSError, RuntimeError, TimeoutError, subprocess.TimeoutExpired):
                 pass
@@ -201,6 +228,8 @@ def running(engines: dict[str, Engine]) -> Iterator[dict[str, Engine]]:
             engine.wait_ready()
         yield engines
     finally:
+        for engine in engines.values():  # all shut down at once, then each is waited for
+            engine.quit()
         for engine in engines.values():
             engine.close()
 

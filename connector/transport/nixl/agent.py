@@ -12,11 +12,20 @@ a waiting transfer polls its own state, and a small background thread of
 ours (``progress_interval_s``, sleeping between polls, stopped by
 :meth:`NixlAgent.stop_progress`) polls notifications, which also progresses
 UCX for peers that READ from us over TCP.
+
+Before the agent is made, :func:`reserve_fd_table` grows the process's file
+descriptor table to :data:`FD_TABLE_SLOTS`: Linux grows it on the first open
+past its size and, in a process of several threads, waits for an RCU grace
+period there, which took 13-25 s on the loaded 2-core machine. UCX opens files
+while NIXL loads a peer's metadata (``add_remote_agent``), so a vLLM rank with a
+full table paid that wait inside its first link (see DESIGN-NOTES.md, "Link set-up
+under load"). The table never shrinks: grown once at start, no link waits for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -32,9 +41,52 @@ if TYPE_CHECKING:
 
     from kvbridge.proto.layout import Region
 
-__all__ = ["NixlAgent"]
+__all__ = ["FD_TABLE_SLOTS", "NixlAgent", "fd_table_size", "reserve_fd_table"]
 
 log = logging.getLogger(__name__)
+
+FD_TABLE_SLOTS = 4096
+"""File descriptor table slots reserved before the agent is made (capped by the soft
+``RLIMIT_NOFILE``): 32 KiB of kernel memory."""
+
+
+def fd_table_size() -> int | None:
+    """This process's file descriptor table size (``FDSize`` in ``/proc/self/status``);
+    None where there is no such file."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("FDSize:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reserve_fd_table(slots: int = FD_TABLE_SLOTS) -> int | None:
+    """Grow the file descriptor table to ``slots`` now (one descriptor at ``slots - 1``,
+    opened and closed), so that no later open waits for the kernel to grow it; capped
+    below the soft ``RLIMIT_NOFILE``. Returns the table size after, if known."""
+    try:
+        import fcntl
+        import resource
+    except ImportError:  # not Linux/Unix: nothing to reserve
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = slots if soft == resource.RLIM_INFINITY else min(slots, soft)
+    size = fd_table_size()
+    if size is not None and size >= top:
+        return size
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        # the lowest free descriptor at or above ``top - 1``: never one in use
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, top - 1)
+        os.close(high)
+    except OSError as exc:
+        log.debug("could not reserve %d descriptor slots: %r", top, exc)
+    finally:
+        os.close(fd)
+    return fd_table_size()
 
 
 class NixlAgent:
@@ -47,6 +99,7 @@ class NixlAgent:
 
     def __init__(self, config: NixlConfig) -> None:
         api = load_nixl()
+        reserve_fd_table()
         self._config = config
         self.lock = threading.RLock()
         self._agent: Any = api.nixl_agent(

@@ -56,6 +56,7 @@ from kvbridge.connector.transport.nixl_descs import (
     slice_table,
     strided_table,
 )
+from kvbridge.connector.transport.steps import link_step
 from kvbridge.proto.errors import LayoutError, TransferError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import TransferMode, head_slices
@@ -192,7 +193,9 @@ class NixlTransport(Transport):
             self._check_open()
             if local.memory_id not in self._registrations:
                 raise LayoutError(f"local memory {local.memory_id} was unregistered meanwhile")
+            link_step(f"NIXL add_remote_agent (loading {peer_name}'s agent metadata)")
             self._load_peer(peer_name, peer_metadata)
+            link_step(f"NIXL descriptor list prep for {peer_name}")
             t0 = time.perf_counter()
             dlists = self._nixl.prep_dlists(
                 peer_name, local_tables, local.device, remote_tables, remote_layout.regions
