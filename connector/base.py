@@ -179,6 +179,9 @@ class LoadResult:
     hand-over (each is recomputed, with every later ``self`` block)."""
     verified: bool = False
     """Whether the blocks read were checked against digests."""
+    steps: tuple[tuple[str, float], ...] = ()
+    """``(step, time.perf_counter())`` as the load passed each of its steps on this side, for
+    the step timing logged at DEBUG by ``kvbridge.connector.load.steps``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,15 @@ the engine's registration with a :class:`~kvbridge.connector.transport.Transport
 :mod:`kvbridge.connector.control.seal`) and a listener for leases readers give
 back by notification.
 
-Each :class:`BlockLoad` of a step becomes a job on a small thread pool, so
-``start_load_kv`` never blocks the engine on the network: blocks the offload
-daemon holds come from there first, the rest from the remote engine
-(:class:`~kvbridge.connector.load.RemoteLoader` says how, fail closed).
+A :class:`BlockLoad` whose links are made is driven from the engine's own
+thread: ``start_load_kv`` posts its READs and each ``get_finished`` polls it on,
+never blocking (:mod:`kvbridge.connector.load.inline`: no hand-off of the
+interpreter lock to another thread on a load's path). Any other load (a new
+link, blocks from the offload daemon, the owner path, a retry) becomes a job on
+a small thread pool, so ``start_load_kv`` never blocks the engine on the
+network: blocks the offload daemon holds come from there first, the rest from
+the remote engine (:class:`~kvbridge.connector.load.RemoteLoader` says how,
+fail closed).
 Each store becomes a job too, reported once in ``done_sending`` when over.
 Nothing here raises into the engine's step.
 """
@@ -17,6 +22,7 @@ Nothing here raises into the engine's step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -33,6 +39,7 @@ from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.releases import ReleaseListener
 from kvbridge.connector.control.seal import SealTable
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
+from kvbridge.connector.load.inline import INLINE_LOADS, SPIN_S
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
+    from kvbridge.connector.load.inline import InlineLoad
     from kvbridge.connector.offload.client import OffloadClient, OffloadStoreResult
     from kvbridge.connector.transport.base import LocalMemory, Transport
     from kvbridge.proto.layout import KVLayout
@@ -48,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["KVBridgeWorker", "LoadResult", "StoreCounts"]
 
 log = logging.getLogger(__name__)
+steps_log = logging.getLogger("kvbridge.connector.load.steps")
+"""At DEBUG: one line per load, the time each of its steps took (see :func:`_log_steps`)."""
 
 
 SEAL_SLOTS = 4096
@@ -67,6 +77,10 @@ class StoreCounts:
 @dataclass(slots=True)
 class _State:
     jobs: dict[RequestId, tuple[BlockLoad, Future[LoadResult]]] = field(default_factory=dict)
+    inline: dict[RequestId, tuple[BlockLoad, InlineLoad]] = field(default_factory=dict)
+    """Loads driven from the engine's thread (polled in ``get_finished``)."""
+    started: dict[RequestId, float] = field(default_factory=dict)
+    """When ``start_load_kv`` took each load under way (``time.perf_counter()``)."""
     stores: dict[RequestId, Future[OffloadStoreResult]] = field(default_factory=dict)
     bad: set[BlockId] = field(default_factory=set)
     results: dict[RequestId, LoadResult] = field(default_factory=dict)
@@ -136,8 +150,17 @@ class KVBridgeWorker(WorkerConnector):
     def start_load_kv(self, metadata: StepMetadata) -> None:
         if self._remote is not None:  # handshakes with new peers start now, once per peer
             self._remote.connect_ahead(metadata.loads)
+        state = self._state
         for load in metadata.loads:
-            self._state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
+            state.started[load.request_id] = time.perf_counter()
+            inline = None
+            offload = bool(load.offload_hashes) and self.offload is not None
+            if self._remote is not None and not offload and len(state.inline) < INLINE_LOADS:
+                inline = self._remote.start(load)
+            if inline is not None:
+                state.inline[load.request_id] = (load, inline)
+            else:
+                state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:
             self._state.stores[store.request_id] = self._pool.submit(self._store, store)
 
@@ -156,6 +179,24 @@ class KVBridgeWorker(WorkerConnector):
         self, finished_request_ids: set[RequestId]
     ) -> tuple[set[RequestId], set[RequestId]]:
         done: set[RequestId] = set()
+        remote, spin_until = self._remote, time.perf_counter() + SPIN_S
+        for rid, (load, inline) in list(self._state.inline.items()):
+            assert remote is not None
+            try:
+                out = remote.advance(inline, spin_until)  # never blocks
+            except Exception as exc:  # it catches everything; the last line of defence
+                log.exception("request %s: inline load failed", rid)
+                inline.close()
+                bad = load.local_ids.get(KVGroup.SELF, ())
+                out = load_result(load, 0.0, bad=bad, error=repr(exc), elapsed_ms=0.0)
+            if out is None:
+                continue
+            del self._state.inline[rid]
+            if callable(out):  # the owner path or a failure's handling: on the pool
+                self._state.jobs[rid] = (load, self._pool.submit(out))
+                continue
+            self._finished(rid, out)
+            done.add(rid)
         for rid, (load, job) in list(self._state.jobs.items()):
             if not job.done():
                 continue
@@ -171,8 +212,7 @@ class KVBridgeWorker(WorkerConnector):
                     error=repr(exc),
                     elapsed_ms=0.0,
                 )
-            self._state.results[rid] = result
-            self._state.bad.update(result.bad_block_ids)
+            self._finished(rid, result)
             done.add(rid)
         # a store that is over, failed or not, is reported once in done_sending: the engine
         # may free its blocks now (the daemon never publishes a block whose store failed)
@@ -180,6 +220,13 @@ class KVBridgeWorker(WorkerConnector):
         for rid in sent:
             self._store_finished(rid, self._state.stores.pop(rid))
         return sent, done
+
+    def _finished(self, rid: RequestId, result: LoadResult) -> None:
+        self._state.results[rid] = result
+        self._state.bad.update(result.bad_block_ids)
+        started = self._state.started.pop(rid, None)
+        if started is not None and steps_log.isEnabledFor(logging.DEBUG):
+            _log_steps(rid, started, result)
 
     def get_block_ids_with_load_errors(self) -> set[BlockId]:
         bad, self._state.bad = self._state.bad, set()
@@ -198,6 +245,9 @@ class KVBridgeWorker(WorkerConnector):
     def close(self) -> None:
         if self._release_listener is not None:
             self._release_listener.close()
+        for _, inline in self._state.inline.values():  # their leases expire
+            inline.close()
+        self._state.inline.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self.offload is not None:
             self.offload.close()
@@ -294,6 +344,26 @@ class KVBridgeWorker(WorkerConnector):
             blocks_offloaded=m,
             offload_bad_digest=got.bad_digest,
         )
+
+
+def _log_steps(rid: RequestId, started: float, result: LoadResult) -> None:
+    """One DEBUG line: how long each step of a load took, in ms, from ``start_load_kv``
+    (``started``) to ``get_finished`` reporting it. ``start`` is the wait for a pool thread
+    (0 when the engine's thread drove it), ``reported`` the wait for ``get_finished`` after
+    the verdict."""
+    now, last, parts = time.perf_counter(), started, []
+    for step, at in result.steps:
+        parts.append(f"{step} {(at - last) * 1e3:.3f}")
+        last = max(last, at)
+    parts.append(f"reported {(now - last) * 1e3:.3f}")
+    steps_log.debug(
+        "request %s: load steps (ms): %s; total %.3f (%s, path %s)",
+        rid,
+        ", ".join(parts),
+        (now - started) * 1e3,
+        "failed" if result.error else "ok",
+        result.path or "-",
+    )
 
 
 def _flat_groups(load: BlockLoad) -> tuple[list[BlockId], list[BlockHash]]:

@@ -14,13 +14,13 @@ import pytest
 from kvbridge.connector.control.seal import (
     SEAL_BYTES,
     TAG_BYTES,
-    SealReader,
     SealTable,
     content_tag,
     expected_seal,
     probe_slots,
     seal_digest,
 )
+from kvbridge.connector.control.seal_reader import SealReader
 from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, new_key
 from kvbridge.proto import BlockHash, BlockId, KVGroup
 
@@ -95,7 +95,9 @@ class _FakeOwnerLink:
         self.reads += 1
         for mine, theirs in zip(local, remote, strict=True):
             self.reader._slots[mine] = self.table._slots[theirs]
-        return SimpleNamespace(wait=lambda timeout_s: None, release=lambda: None)
+        return SimpleNamespace(  # copied at once: done when posted
+            wait=lambda timeout_s: None, release=lambda: None, poll=lambda: "done"
+        )
 
 
 def _reader(table: SealTable) -> tuple[SealReader, _FakeOwnerLink, Any]:

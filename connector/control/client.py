@@ -43,7 +43,7 @@ from kvbridge.proto.layout import KVGroup, parse_group
 from kvbridge.proto.negotiate import Negotiation, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
-__all__ = ["ControlClient", "HandshakeResult"]
+__all__ = ["ControlClient", "DigestsCall", "HandshakeResult"]
 
 Resp = TypeVar("Resp")
 
@@ -175,7 +175,19 @@ class ControlClient(Closing):
         """The block digests the owner recorded for hand-over lease ``lease_id``; LeaseError
         (NOT_FOUND) if it recorded none."""
         req = pb.DigestsRequest(lease_id=lease_id)
-        resp: pb.DigestsResponse = self._call("Digests", req, timeout_s, retry=True)
+        return self._digests_from(self._call("Digests", req, timeout_s, retry=True))
+
+    def digests_call(self, lease_id: LeaseId, *, timeout_s: float | None = None) -> DigestsCall:
+        """:meth:`digests`, sent now without waiting: gRPC's own thread takes the answer, no
+        thread of ours runs the call (:class:`DigestsCall`: ``done`` never blocks)."""
+        if self._closed:
+            raise ControlPlaneError("Digests: the client is closed", code="CANCELLED")
+        timeout = timeout_s or self.timeout_s
+        req = pb.DigestsRequest(lease_id=lease_id)
+        call = self._stub.Digests.future(req, timeout=timeout, metadata=self._metadata)
+        return DigestsCall(self, lease_id, call, time.monotonic() + timeout)
+
+    def _digests_from(self, resp: pb.DigestsResponse) -> HandOverDigests:
         groups = _digest_groups(resp.groups)
         heads = _digest_groups(resp.head_groups)
         for g, d in heads.items():
@@ -288,3 +300,39 @@ def _digest_groups(got: Iterable[pb.GroupHashes]) -> dict[KVGroup, tuple[bytes, 
             raise WireError(f"digests reply: bad or repeated group {group!r}")
         groups[group] = tuple(bytes(d) for d in g.hashes)
     return groups
+
+
+class DigestsCall:
+    """A Digests RPC in flight (:meth:`ControlClient.digests_call`). ``result`` waits for
+    it; one that failed as ``UNAVAILABLE`` is asked again as :meth:`ControlClient.digests`
+    asks (retried) within the same deadline."""
+
+    def __init__(
+        self, client: ControlClient, lease_id: LeaseId, call: Any, deadline: float
+    ) -> None:
+        self._client = client
+        self._lease = lease_id
+        self._call = call
+        self._deadline = deadline
+
+    def done(self) -> bool:
+        return bool(self._call.done())
+
+    def result(self, timeout: float | None = None) -> HandOverDigests:
+        left = self._deadline - time.monotonic()
+        try:
+            resp = self._call.result(timeout=left if timeout is None else min(timeout, left))
+        except grpc.RpcError as err:
+            if err.code() is grpc.StatusCode.UNAVAILABLE and left > 0:
+                return self._client.digests(self._lease, timeout_s=left)
+            raise error_from_rpc(f"Digests {self._client.address}", err) from None
+        except grpc.FutureCancelledError:
+            raise ControlPlaneError(
+                f"Digests {self._client.address}: cancelled (the client closed)", code="CANCELLED"
+            ) from None
+        except grpc.FutureTimeoutError:
+            raise ControlPlaneError(
+                f"Digests {self._client.address}: no answer before the deadline",
+                code="DEADLINE_EXCEEDED",
+            ) from None
+        return self._client._digests_from(resp)

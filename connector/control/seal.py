@@ -1,8 +1,9 @@
 """Lease seals: a one-sided proof that leased blocks were not reused while a peer read them.
 
-Both ends live here: the owner's :class:`SealTable` (beside its lease table)
-and the reader's :class:`SealReader` (decode's worker half); leases given back
-by notification are :mod:`kvbridge.connector.control.releases`.
+The owner's :class:`SealTable` (beside its lease table) lives here, the reader's
+:class:`~kvbridge.connector.control.seal_reader.SealReader` (decode's worker half)
+in :mod:`.seal_reader`; leases given back by notification are
+:mod:`kvbridge.connector.control.releases`.
 
 The owner of leased blocks (a prefill's control server, in kvbridge's node or
 in vLLM's worker) keeps a small table in NIXL-registered memory. While a lease
@@ -51,23 +52,19 @@ import hashlib
 import logging
 import re
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.control.releases import release_message
-from kvbridge.proto.errors import KVBridgeError, LayoutError, OutOfBlocksError
+from kvbridge.proto.errors import LayoutError
 from kvbridge.proto.layout import GroupSpec, KVGroup, KVLayout, LayerSpec, ModelSpec
 from kvbridge.proto.types import BlockHash, BlockId
 
 if TYPE_CHECKING:
     import torch
 
-    from kvbridge.connector.transport.base import PeerLink, TransferHandle, Transport
 
 __all__ = [
     "PROBES",
-    "SealReader",
     "SEAL_BYTES",
     "SEAL_GROUP",
     "SealTable",
@@ -86,7 +83,7 @@ SEAL_BYTES = 64
 recorded no digests)."""
 TAG_BYTES = 16
 """The content tag's length (:func:`content_tag`)."""
-_SEALED = SEAL_BYTES - TAG_BYTES
+SEALED_BYTES = SEAL_BYTES - TAG_BYTES
 """The bytes every reader compares: nonce and seal digest."""
 SEAL_GROUP = KVGroup.SELF
 """The seal table's one group (named like the KV default group, which transports expect)."""
@@ -236,157 +233,3 @@ class SealTable:
     def num_sealed(self) -> int:
         with self._lock:
             return len(self._taken)
-
-
-class SealReader:
-    """Decode's side: scratch slots and seal checks; thread-safe (loads run in a pool)."""
-
-    def __init__(self, transport: Transport, max_concurrent: int) -> None:
-        self.transport = transport
-        layout = seal_layout(PROBES * RANKS_AT_ONCE * max(1, max_concurrent))
-        self._caches = layout.allocate("cpu")
-        (tensor,) = self._caches.values()
-        self._slots = slot_rows(tensor, layout.groups[0].num_blocks)
-        self.memory = transport.register(layout, self._caches)
-        self._free = [BlockId(i) for i in range(layout.groups[0].num_blocks)]
-        self._lock = threading.Lock()
-
-    def connect(self, peer_name: str, metadata: bytes, seal: KVLayout) -> PeerLink:
-        """A link from the scratch slots to a peer's seal table."""
-        return self.transport.connect(peer_name, metadata, seal, self.memory)
-
-    def holds(
-        self,
-        link: PeerLink,
-        lease_id: str,
-        digest: bytes,
-        timeout_s: float,
-        meanwhile: Callable[[], object] | None = None,
-        tag: Callable[[], bytes | None] | None = None,
-        wait_s: float = 0.0,
-    ) -> bool:
-        """READ the lease's probe slots from the owner; True if one holds exactly the
-        expected seal. Any failure is False (the caller takes the slow path).
-        ``meanwhile`` runs while the seal READ is in flight (it must not raise).
-        ``tag``: the content tag the slot must also hold, asked for after ``meanwhile``
-        (None from it: no tag can be made, the seal does not hold); without it the
-        slot's tag bytes are not compared. ``wait_s``: while no probe slot holds the
-        lease's nonce at all (an owner that makes its lease a step after handing out its
-        id, as vLLM's worker does, may not have sealed it yet), READ the slots again,
-        every :data:`SEAL_POLL_S`, for up to this long; a slot that holds the nonce with
-        another digest or tag is an answer at once."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            absent: list[bool] = []
-            args = (lease_id, digest, timeout_s, meanwhile, tag, absent)
-            held = self.holds_all([link], *args)[0]
-            if held or absent != [True] or time.monotonic() + SEAL_POLL_S > deadline:
-                return held
-            meanwhile = None  # it ran while the first READ was in flight
-            time.sleep(SEAL_POLL_S)
-
-    def holds_all(
-        self,
-        links: Sequence[PeerLink],
-        lease_id: str,
-        digest: bytes,
-        timeout_s: float,
-        meanwhile: Callable[[], object] | None = None,
-        tag: Callable[[], bytes | None] | None = None,
-        absent: list[bool] | None = None,
-    ) -> list[bool]:
-        """:meth:`holds` for the same lease at several owners (the TP ranks of one engine),
-        every seal READ posted before the first is waited for (at most
-        :data:`RANKS_AT_ONCE` at a time). ``tag`` (one owner's content tag) needs one
-        link. ``absent`` gets, per link, whether no probe slot held the lease's nonce."""
-        if (tag is not None or absent is not None) and len(links) != 1:
-            raise ValueError("a content tag is one owner's: check it over one link")
-        if len(links) > RANKS_AT_ONCE:
-            head = self.holds_all(links[:RANKS_AT_ONCE], lease_id, digest, timeout_s, meanwhile)
-            return head + self.holds_all(links[RANKS_AT_ONCE:], lease_id, digest, timeout_s)
-        try:
-            want = expected_seal(lease_id, digest)
-        except ValueError:
-            return [False] * len(links)
-        n = PROBES * len(links)
-        with self._lock:
-            if len(self._free) < n:
-                raise OutOfBlocksError("no free seal scratch slots (more loads than configured)")
-            mine, self._free = self._free[:n], self._free[n:]
-        handles: list[TransferHandle | None] = []
-        try:
-            for i, link in enumerate(links):
-                remote = probe_slots(lease_id, link.remote_layout.groups[0].num_blocks)
-                slots = mine[i * PROBES : (i + 1) * PROBES]
-                try:
-                    handles.append(
-                        self.transport.read_blocks(
-                            link, SEAL_GROUP, slots, remote, timeout_s=timeout_s
-                        )
-                    )
-                except KVBridgeError as exc:
-                    log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
-                    handles.append(None)
-            if meanwhile is not None:
-                meanwhile()
-            want_tag = None if tag is None else tag()
-            # a tag that could not be made holds nothing (the READs are still waited for)
-            no_tag = tag is not None and (want_tag is None or len(want_tag) != TAG_BYTES)
-            want = want[:_SEALED] + (want_tag or b"")
-            held = []
-            for i, handle in enumerate(handles):
-                if handle is None:
-                    held.append(False)
-                    continue
-                try:
-                    handle.wait(timeout_s)
-                except KVBridgeError as exc:
-                    log.info("reading the seal of lease %s failed (%s)", lease_id, exc)
-                    held.append(False)
-                    continue
-                mine_i = mine[i * PROBES : (i + 1) * PROBES]
-                got = [self._slots[s].numpy().tobytes() for s in mine_i]
-                held.append(not no_tag and any(slot[: len(want)] == want for slot in got))
-                if absent is not None:
-                    absent.append(all(slot[:16] != want[:16] for slot in got))
-            return held
-        finally:
-            for handle in handles:
-                if handle is not None:
-                    handle.release()
-            with self._lock:
-                self._free.extend(mine)
-
-    def warm(self, link: PeerLink, timeout_s: float) -> float:
-        """READ one of the peer's seal slots and throw it away: a new link's first transfer
-        pays UCX's endpoint wireup (tens to hundreds of ms on a busy peer, which must
-        progress it), and this makes the handshake pay it instead of the first loads. The
-        KV link to the same peer shares the endpoint. Seconds it took; raises on failure."""
-        with self._lock:
-            if not self._free:
-                raise OutOfBlocksError("no free seal scratch slot for the link warm-up")
-            mine = self._free.pop()
-        t0 = time.perf_counter()
-        try:
-            handle = self.transport.read_blocks(
-                link, SEAL_GROUP, [mine], [BlockId(0)], timeout_s=timeout_s
-            )
-            try:
-                handle.wait(timeout_s)
-            finally:
-                handle.release()
-        finally:
-            with self._lock:
-                self._free.append(mine)
-        return time.perf_counter() - t0
-
-    def release(self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1) -> None:
-        """Give a lease back without a round trip (best effort: unsent, it expires); as
-        ``reader`` of ``readers`` when several ranks read it (:func:`release_message`)."""
-        try:
-            self.transport.send_notification(link, release_message(lease_id, reader, readers))
-        except KVBridgeError as exc:
-            log.info("release notification for lease %s failed (%s); it will expire", lease_id, exc)
-
-    def close(self) -> None:
-        self.transport.unregister(self.memory)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad
 from kvbridge.connector.control.peers import nixl_agent_name
-from kvbridge.connector.control.seal import SealReader
+from kvbridge.connector.control.seal_reader import SealReader
 from kvbridge.connector.load.rank_check import check_rank
 from kvbridge.connector.transport.steps import LinkSteps, link_step, link_steps
 from kvbridge.proto.errors import (
@@ -218,6 +218,10 @@ class LinkCache:
             ) from None
         except CancelledError:
             raise PeerError("the link cache closed during the handshake") from None
+
+    def cached(self, load: BlockLoad, rank: int = 0) -> Peer | None:
+        """The link to ``load``'s engine's rank ``rank`` if made (never handshakes, no lock)."""
+        return self._cached(load, rank)
 
     def _cached(self, load: BlockLoad, rank: int) -> Peer | None:
         peer = self._peers.get((EngineId(load.remote_engine), rank))

@@ -1,7 +1,8 @@
 """Reading a remote engine's blocks: decode's load, fail closed, top to bottom.
 
 One :class:`RemoteLoader` per engine process (owned by ``KVBridgeWorker``, called
-from its load threads) keeps a control client and transport links per remote
+from its load threads, or from the engine's own for a load whose links are made:
+:mod:`~kvbridge.connector.load.inline`) keeps a control client and transport links per remote
 engine (:mod:`~kvbridge.connector.load.links`). :meth:`RemoteLoader.load` is
 the whole load: link, then the **sealed path** (READ the claimed ids, then the
 lease's seal: no control RPC, the lease goes back by notification) or, without a
@@ -20,19 +21,25 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import SealReader
+from kvbridge.connector.control.seal_reader import SealReader
+from kvbridge.connector.load.inline import (
+    INLINE_LOADS,
+    Attempt,
+    InlineLoad,
+    start_inline,
+)
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.owner import owner_blocks
-from kvbridge.connector.load.ranks import load_from_ranks
+from kvbridge.connector.load.ranks import load_from_ranks, ranks_failed, ranks_proven
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
 from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
-from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
-from kvbridge.proto.errors import KVBridgeError
+from kvbridge.connector.load.sealed import load_sealed
+from kvbridge.connector.load.verify import Checked, expect_from, fetch_from_ranks
+from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
@@ -47,39 +54,10 @@ if TYPE_CHECKING:
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
 
 log = logging.getLogger(__name__)
+Advanced = LoadResult | Callable[[], LoadResult] | None  # RemoteLoader.advance's answer
 
 RELEASE_TIMEOUT_S = 1.0
 """Deadline of one lease release (a release lost on the way lets the lease expire)."""
-SEAL_WAIT_S = 0.05
-"""How long a load waits for a seal not yet written (vLLM's worker makes the lease an engine
-step after its scheduler handed out the id) before it asks the owner instead."""
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """One load under way: what it reads, and what it holds that a failure must give back."""
-
-    load: BlockLoad
-    t0: float = field(default_factory=time.perf_counter)
-    local: dict[KVGroup, list[BlockId]] = field(init=False)
-    remote: dict[KVGroup, list[BlockId]] = field(init=False)
-    peer: Peer | None = None
-    cached: bool = False
-    """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
-    link_ms: float = 0.0
-    """How long this load waited for a new link (handshake and warm-up); 0 when cached."""
-    lease: LeaseId | None = None
-    """The lease the owner named for this load: the only lease this load may release (the
-    lease id in the params is a claim, maybe another request's)."""
-    expected: Expected | None = field(init=False)
-    """The digests the blocks must match (None: the load is not verified)."""
-
-    def __post_init__(self) -> None:
-        load = self.load
-        self.expected = Expected.of(load)
-        groups = [g for g, ids in load.local_ids.items() if ids]
-        self.local = {g: list(load.local_ids[g]) for g in groups}
-        self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
 
 
 class RemoteLoader:
@@ -98,7 +76,7 @@ class RemoteLoader:
         self.transport = transport
         self.memory = memory
         self.kv_caches = kv_caches
-        self._seal_reader = SealReader(transport, config.max_concurrent_loads)
+        self._seal_reader = SealReader(transport, config.max_concurrent_loads + INLINE_LOADS)
         self._links = LinkCache(
             transport,
             client_factory,
@@ -112,12 +90,13 @@ class RemoteLoader:
         )
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="kvb-release")
         """Releases after a failed load and disconnects run here, off the request's path."""
-        self._digest_fetches = ThreadPoolExecutor(config.max_concurrent_loads)  # beside READs
+        self._hashers = ThreadPoolExecutor(1, thread_name_prefix="kvb-hash")
+        """A thread that may hash a share of a load's blocks beside the checking thread."""
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
-        self._digest_fetches.shutdown(wait=True)  # each under the control deadline
+        self._hashers.shutdown(wait=True)
         self._links.close()
         self._seal_reader.close()
 
@@ -154,7 +133,7 @@ class RemoteLoader:
         """Load ``load``'s blocks from its remote engine; never raises (fail closed). A load
         that failed through a cached link to an engine that has since restarted is retried
         once on the new process."""
-        ranks, fetches = self._ranks(load), self._digest_fetches
+        ranks = self._ranks(load)
         if len(ranks) > 1:  # heterogeneous TP: this rank's heads are on several ranks
             return load_from_ranks(
                 load,
@@ -164,24 +143,76 @@ class RemoteLoader:
                 self._read_unchecked,
                 self.config.load_timeout_s,
                 lambda engine, peer: self._forget(engine, peer, None),
-                lambda peers: fetch_from_ranks(fetches, peers, load, self.config.control_timeout_s),
+                lambda peers: fetch_from_ranks(peers, load, self.config.control_timeout_s),
                 self.memory.layout,
             )
-        job = _Attempt(load)
-        result = self._load(job, ranks[0], retry_stale)
-        return replace(result, link_ms=job.link_ms) if job.link_ms else result
+        job = Attempt(load)
+        return job.done(self._load(job, ranks[0], retry_stale))
 
-    def _load(self, job: _Attempt, rank: int, retry_stale: bool) -> LoadResult:
+    def start(self, load: BlockLoad) -> InlineLoad | None:
+        """Post ``load``'s READs now, from the caller's (the engine's) thread, if it can go on
+        without blocking (:func:`~kvbridge.connector.load.inline.start_inline`); then
+        :meth:`advance` takes it on. None: not started, run :meth:`load` on a pool."""
+        args = (self._links, self._seal_reader, self.memory.layout, self._hashers)
+        return start_inline(load, self._ranks(load), *args, self.config, self.transport)
+
+    def advance(self, inline: InlineLoad, spin_until: float = 0.0) -> Advanced:
+        """Poll a load :meth:`start` started (never blocking; spinning until ``spin_until``):
+        None while under way, else its result or, for a seal that did not hold or a failure,
+        a call that finishes it on a pool (the owner path, the failure's handling)."""
+        job, peers, load = inline.job, inline.peers, inline.job.load
+        try:
+            if not inline.poll(spin_until):
+                return None
+        except Exception as exc:
+            inline.close()
+            if len(peers) > 1:
+                down = isinstance(exc, KVBridgeError) and not isinstance(exc, LeaseError)
+                for peer in peers if down else []:  # a link may be down: handshake again
+                    self._forget(load.remote_engine, peer, None)
+                return job.done(ranks_failed(load, job.t0, str(exc) or repr(exc)))
+            error = exc
+            return lambda: job.done(self._failed(job, error, True))
+        held, reads = inline.held, inline.reads
+        assert held is not None and reads is not None
+        for peer, ok in zip(peers, held, strict=True):
+            if ok:  # proven ours: give it back (one whose seal did not hold expires)
+                self._seal_reader.release(peer.seal_link, load.lease_id, *self._reader(load))  # type: ignore[arg-type]
+        job.mark("release")
+        if len(peers) > 1:
+            ranks = self._ranks(load)
+            checked = inline.checked if job.expected is not None else None
+            return job.done(ranks_proven(load, job.t0, ranks, peers, held, reads, checked))
+        if not held[0]:
+            log.info("request %s: the seal does not hold; asking its owner", load.request_id)
+            return lambda: job.done(self._owner_or_failed(job))
+        assert inline.checked is not None
+        done = {g: (read, inline.checked[g]) for g, read in zip(job.local, reads, strict=True)}
+        return job.done(self._verdict(job, done, "sealed"))
+
+    def _owner_or_failed(self, job: Attempt) -> LoadResult:
+        try:
+            peer, timeout = job.peer, self.config.control_timeout_s
+            if job.expected is not None and job.expected.by_seal and peer is not None:
+                args = (job.load, peer, self.memory.layout, self._hashers, timeout)
+                job.expected = expect_from(job.expected, *args, ask=True)  # the owner's now
+            return self._load_from_owner(job)
+        except Exception as exc:
+            return self._failed(job, exc, True)
+
+    def _load(self, job: Attempt, rank: int, retry_stale: bool) -> LoadResult:
         load = job.load
         try:
             job.peer, job.cached = self._links.get(load, rank)
             job.link_ms = 0.0 if job.cached else (time.perf_counter() - job.t0) * 1e3
-            fetches, timeout = self._digest_fetches, self.config.control_timeout_s
-            args = (load, job.peer, self.memory.layout, fetches, timeout)
+            job.mark("link")
+            hashers, timeout = self._hashers, self.config.control_timeout_s
+            args = (load, job.peer, self.memory.layout, hashers, timeout)
             if job.expected is not None:
                 job.expected = expect_from(job.expected, *args)
                 if job.expected is None:  # whole-block digests in the params: no slices
                     return unverifiable(load)
+                job.mark("expect")
             if self.config.stall_before_read_s:
                 time.sleep(self.config.stall_before_read_s)
             sealed = self._load_sealed(job)
@@ -193,69 +224,20 @@ class RemoteLoader:
         except Exception as exc:
             return self._failed(job, exc, retry_stale)
 
-    def _load_sealed(self, job: _Attempt) -> LoadResult | None:
-        """The load without a control RPC: READ the claimed ids, then the lease's seal; a
-        seal that holds proves them (see :mod:`kvbridge.connector.control.seal`) and the
-        lease goes back by notification. None: no seal to check, or it did not hold (the
-        caller then asks the owner, and reads again what the owner names)."""
-        load, peer = job.load, job.peer
-        assert peer is not None
-        reader, link = self._seal_reader, peer.seal_link
-        if not load.lease_id or not load.seal or link is None:
-            return None
-        if any(len(job.remote[g]) != len(job.local[g]) for g in job.local):
-            return None
-        # every group's READ at once; blocks READ straight into the cache are checked while
-        # the seal READ is in flight (staged blocks before conversion, inside the read). The
-        # seal READ is posted only once the block READs are done: that order is the proof.
-        direct = peer.staging is None
-        wanted = {g: (job.local[g], job.remote[g]) for g in job.local}
-        done = self._read(job, wanted, check=not direct)
-        failed: list[BaseException] = []
-        expected = job.expected
-        by_seal = expected is not None and expected.by_seal
-        landed: dict[KVGroup, list[bytes]] = {}
-
-        def check() -> None:
-            assert expected is not None
-            try:
-                for g, (read, _) in done.items():
-                    if by_seal:
-                        landed[g] = expected.landed(self.memory.layout, g, job.local[g])
-                    else:
-                        done[g] = (read, self._check(job, g, job.local[g]))
-            except BaseException as exc:  # re-raised below, after the seal READ finished
-                failed.append(exc)
-
-        def tag() -> bytes | None:
-            assert expected is not None
-            if failed or len(landed) != len(done):
-                return None
-            return expected.tag(load, self.memory.layout, landed)
-
-        holds = reader.holds(
-            link,
-            load.lease_id,
-            load.seal,
+    def _load_sealed(self, job: Attempt) -> LoadResult | None:
+        """The sealed path on this thread (:func:`~kvbridge.connector.load.sealed.load_sealed`);
+        None: the owner is asked."""
+        return load_sealed(
+            job,
+            self._seal_reader,
+            lambda wanted, check: self._read(job, wanted, check),
+            self.memory.layout,
             self.config.load_timeout_s,
-            check if direct and expected is not None else None,
-            tag if by_seal else None,
-            wait_s=SEAL_WAIT_S,
+            self._reader(job.load),
+            lambda done: self._verdict(job, done, "sealed"),
         )
-        if failed:
-            raise failed[0]
-        if holds and by_seal:  # the tag over what landed matched: every block is proved
-            for g, (read, _) in done.items():
-                done[g] = (read, Checked(len(job.local[g]), 0))
-        if not holds:
-            log.info(
-                "request %s: the lease's seal does not hold; asking its owner", load.request_id
-            )
-            return None
-        reader.release(link, load.lease_id, *self._reader(load))
-        return self._verdict(job, done, "sealed")
 
-    def _load_from_owner(self, job: _Attempt) -> LoadResult:
+    def _load_from_owner(self, job: Attempt) -> LoadResult:
         """The owner names the blocks (for decode's own names), they are READ, and the
         release answer confirms the lease held through the READ."""
         load, peer = job.load, job.peer
@@ -292,7 +274,7 @@ class RemoteLoader:
 
     def _verdict(
         self,
-        job: _Attempt,
+        job: Attempt,
         done: Mapping[KVGroup, tuple[ReadFigures, Checked]],
         path: str,
         error: str = "",
@@ -310,7 +292,7 @@ class RemoteLoader:
             verified=job.expected is not None,
         )
 
-    def _failed(self, job: _Attempt, exc: Exception, retry_stale: bool) -> LoadResult:
+    def _failed(self, job: Attempt, exc: Exception, retry_stale: bool) -> LoadResult:
         """A load that raised: retried once if its cached link was to a process since
         restarted; else the link is dropped, the lease given back, every block recomputed."""
         load, peer = job.load, job.peer
@@ -337,7 +319,7 @@ class RemoteLoader:
 
     def _read(
         self,
-        job: _Attempt,
+        job: Attempt,
         groups: Mapping[KVGroup, tuple[list[BlockId], list[BlockId]]],
         check: bool = True,
     ) -> dict[KVGroup, tuple[ReadFigures, Checked]]:
@@ -356,7 +338,7 @@ class RemoteLoader:
             job.expected if check else None,
         )
 
-    def _check(self, job: _Attempt, group: KVGroup, local: list[BlockId]) -> Checked:
+    def _check(self, job: Attempt, group: KVGroup, local: list[BlockId]) -> Checked:
         """Check blocks READ straight into the KV cache against the load's digests."""
         if job.expected is None:
             return Checked(len(local), 0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -36,12 +36,12 @@ from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
 
 if TYPE_CHECKING:
-    from kvbridge.connector.control.seal import SealReader
+    from kvbridge.connector.control.seal_reader import SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
-    from kvbridge.connector.load.verify import Expected
+    from kvbridge.connector.load.verify import Checked, Expected
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["load_from_ranks"]
+__all__ = ["load_from_ranks", "ranks_failed", "ranks_proven"]
 
 log = logging.getLogger(__name__)
 
@@ -91,28 +91,45 @@ def load_from_ranks(
         for peer, ok in zip(peers, held, strict=True):
             if ok:  # proven ours: give it back; the others expire
                 seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
-        if not all(held):
-            bad = [r for r, ok in zip(ranks, held, strict=True) if not ok]
-            return _failed(load, t0, f"the lease seal of TP rank(s) {bad} does not hold")
-        if expected is not None:
+        checked = None
+        if expected is not None and all(held):
             assert layout is not None
-            done = {
-                g: (_merged(reads[i :: len(groups)]), expected.check(layout, g, local[g]))
-                for i, g in enumerate(groups)
-            }
-            address = peers[0].address if peers else load.remote_address
-            result = verdict(load, t0, local, done, "sealed", address=address, verified=True)
-            return replace(result, link_ms=link_ms) if link_ms else result
+            checked = {g: expected.check(layout, g, local[g]) for g in groups}
+        result = ranks_proven(load, t0, ranks, peers, held, reads, checked)
     except Exception as exc:
         if not isinstance(exc, KVBridgeError):
             log.exception("request %s: unexpected load failure", load.request_id)
         elif not isinstance(exc, LeaseError):
             for peer in peers:  # a link may be down: handshake again next time
                 forget(load.remote_engine, peer)
-        return _failed(load, t0, str(exc) or repr(exc))
-    moved = {g: len(ids) for g, ids in local.items()}
-    result = load_result(load, t0, moved=moved, path="sealed", reads=reads)
+        return ranks_failed(load, t0, str(exc) or repr(exc))
     return replace(result, link_ms=link_ms) if link_ms else result
+
+
+def ranks_proven(
+    load: BlockLoad,
+    t0: float,
+    ranks: Sequence[int],
+    peers: Sequence[Peer],
+    held: Sequence[bool],
+    reads: Sequence[ReadFigures],
+    checked: Mapping[KVGroup, Checked] | None,
+) -> LoadResult:
+    """The result of a load whose READs (``reads``: rank after rank, each rank's groups in
+    order) landed and whose seals were read (``held``, per rank): good only if every seal
+    held, and then (``checked``: the digest check of each group, None when not verified)
+    ``self`` blocks up to the first bad one."""
+    if not all(held):
+        bad = [r for r, ok in zip(ranks, held, strict=True) if not ok]
+        return ranks_failed(load, t0, f"the lease seal of TP rank(s) {bad} does not hold")
+    local = {g: list(ids) for g, ids in load.local_ids.items() if ids}
+    if checked is None:
+        moved = {g: len(ids) for g, ids in local.items()}
+        return load_result(load, t0, moved=moved, path="sealed", reads=reads)
+    n = len(local)
+    done = {g: (_merged(reads[i::n]), checked[g]) for i, g in enumerate(local)}
+    address = peers[0].address if peers else load.remote_address
+    return verdict(load, t0, local, done, "sealed", address=address, verified=True)
 
 
 def _merged(reads: Sequence[ReadFigures]) -> ReadFigures:
@@ -127,7 +144,8 @@ def _merged(reads: Sequence[ReadFigures]) -> ReadFigures:
     )
 
 
-def _failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
+def ranks_failed(load: BlockLoad, t0: float, error: str) -> LoadResult:
+    """A load across TP ranks that failed: every block recomputed."""
     log.warning(
         "request %s: load from %s's TP ranks failed: %s; recomputing",
         load.request_id,

@@ -14,7 +14,7 @@ import hmac
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvbridge.connector.control.seal import content_tag
 from kvbridge.kernels import ALGO_XXH3, block_digests, digest_algo, page_slice_digests
@@ -24,7 +24,7 @@ from kvbridge.proto.negotiate import TransferMode, head_slices
 from kvbridge.proto.types import LeaseId
 
 if TYPE_CHECKING:
-    from concurrent.futures import Executor, Future
+    from concurrent.futures import Executor
 
     from kvbridge.connector.base import BlockLoad
     from kvbridge.connector.control.leases import HandOverDigests
@@ -43,6 +43,14 @@ __all__ = [
 
 
 log = logging.getLogger(__name__)
+
+
+class PendingDigests(Protocol):
+    """Digests on their way (:meth:`ControlClient.digests_call`, or a future)."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> HandOverDigests: ...
 
 
 class Checked(NamedTuple):
@@ -65,7 +73,7 @@ class Expected:
     key: int
     digests: Mapping[KVGroup, Sequence[bytes]]
     algo: str | None = None
-    pending: Future[HandOverDigests] | None = None
+    pending: PendingDigests | None = None
     first_block: int = 0
     """Where the load's ``self`` blocks start in the owner's lease (fetched digests cover it
     all)."""
@@ -73,7 +81,7 @@ class Expected:
     """``(part, parts)``: this reader's heads are slice ``part`` of ``parts`` of each of the
     owner's pages (a bigger TP size reading a smaller one); checked against the owner's
     head digests."""
-    ranks: tuple[Future[HandOverDigests], ...] = ()
+    ranks: tuple[PendingDigests, ...] = ()
     """The digests of each remote TP rank whose whole pages fill slice ``j`` of this
     reader's pages (a smaller TP size reading a bigger one), rank after rank."""
     helper: Executor | None = None
@@ -98,7 +106,7 @@ class Expected:
     def fetching(
         cls,
         load: BlockLoad,
-        pending: Future[HandOverDigests],
+        pending: PendingDigests,
         head_slice: tuple[int, int] | None = None,
     ) -> Expected:
         """The load's key, with the digests the owner will send (``pending``)."""
@@ -109,7 +117,7 @@ class Expected:
         )
 
     @classmethod
-    def from_ranks(cls, load: BlockLoad, pending: Sequence[Future[HandOverDigests]]) -> Expected:
+    def from_ranks(cls, load: BlockLoad, pending: Sequence[PendingDigests]) -> Expected:
         """The load's key, with the digests each remote rank will send (rank ``j``'s whole
         pages are slice ``j`` of this reader's)."""
         assert load.digest_key is not None
@@ -117,6 +125,11 @@ class Expected:
         return cls(
             load.digest_key, {}, None, None, load.first_block, None, tuple(pending), offsets=offsets
         )
+
+    def ready(self) -> bool:
+        """Whether :meth:`check` would not wait for digests still on their way."""
+        pending = [self.pending] if self.pending is not None else list(self.ranks)
+        return all(p.done() for p in pending)
 
     def _want(self, group: KVGroup, n: int) -> tuple[list[bytes], str | None]:
         if self.pending is None:
@@ -208,14 +221,14 @@ def expect_from(
     load: BlockLoad,
     peer: Peer,
     layout: KVLayout,
-    pool: Executor,
+    pool: Executor | None,
     timeout_s: float,
     *,
     ask: bool = False,
 ) -> Expected | None:
     """What ``load``'s blocks read from ``peer`` into bound ``layout`` must match:
     ``expected`` (the params' digests) or, when the owner keeps them, the owner's, asked
-    for on ``pool`` now (its head digests, for a head-slice link); a thread of ``pool`` helps
+    for now (its head digests, for a head-slice link); a thread of ``pool`` (if any) helps
     hash the blocks. None: the link reads head slices but the digests in the params are of
     whole blocks, so the load cannot be verified. A load its seal's content tag can prove
     (:func:`proved_by_seal`) asks for nothing, unless ``ask`` (its seal did not hold)."""
@@ -224,41 +237,39 @@ def expect_from(
         return replace(expected, by_seal=True, helper=pool)  # no Digests round trip
     if load.digests_at_owner:
         part = head_slices(layout, peer.link.remote_layout)[1] if sliced else None
-        expected = fetch_expected(pool, peer, load, timeout_s, part)
+        expected = fetch_expected(peer, load, timeout_s, part)
     elif sliced:
         return None
     return replace(expected, helper=pool)
 
 
 def fetch_expected(
-    pool: Executor,
     peer: Peer,
     load: BlockLoad,
     timeout_s: float,
     head_slice: tuple[int, int] | None = None,
 ) -> Expected:
-    """The load's key with the digests its owner keeps, asked for on ``pool`` (concurrently
-    with the READ; the first check waits for them). Without a lease id there is nothing to
-    ask for: no block has a digest, so none is used (fail closed). ``head_slice``: the
+    """The load's key with the digests its owner keeps, asked for now (the RPC is in flight
+    beside the READs, its answer taken by gRPC's own thread; the first check waits for it).
+    Without a lease id there is nothing to ask for: no block has a digest, so none is used
+    (fail closed). ``head_slice``: the
     load reads slice ``(part, parts)`` of each of the owner's pages (checked against its
     head digests)."""
     assert load.digest_key is not None
     if not load.lease_id:
         return Expected(load.digest_key, {})
-    pending = pool.submit(peer.client.digests, LeaseId(load.lease_id), timeout_s=timeout_s)
+    pending = peer.client.digests_call(LeaseId(load.lease_id), timeout_s=timeout_s)
     return Expected.fetching(load, pending, head_slice)
 
 
-def fetch_from_ranks(
-    pool: Executor, peers: Sequence[Peer], load: BlockLoad, timeout_s: float
-) -> Expected:
+def fetch_from_ranks(peers: Sequence[Peer], load: BlockLoad, timeout_s: float) -> Expected:
     """:func:`fetch_expected` for a load that fills slice ``j`` of each page from
     ``peers[j]`` (each rank digested its own pages under the hand-over's one key)."""
     assert load.digest_key is not None
     if not load.lease_id:
         return Expected(load.digest_key, {})
     lease = LeaseId(load.lease_id)
-    pending = [pool.submit(p.client.digests, lease, timeout_s=timeout_s) for p in peers]
+    pending = [p.client.digests_call(lease, timeout_s=timeout_s) for p in peers]
     return Expected.from_ranks(load, pending)
 
 

@@ -128,18 +128,23 @@ def prefill(size: int, port: int) -> int:
 
 
 def _count_digests_calls() -> list[int]:
-    """Count the ``Digests`` RPCs this process makes (a load proved by its seal's content
-    tag makes none)."""
+    """Count the ``Digests`` RPCs this process makes, waited for or sent without waiting
+    (a load proved by its seal's content tag makes none)."""
     from kvbridge.connector.control import ControlClient
 
     calls = [0]
-    ask = ControlClient.digests
+    ask, send = ControlClient.digests, ControlClient.digests_call
 
     def counted(self: ControlClient, *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return ask(self, *args, **kwargs)
 
+    def counted_call(self: ControlClient, *args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return send(self, *args, **kwargs)
+
     ControlClient.digests = counted  # type: ignore[method-assign]
+    ControlClient.digests_call = counted_call  # type: ignore[method-assign]
     return calls
 
 

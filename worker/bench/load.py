@@ -125,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from kvbridge.connector.control import ControlClient, PeerInfo, Role
-    from kvbridge.connector.control.seal import SealReader, seal_digest
+    from kvbridge.connector.control.seal import seal_digest
+    from kvbridge.connector.control.seal_reader import SealReader
     from kvbridge.connector.load.verify import Expected
     from kvbridge.connector.transport import NixlConfig, NixlTransport
     from kvbridge.proto import BlockHash, BlockId, EngineId, LeaseId, RequestId, preset_layout
