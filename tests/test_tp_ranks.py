@@ -492,7 +492,11 @@ def test_a_load_across_ranks_counts_only_if_every_ranks_seal_holds(
     assert result.blocks_moved == moved and seals.released == released
     assert result.bad_block_ids == (() if moved else ids["self"])
     if seal:  # every rank's slices posted in one go, then every rank's seal in one go
-        assert reads == [[0, 1]] and seals.calls == [[0, 1]]
+        assert reads == [[0, 1]] and seals.calls[0] == [0, 1]
+        # seals that did not hold are read again, all ranks' at once (a vLLM rank seals its
+        # lease a step late), for a bounded time
+        assert all(c == [0, 1] for c in seals.calls)
+        assert (len(seals.calls) > 1) == (not all(holds.values())), seals.calls
 
 
 def test_a_load_across_ranks_with_digests_in_the_params_recomputes_not_loads_unverified() -> None:

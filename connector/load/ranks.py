@@ -30,6 +30,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
+from kvbridge.connector.control.seal import SEAL_POLL_S
+from kvbridge.connector.load.inline import SEAL_WAIT_S
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest
 from kvbridge.connector.load.result import load_result, unverifiable, verdict
 from kvbridge.proto.errors import KVBridgeError, LeaseError
@@ -88,6 +90,12 @@ def load_from_ranks(
         reads = read([ReadRequest(p.link, g, local[g], remote[g]) for p in peers for g in groups])
         seal_links = [p.seal_link for p in peers]
         held = seals.holds_all(seal_links, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
+        # a vLLM prefill rank seals its lease an engine step after the id was handed out:
+        # seals that did not hold yet are read again (all ranks') for up to SEAL_WAIT_S
+        late = time.monotonic() + SEAL_WAIT_S
+        while not all(held) and time.monotonic() + SEAL_POLL_S <= late:
+            time.sleep(SEAL_POLL_S)
+            held = seals.holds_all(seal_links, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
         for peer, ok in zip(peers, held, strict=True):
             if ok:  # proven ours: give it back; the others expire
                 seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
