@@ -126,11 +126,12 @@ def test_router_prefers_the_prefill_node_whose_events_hold_the_prompt(tmp_path: 
         assert placement.prefer(prompt) is None  # nothing cached anywhere yet
         first = router.generate(prompt, 4, "a")  # round robin: prefill 0
         assert first.prefill_address == prefills[0].address
-        deadline = time.monotonic() + 30
-        while placement.prefer(prompt) != 0:
+        # the node's stored events may come in more than one batch: wait for all 4 blocks
+        # (preferring node 0 needs only the first)
+        deadline, hashes = time.monotonic() + 30, hasher.hash_blocks(prompt)
+        while placement.prefer(prompt) != 0 or placement.index.prefix_len("0", hashes) < 4:
             assert time.monotonic() < deadline, placement.index.nodes()
             time.sleep(0.05)
-        assert placement.index.prefix_len("0", hasher.hash_blocks(prompt)) >= 4
         # round robin alone would now pick prefill 1; the events send it back to 0
         again = router.generate(prompt[:72], 4, "b")
         assert again.prefill_address == prefills[0].address
