@@ -6,12 +6,15 @@ goes through :class:`NixlAgent`, under :attr:`NixlAgent.lock`; the lock is
 re-entrant because the transport holds it across several calls while it
 changes its own tables.
 
-The agent is created with NIXL's progress thread **off** (measured: an
-idle one burns a core on 2-core machines). kvbridge drives progress itself:
-a waiting transfer polls its own state, and a small background thread of
-ours (``progress_interval_s``, sleeping between polls, stopped by
-:meth:`NixlAgent.stop_progress`) polls notifications, which also progresses
-UCX for peers that READ from us over TCP.
+The agent is created with NIXL's own progress thread **sleeping in poll()**
+until UCX has work (:mod:`~kvbridge.connector.transport.nixl.progress`; NIXL's
+Python API would make it spin a core): it answers peers whose READs wait on this
+process (a flush after a notification, over TCP) as their messages arrive. A
+waiting transfer polls its own state. Without the native thread
+(``NixlConfig.native_progress=False``, or a NIXL without the knob) a small
+background thread of ours (``progress_interval_s``, sleeping between polls, stopped
+by :meth:`NixlAgent.stop_progress`) polls notifications, which also progresses UCX
+for peers.
 
 Before the agent is made, :func:`reserve_fd_table` grows the process's file
 descriptor table to :data:`FD_TABLE_SLOTS`: Linux grows it on the first open
@@ -31,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.transport.nixl.config import NixlConfig, load_nixl
+from kvbridge.connector.transport.nixl.progress import new_agent
 from kvbridge.connector.transport.nixl_descs import mem_type
 from kvbridge.proto.errors import PeerError
 from kvbridge.proto.layout import KVGroup
@@ -102,18 +106,15 @@ class NixlAgent:
         reserve_fd_table()
         self._config = config
         self.lock = threading.RLock()
-        self._agent: Any = api.nixl_agent(
-            config.name,
-            api.nixl_agent_config(
-                enable_prog_thread=False, backends=list(config.backends), capture_telemetry=True
-            ),
-        )
+        self._agent: Any
+        self._agent, self.native_progress = new_agent(api, config)
+        """Whether NIXL's own (event-driven) progress thread runs in this agent."""
         self.peers: dict[str, bytes] = {}
         self.leaked: list[Any] = []
         self._notifs: dict[str, list[bytes]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if config.progress_interval_s is not None:
+        if config.progress_interval_s is not None and not self.native_progress:
             self._thread = threading.Thread(
                 target=self._progress_loop, name=f"kvbridge-nixl-{config.name}", daemon=True
             )

@@ -61,12 +61,21 @@ class NixlConfig:
     one Nx3 row per descriptor (:func:`~kvbridge.connector.transport.nixl_descs.descriptor_table`);
     both move the same bytes with the same descriptors. See DESIGN-NOTES.md,
     "NIXL descriptor lists".
+
+    ``native_progress`` runs NIXL's own progress thread, woken by UCX's event file
+    descriptor (:mod:`~kvbridge.connector.transport.nixl.progress`): a peer's READ that
+    waits on this process (its flush after a notification, over TCP) completes as its
+    message arrives, without this process's interpreter lock. While it runs, the Python
+    loop of ``progress_interval_s`` is not started (it would only repeat it); without it,
+    that loop is what progresses UCX for peers. See DESIGN-NOTES.md, "A READ after a
+    notification waits for the peer".
     """
 
     name: str
     progress_interval_s: float | None = 0.002
     backends: tuple[str, ...] = ("UCX",)
     strided_descriptors: bool = True
+    native_progress: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -82,4 +91,9 @@ class NixlConfig:
             raise ConfigError(
                 f"NixlConfig.strided_descriptors={self.strided_descriptors!r} must be True "
                 "(compressed Nx5 descriptor lists) or False (one Nx3 row per descriptor)"
+            )
+        if not isinstance(self.native_progress, bool):
+            raise ConfigError(
+                f"NixlConfig.native_progress={self.native_progress!r} must be True (NIXL's "
+                "own event-driven progress thread) or False (kvbridge's Python loop only)"
             )
