@@ -19,7 +19,7 @@ from kvbridge.connector.vllm.kinds import ENCODER_DECODER_REFUSAL, check_model_k
 from kvbridge.proto import ConfigError
 from kvbridge.worker import LaunchError
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, write_tiny_model
+from tests.harness.vllm import model_or_skip, nixl_pair, write_tiny_model
 
 
 def test_an_encoder_decoder_model_is_refused_by_kind() -> None:
@@ -99,3 +99,34 @@ def test_real_vllm_refuses_hybrid_groups_of_other_page_shapes_by_name(tmp_path: 
     log = (tmp_path / "g4.log").read_text()
     assert "cannot serve Gemma4ForCausalLM: its KV cache group" in log, log[-3000:]
     assert "kvbridge moves groups of one page shape only" in log, log[-3000:]
+
+
+NIXL_PROMPT = [5, *range(10, 100), 7]  # 92 tokens: 2 full blocks + 28
+NIXL_KINDS = ["gemma4", "gemma4-wide", "mamba"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.extended  # the reference connector: two engines per model (~2 min each)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", NIXL_KINDS)
+def test_nixl_connector_pd_of_other_model_kinds(kind: str, tmp_path: Path) -> None:
+    """NixlConnector P/D (TP=1) of the kinds kvbridge moves or refuses: the decode's tokens
+    equal the prefill engine's own answer to the prompt (a single instance), which depends
+    on the first token, and the decode read the KV (one transfer, nothing failed)."""
+    model_or_skip(tmp_path)  # the venv
+    model = write_tiny_model(kind, tmp_path / kind)
+    port = 35000 + (hash(str(tmp_path)) % 500) * 2
+    started = nixl_pair(model, tmp_path, port, max_model_len=512, wait=False)
+    with harness.running(started) as engines:
+        prefill, decode = engines["prefill"], engines["decode"]
+        (expected,) = harness.tokens(prefill.generate([NIXL_PROMPT], 8))
+        assert expected != harness.tokens(prefill.generate([[9, *NIXL_PROMPT[1:]]], 8))[0]
+        pre = prefill.generate([NIXL_PROMPT], 1, [{"do_remote_decode": True}])
+        params = [o["kv_transfer_params"] for o in pre["outputs"]]
+        assert harness.tokens(decode.generate([NIXL_PROMPT], 8, params)) == [expected]
+        stats = decode.call(cmd="stats")
+        groups = {n: sorted(e.call(cmd="stats")["kv_cache_groups"]) for n, e in engines.items()}
+    print(f"{kind}: KV cache groups {groups}, NixlConnector bytes {stats['nixl_bytes']}")
+    assert groups["prefill"] == groups["decode"]
+    assert stats["nixl_bytes"] and all(stats["nixl_bytes"]) and not stats["nixl_failed"], stats
