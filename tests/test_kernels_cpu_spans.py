@@ -142,8 +142,8 @@ def test_big_copies_of_short_runs_stream_and_others_do_not(
     src = random_cache(sl, 9)
     pairs = [(5, 0), (1, 4)]  # 2 blocks x 4 layers x 12 runs of 64 bytes: 6 KiB
     monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 6 << 10)
-    for max_run in (64, 63):  # the 64-byte runs stream, then are too long to
-        monkeypatch.setattr(cpu_spans, "STREAM_MAX_RUN", max_run)
+    for min_run in (64, 65):  # the 64-byte runs stream, then are too short to
+        monkeypatch.setattr(cpu_spans, "STREAM_MIN_RUN", min_run)
         dst = random_cache(dl, 10)
         want = reference_copy(src, sl, dst, pairs, KVGroup.SELF)
         convert_blocks(src, sl, dst, dl, pairs)
