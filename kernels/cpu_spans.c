@@ -5,7 +5,7 @@
  *
  * copy_spans(src_views, dst_views, npairs, src_ids, dst_ids, nblocks,
  *            src_block_bytes, dst_block_bytes, src_runs, dst_runs, nruns, run_bytes, threads,
- *            stream)
+ *            stream[, chunk_bytes])
  *
  * Every argument is an integer; the array arguments are addresses of int64 arrays that the
  * caller keeps alive for the call:
@@ -18,7 +18,8 @@
  * built the offsets from the views' own strides; this file trusts them. The GIL is released
  * while bytes move.
  *
- * Threads: the (block, pair) units are handed out in chunks of at least CHUNK_BYTES from one
+ * Threads: the (block, pair) units are handed out in chunks of at least chunk_bytes (default
+ * CHUNK_BYTES) from one
  * atomic counter to ``threads`` threads (the calling one included, which starts at once): a
  * helper that starts late, or shares its core with another process or with torch's spinning
  * OpenMP workers, takes fewer chunks instead of holding up the call with a fixed half.
@@ -246,14 +247,14 @@ static void *work(void *arg)
 static PyObject *copy_spans(PyObject *self, PyObject *args)
 {
     long long src_views, dst_views, npairs, src_ids, dst_ids, nblocks, src_bb, dst_bb;
-    long long src_runs, dst_runs, nruns, run_bytes, threads;
+    long long src_runs, dst_runs, nruns, run_bytes, threads, chunk_bytes = CHUNK_BYTES;
     int stream;
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLp", &src_views, &dst_views, &npairs, &src_ids,
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLp|L", &src_views, &dst_views, &npairs, &src_ids,
                           &dst_ids, &nblocks, &src_bb, &dst_bb, &src_runs, &dst_runs, &nruns,
-                          &run_bytes, &threads, &stream))
+                          &run_bytes, &threads, &stream, &chunk_bytes))
         return NULL;
-    if (npairs < 0 || nblocks < 0 || nruns < 0 || run_bytes < 0) {
+    if (npairs < 0 || nblocks < 0 || nruns < 0 || run_bytes < 0 || chunk_bytes < 1) {
         PyErr_SetString(PyExc_ValueError, "copy_spans: negative count or length");
         return NULL;
     }
@@ -274,7 +275,7 @@ static PyObject *copy_spans(PyObject *self, PyObject *args)
         .src_block_bytes = src_bb,
         .dst_block_bytes = dst_bb,
         .units = units,
-        .chunk = unit_bytes >= CHUNK_BYTES ? 1 : (CHUNK_BYTES + unit_bytes - 1) / unit_bytes,
+        .chunk = unit_bytes >= chunk_bytes ? 1 : (chunk_bytes + unit_bytes - 1) / unit_bytes,
         .next = 0,
         .stream = stream,
     };

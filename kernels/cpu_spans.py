@@ -57,7 +57,8 @@ __all__ = [
 
 #: runs shorter than this are left to the torch path (a ``memcpy`` call per few bytes)
 MIN_RUN_BYTES = 32
-#: the work is split between threads only in parts of at least this many bytes
+#: the threads claim the work in parts of at least this many bytes, and a call gets no more
+#: threads than it has parts
 PART_BYTES = 1 << 20
 #: calls moving at least this many bytes in runs of at least :data:`STREAM_MIN_RUN` bytes
 #: write with streaming stores (smaller copies stay in cache for the reader that usually
@@ -176,6 +177,7 @@ def run_plan(plan: Plan, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
             run,
             threads,
             stream,
+            PART_BYTES,
         )
 
 
