@@ -32,7 +32,7 @@
  * cache-set conflicts. Elsewhere (another CPU, or ``stream`` zero) memcpy.
  *
  * Prefetch: the source is read as one stream, run after run, and where it jumps (to the next
- * unit, or between runs of 1 KiB or more, e.g. the 32-64 KiB runs of the separate per-layer
+ * unit, or between runs of 2 KiB or more, e.g. the 32-64 KiB runs of the separate per-layer
  * tensors of a layer-separate cache) the hardware prefetcher needs several misses to pick
  * it up again. The copy touches the source PREFETCH_BYTES ahead of such a jump: inside the
  * streamed copy loop of a long run (the next run's first lines while this one ends), before
@@ -53,7 +53,7 @@
 #endif
 
 #define MAX_THREADS 64
-#define PREFETCH_BYTES 1024
+#define PREFETCH_BYTES 2048
 /* units are claimed in chunks of at least this many bytes (a few claims per thread) */
 #define CHUNK_BYTES (1 << 20)
 
