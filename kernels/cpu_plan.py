@@ -24,6 +24,7 @@ caller, and whether source and destination may overlap is decided per call.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
@@ -53,11 +54,13 @@ class _Entry:
 
 
 _PLANS: OrderedDict[tuple[object, ...], _Entry] = OrderedDict()
+_LOCK = threading.Lock()
 
 
 def clear() -> None:
     """Forget every plan (tests)."""
-    _PLANS.clear()
+    with _LOCK:
+        _PLANS.clear()
 
 
 def tensor_facts(t: object) -> Facts | None:
@@ -108,14 +111,17 @@ def run_cached(
     key = (kind, lead, group, cpu_spans.MIN_RUN_BYTES, *map(id, layouts), *sides)
     entry = _PLANS.get(key)
     if entry is not None and all(a is b for a, b in zip(entry.layouts, layouts, strict=True)):
-        _PLANS.move_to_end(key)
+        with _LOCK:  # callers on several threads (e.g. a loader's pool) share the plans
+            if key in _PLANS:
+                _PLANS.move_to_end(key)
     else:
         pairs = build()
         shared = kind == "copy" and any(_storage(a) == _storage(b) for a, b in pairs)
         entry = _Entry(layouts, cpu_spans.plan_pairs(pairs, lead), shared)
-        _PLANS[key] = entry
-        if len(_PLANS) > MAX_PLANS:
-            _PLANS.popitem(last=False)
+        with _LOCK:
+            _PLANS[key] = entry
+            while len(_PLANS) > MAX_PLANS:
+                _PLANS.popitem(last=False)
     if entry.plan is None:
         return False
     if entry.shared and bool(torch.isin(src_ids, dst_ids).any()):

@@ -293,3 +293,32 @@ def test_streamed_claimed_copies_of_odd_run_lengths_are_exact(
     assert torch.equal(staging, reference_staging(dst, dl, [6, 0, 8, 6], KVGroup.SELF))
     assert [c[12] for c in spy.calls] == [threads, threads]
     assert all(c[13] for c in spy.calls)
+
+
+def test_threads_sharing_the_kept_plans_copy_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvbridge.kernels import cpu_plan
+
+    monkeypatch.setattr(cpu_plan, "MAX_PLANS", 2)  # threads evict each other's plans too
+    sl, dl = _layout("layer-nhd"), _layout("layer-hnd")
+    jobs = [(random_cache(sl, 40 + i), random_cache(dl, 50 + i)) for i in range(4)]
+    pairs = [(5, 0), (1, 4), (2, 2)]
+    wants = [reference_copy(src, sl, dst, pairs, KVGroup.SELF) for src, dst in jobs]
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            for _ in range(30):
+                convert_blocks(jobs[i][0], sl, jobs[i][1], dl, pairs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for (_, dst), want in zip(jobs, wants, strict=True):
+        assert_cache_equals(dst, want, dl)
