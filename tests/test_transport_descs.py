@@ -230,6 +230,8 @@ def test_nixl_config_names_the_bad_knob() -> None:
         NixlConfig("")
     with pytest.raises(ConfigError, match="strided_descriptors"):
         NixlConfig("x", strided_descriptors=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="native_progress"):
+        NixlConfig("x", native_progress="yes")  # type: ignore[arg-type]
     assert NixlConfig("x").strided_descriptors
 
 
