@@ -82,7 +82,8 @@ def _filled(layout: KVLayout, seed: int) -> dict[str, torch.Tensor]:
 def setup(monkeypatch: pytest.MonkeyPatch) -> Any:
     layout = preset_layout("tiny", num_blocks=BLOCKS)
     # two blocks per piece: a transfer of 5 blocks goes as [0, 1], [2, 3], [4]
-    monkeypatch.setattr(moves, "PIPELINE_BYTES", 2 * layout.block_bytes())
+    for knob in ("PIPELINE_BYTES", "FIRST_PIECE_BYTES", "MAX_PIECE_BYTES"):
+        monkeypatch.setattr(moves, knob, 2 * layout.block_bytes())
     local_kv, pool_kv = _filled(layout, 1), _filled(layout, 2)
     local = LocalMemory(1, layout.bind(local_kv), "cpu")
     pool = _Pool(layout, pool_kv, local_kv)
@@ -123,13 +124,27 @@ def test_a_big_verified_load_checks_each_piece_and_names_the_bad_block(setup: An
     digests = [(key, d, ALGO_XXH3) for d in want]
     bad, verify_s = mover.read(_Session(), ids, slots, digests)
     assert bad == [3] and verify_s > 0
+    # a load's pieces are a store's in reverse: the piece checked after the last READ is small
     assert [(op, blocks) for op, blocks, *_ in pool.calls] == [
-        ("read", [0, 1]),
-        ("read", [2, 3]),
-        ("read", [4]),
+        ("read", [0]),
+        ("read", [1, 2]),
+        ("read", [3, 4]),
     ]
     for x in local.layout.owning_layers(KVGroup.SELF):
         assert torch.equal(_bits(pool.local_kv[x.name])[:, ids], _bits(pool.kv[x.name])[:, slots])
+
+
+def test_pieces_grow_from_the_first_size_to_the_max_and_a_load_ends_on_the_small_one(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mover, _, local = setup
+    block = local.layout.block_bytes()
+    monkeypatch.setattr(moves, "FIRST_PIECE_BYTES", block)
+    monkeypatch.setattr(moves, "MAX_PIECE_BYTES", 4 * block)
+    assert mover._pieces(12) == [(0, 1), (1, 3), (3, 7), (7, 11), (11, 12)]
+    assert mover._pieces(12, small_last=True) == [(0, 1), (1, 5), (5, 9), (9, 11), (11, 12)]
+    assert mover._pieces(2) == [(0, 2)]  # up to PIPELINE_BYTES (2 blocks here): one piece
+    assert mover._pieces(0) == []
 
 
 def test_an_unverified_load_is_one_read(setup: Any) -> None:

@@ -8,7 +8,8 @@ in a job pool, like :mod:`kvbridge.connector.worker_side` does):
 - :meth:`OffloadClient.lookup` — how many leading blocks of a prefix the daemon
   holds (committed blocks only);
 - :meth:`OffloadClient.store` — PrepareStore (slots, evictions) → NIXL WRITE
-  of local blocks into the slots → CommitStore; AbortStore on any failure;
+  of local blocks into the slots → CommitStore (posted once the blocks are digested, while
+  the last WRITEs run: :mod:`kvbridge.connector.offload.commit`); AbortStore on any failure;
 - :meth:`OffloadClient.load` — PrepareLoad (pins the cached prefix) → NIXL
   READ into local blocks → CompleteLoad (unpins).
 
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
+from kvbridge.connector.offload.commit import StoreCommit
 from kvbridge.connector.offload.moves import BlockMover, load_digests
 from kvbridge.connector.offload.session import (
     GROUP,
@@ -166,10 +168,16 @@ class OffloadClient(Closing):
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
             key = new_key()
-            algo, digests = self._mover.write(
-                session, local_ids, slots, store_notification(store_id), key
-            )
-            commit = self._commit(session, store_id, key, digests, algo)
+            what = f"CommitStore {self.config.address}"
+            early = StoreCommit(self._stub, self._call, what, self.config.rpc_timeout_s,
+                                self._metadata, store_id, session.session, key)  # fmt: skip
+            try:  # the commit goes out with the last digests, while the last WRITEs run
+                self._mover.write(session, local_ids, slots, store_notification(store_id),
+                                  key, on_digests=early.send)  # fmt: skip
+            except BaseException:
+                early.cancel()
+                raise
+            commit = early.result()
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -315,26 +323,6 @@ class OffloadClient(Closing):
                 self._call, self.config, self._transport, self._local, self._caches
             )
             return self._session
-
-    def _commit(
-        self, session: Session, store_id: str, key: int, digests: Sequence[bytes], algo: str
-    ) -> pb.CommitStoreResponse:
-        """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
-        req = pb.CommitStoreRequest(
-            store_id=store_id,
-            session=session.session,
-            digest_key=key,
-            digests=list(digests),
-            digest_algo=algo,
-        )
-        try:
-            resp: pb.CommitStoreResponse = self._call("CommitStore", req)
-        except LeaseError as exc:
-            if exc.code != "FAILED_PRECONDITION":
-                raise
-            log.debug("offload commit refused once, retrying: %s", exc)
-            resp = self._call("CommitStore", req)
-        return resp
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         fn = getattr(self._stub, method)

@@ -305,8 +305,8 @@ def check_pool_fits(config: OffloadConfig, disk_text: str) -> None:
     block = pool_layout(template, config).block_bytes(GROUP)  # checks --capacity
     if config.disk_path is not None and config.disk_capacity_bytes < block:
         raise ConfigError(
-            f"--disk-capacity {disk_text} ({config.disk_capacity_bytes} bytes) holds no "
-            f"{block}-byte block of {template.model.name}; raise --disk-capacity to at least "
+            f"--disk-capacity of {config.disk_capacity_bytes} bytes holds no {block}-byte "
+            f"block of {template.model.name} ({disk_text}); raise --disk-capacity to at least "
             f"{block} bytes"
         )
 
