@@ -147,6 +147,22 @@ def test_pieces_grow_from_the_first_size_to_the_max_and_a_load_ends_on_the_small
     assert mover._pieces(0) == []
 
 
+@pytest.mark.parametrize("blocks", [2, 5])
+def test_a_store_hands_its_digests_on_before_its_last_write(setup: Any, blocks: int) -> None:
+    # the client posts CommitStore from on_digests: the daemon then waits for the notification
+    mover, pool, local = setup
+    ids, key = list(range(blocks)), new_key()
+    seen: list[tuple[list[bytes], list[bytes | None]]] = []
+
+    def on_digests(algo: str, digests: list[bytes]) -> None:
+        seen.append((list(digests), [note for _, _, note, _ in pool.calls]))
+
+    _, digests = mover.write(_Session(), ids, ids, b"stored", key, on_digests=on_digests)
+    assert digests == block_digests(local.layout, KVGroup.SELF, ids, key)
+    assert len(seen) == 1 and seen[0][0] == digests and b"stored" not in seen[0][1]
+    assert pool.calls[-1][2] == b"stored"
+
+
 def test_an_unverified_load_is_one_read(setup: Any) -> None:
     mover, pool, _ = setup
     bad, _ = mover.read(_Session(), [0, 1, 2, 3, 4], [4, 3, 2, 1, 0], None)

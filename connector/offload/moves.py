@@ -246,8 +246,9 @@ class BlockMover:
                 if job.done():
                     job.result()  # a failed WRITE raises here, before more digesting
                 digests += block_digests(self._local.layout, GROUP, local_ids[a:b], key, algo)
+                if b == len(local_ids):
+                    tell(algo, digests)  # before the last WRITE is even posted
                 digested.put(True)
-            tell(algo, digests)
             job.result()
             finished = True
         finally:
