@@ -163,6 +163,22 @@ def test_a_store_hands_its_digests_on_before_its_last_write(setup: Any, blocks: 
     assert pool.calls[-1][2] == b"stored"
 
 
+def test_digests_taken_while_prepare_store_is_in_flight_are_the_writes_own(setup: Any) -> None:
+    mover, pool, local = setup
+    key, ids = new_key(), [3, 1, 4, 0, 2]
+    calls = iter([False, False, True])  # done() after two rounds: two pieces of 2 blocks
+    early = mover.digest_while(_Session(), ids, key, lambda: next(calls))
+    assert early == block_digests(local.layout, KVGroup.SELF, ids[:4], key)
+    assert mover.digest_while(_Session(staging=object()), ids, key, lambda: False) == []
+    # the write takes the known ones as given (a marker here) and digests the rest itself
+    marker = bytes(16)
+    known = [marker, early[1], None, None, None]
+    _, digests = mover.write(_Session(), ids, [0, 1, 2, 3, 4], b"stored", key, known=known)
+    assert digests[0] == marker
+    assert digests[1:] == block_digests(local.layout, KVGroup.SELF, ids[1:], key)
+    assert pool.calls[-1][2] == b"stored"
+
+
 def test_an_unverified_load_is_one_read(setup: Any) -> None:
     mover, pool, _ = setup
     bad, _ = mover.read(_Session(), [0, 1, 2, 3, 4], [4, 3, 2, 1, 0], None)

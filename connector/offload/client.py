@@ -7,7 +7,8 @@ in a job pool, like :mod:`kvbridge.connector.worker_side` does):
 
 - :meth:`OffloadClient.lookup` — how many leading blocks of a prefix the daemon
   holds (committed blocks only);
-- :meth:`OffloadClient.store` — PrepareStore (slots, evictions) → NIXL WRITE
+- :meth:`OffloadClient.store` — PrepareStore (slots, evictions; the leading blocks are
+  digested while it is in flight) → NIXL WRITE
   of local blocks into the slots → CommitStore (posted once the blocks are digested, while
   the last WRITEs run: :mod:`kvbridge.connector.offload.commit`); AbortStore on any failure;
 - :meth:`OffloadClient.load` — PrepareLoad (pins the cached prefix) → NIXL
@@ -158,7 +159,15 @@ class OffloadClient(Closing):
                 ttl_ms=round(self.config.ttl_s * 1000),
                 session=session.session,
             )
-            resp: pb.PrepareStoreResponse = self._call("PrepareStore", req)
+            key = new_key()
+            ask = self._stub.PrepareStore.future(
+                req, timeout=self.config.rpc_timeout_s, metadata=self._metadata
+            )
+            known = self._mover.digest_while(session, block_ids, key, ask.done)
+            try:
+                resp: pb.PrepareStoreResponse = ask.result()
+            except grpc.RpcError as err:
+                raise error_from_rpc(f"PrepareStore {self.config.address}", err) from None
             store_id = resp.store_id
             evicted = tuple(BlockHash(bytes(h)) for h in resp.evicted)
             if not store_id:
@@ -167,13 +176,13 @@ class OffloadClient(Closing):
                 )
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
-            key = new_key()
             what = f"CommitStore {self.config.address}"
             early = StoreCommit(self._stub, self._call, what, self.config.rpc_timeout_s,
                                 self._metadata, store_id, session.session, key)  # fmt: skip
+            pre = [known[i] if i < len(known) else None for i in indices]
             try:  # the commit goes out with the last digests, while the last WRITEs run
                 self._mover.write(session, local_ids, slots, store_notification(store_id),
-                                  key, on_digests=early.send)  # fmt: skip
+                                  key, on_digests=early.send, known=pre)  # fmt: skip
             except BaseException:
                 early.cancel()
                 raise

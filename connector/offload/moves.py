@@ -147,23 +147,27 @@ class BlockMover:
         key: int,
         algo: str | None = None,
         on_digests: OnDigests | None = None,
+        known: Sequence[bytes | None] = (),
     ) -> tuple[str, list[bytes]]:
         """WRITE ``local_ids`` into ``slots`` (the last transfer carries ``notify``); returns
         the blocks' digests, taken over the bytes as they are in the pool's order, and their
         algorithm (``algo``; default: the one for the memory digested, :func:`digest_algo`).
         ``on_digests(algo, digests)`` is called as soon as every block is digested, before
-        the last WRITEs complete (the store's commit goes out then)."""
+        the last WRITEs complete (the store's commit goes out then). ``known``: digests
+        already taken (:meth:`digest_while`), per block or None; not with a staging cache."""
         staging = session.staging
         tell = on_digests or (lambda algo, digests: None)
         if staging is None:
             algo = algo or digest_algo(self._local.layout, GROUP)
             pieces = self._pieces(len(local_ids))
             if len(pieces) == 1:
-                digests = block_digests(self._local.layout, GROUP, local_ids, key, algo)
+                digests = self._digests(local_ids, key, algo, known)
                 tell(algo, digests)
                 self.transfer("write", session, local_ids, slots, notify)
                 return algo, digests
-            return algo, self._write_pipelined(session, local_ids, slots, notify, key, algo, tell)
+            return algo, self._write_pipelined(
+                session, local_ids, slots, notify, key, algo, tell, known
+            )
         assert self._caches is not None
         algo = algo or digest_algo(staging.memory.layout, GROUP)
         digests = []
@@ -176,6 +180,37 @@ class BlockMover:
                     tell(algo, digests)
                 self.transfer("write", session, staged, slots[a:b], notify if last else None)
         return algo, digests
+
+    def digest_while(
+        self, session: Session, block_ids: Sequence[int], key: int, done: Callable[[], bool]
+    ) -> list[bytes]:
+        """Digests (with ``key``) of the leading ``block_ids``, a piece at a time until
+        ``done()``: a store digests while its PrepareStore is in flight and it would only
+        wait. None ([]) where :meth:`write` digests otherwise (staging, device memory);
+        an error stops it (:meth:`write` digests those blocks again, and raises there)."""
+        layout = self._local.layout
+        if session.staging is not None or digest_algo(layout, GROUP) != ALGO_XXH3:
+            return []
+        per = max(1, FIRST_PIECE_BYTES // layout.block_bytes(GROUP))
+        out: list[bytes] = []
+        with contextlib.suppress(Exception):
+            while len(out) < len(block_ids) and not done():
+                part = block_ids[len(out) : len(out) + per]
+                out += block_digests(layout, GROUP, part, key, ALGO_XXH3)
+        return out
+
+    def _digests(
+        self, ids: Sequence[int], key: int, algo: str, known: Sequence[bytes | None]
+    ) -> list[bytes]:
+        """Digests of ``ids``: ``known`` ones as given, the rest taken now."""
+        if not known:
+            return block_digests(self._local.layout, GROUP, ids, key, algo)
+        need = [j for j, d in enumerate(known) if d is None]
+        fresh = block_digests(self._local.layout, GROUP, [ids[j] for j in need], key, algo)
+        out = list(known)
+        for j, d in zip(need, fresh, strict=True):
+            out[j] = d
+        return [d for d in out if d is not None]
 
     def read(
         self,
@@ -217,6 +252,7 @@ class BlockMover:
         key: int,
         algo: str,
         tell: OnDigests,
+        known: Sequence[bytes | None],
     ) -> list[bytes]:
         """Digest the pieces here while the helper WRITEs each one already digested (at most
         :data:`AHEAD_PIECES` digested and not yet written); the last WRITE carries
@@ -245,7 +281,7 @@ class BlockMover:
                         break
                 if job.done():
                     job.result()  # a failed WRITE raises here, before more digesting
-                digests += block_digests(self._local.layout, GROUP, local_ids[a:b], key, algo)
+                digests += self._digests(local_ids[a:b], key, algo, known[a:b])
                 if b == len(local_ids):
                     tell(algo, digests)  # before the last WRITE is even posted
                 digested.put(True)
