@@ -83,18 +83,23 @@ class _FakeOwnerLink:
     def __init__(self, table: SealTable) -> None:
         self.table, self.reads = table, 0
         self.reader: SealReader | None = None
+        self.reads_by: dict[str, int] = {}
+        """READs per owner (``connect``'s name)."""
 
     def register(self, layout: Any, caches: Any) -> Any:
         return SimpleNamespace(layout=layout)
 
     def connect(self, name: str, metadata: bytes, seal: Any, memory: Any) -> Any:
-        return SimpleNamespace(remote_layout=seal)
+        """A link to ``self.table``, or to ``metadata``'s table if it is one (another owner)."""
+        table = metadata if isinstance(metadata, SealTable) else self.table
+        return SimpleNamespace(remote_layout=seal, name=name, table=table)
 
     def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
         assert self.reader is not None
         self.reads += 1
+        self.reads_by[link.name] = self.reads_by.get(link.name, 0) + 1
         for mine, theirs in zip(local, remote, strict=True):
-            self.reader._slots[mine] = self.table._slots[theirs]
+            self.reader._slots[mine] = link.table._slots[theirs]
         return SimpleNamespace(  # copied at once: done when posted
             wait=lambda timeout_s: None, release=lambda: None, poll=lambda: "done"
         )
@@ -146,3 +151,31 @@ def test_no_seal_at_all_is_the_slow_path_after_the_wait() -> None:
     t0 = time.monotonic()
     assert not reader.holds(link, LEASE, SEAL, 1.0, wait_s=0.1)
     assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads > 1
+
+
+def test_only_an_owner_that_has_not_sealed_yet_is_read_again() -> None:
+    """Several owners (TP ranks): each one whose slots hold no nonce yet is READ again, the
+    others keep their first answer, and every answer comes from one SealReader mechanism."""
+    early, late, other = SealTable(64), SealTable(64), SealTable(64)
+    early.publish(LEASE, SEAL)
+    other.publish(LEASE, bytes(32))  # the nonce with another seal: an answer at once
+    reader, fake, _ = _reader(early)
+    links = [
+        reader.connect(name, table, table.layout)  # type: ignore[arg-type]
+        for name, table in (("early", early), ("late", late), ("other", other))
+    ]
+    sealing = threading.Timer(0.05, late.publish, (LEASE, SEAL))
+    sealing.start()
+    try:
+        assert reader.holds_all(links[:2], LEASE, SEAL, 1.0, wait_s=5.0) == [True, True]
+    finally:
+        sealing.join()
+    assert fake.reads_by["early"] == 1 and fake.reads_by["late"] > 1
+    t0 = time.monotonic()
+    assert reader.holds_all(links, LEASE, SEAL, 1.0, wait_s=5.0) == [True, True, False]
+    assert time.monotonic() - t0 < 2.0 and fake.reads_by["other"] == 1
+    # an owner that never seals: read again until the wait is over, then not held
+    late.retract(LEASE)
+    t0 = time.monotonic()
+    assert reader.holds_all(links[:2], LEASE, SEAL, 1.0, wait_s=0.1) == [True, False]
+    assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads_by["early"] == 3

@@ -101,7 +101,7 @@ class NixlTransferHandle(DeadlineHandle):
         with self._agent.lock:
             self._state = "done"
             if (figures := self._agent.telemetry(self._xfer)) is not None:
-                self._backend_s, self._wire_desc = figures
+                self._backend_s, self._wire_desc, self._backend_post_s = figures
             self._release_request()
 
     def _fail(self, error: TransferError, *, drop_link: bool = True) -> None:
