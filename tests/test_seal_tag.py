@@ -179,3 +179,47 @@ def test_only_an_owner_that_has_not_sealed_yet_is_read_again() -> None:
     t0 = time.monotonic()
     assert reader.holds_all(links[:2], LEASE, SEAL, 1.0, wait_s=0.1) == [True, False]
     assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads_by["early"] == 3
+
+
+class _Flushable(_FakeOwnerLink):
+    """:class:`_FakeOwnerLink` whose READs stay in flight until ``land()``, and that records
+    notifications."""
+
+    def __init__(self, table: SealTable) -> None:
+        super().__init__(table)
+        self.sent: list[bytes] = []
+        self.handles: list[Any] = []
+
+    def send_notification(self, link: Any, message: bytes) -> None:
+        self.sent.append(message)
+
+    def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
+        self.reads += 1
+        handle = SimpleNamespace(state="pending", released=0)
+        handle.poll = lambda: handle.state
+        handle.release = lambda: setattr(handle, "released", handle.released + 1)
+        self.handles.append(handle)
+        return handle
+
+
+def test_a_release_leaves_one_flush_read_per_link_in_flight_and_reaps_it_once_over() -> None:
+    """After a release notification the reader posts a one-slot READ on the link (it takes
+    UCX's flush wait after a notification off the next load's READ), never two at once on
+    one link, and gives its scratch slot back only once it is over (never releasing one in
+    flight, which would take the link down)."""
+    table = SealTable(64)
+    fake = _Flushable(table)
+    reader = SealReader(fake, 1)  # type: ignore[arg-type]
+    fake.reader = reader
+    link = SimpleNamespace(remote_layout=table.layout, link_id=7)
+    free = len(reader._free)
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    assert len(fake.sent) == 2 and fake.reads == 1 and len(reader._free) == free - 1
+    reader._reap()
+    assert fake.handles[0].released == 0 and len(reader._free) == free - 1  # in flight
+    fake.handles[0].state = "done"
+    reader._reap()
+    assert fake.handles[0].released == 1 and len(reader._free) == free
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    assert fake.reads == 2  # the next release flushes again

@@ -40,19 +40,28 @@ __all__ = ["SealCheck", "SealReader"]
 
 log = logging.getLogger(__name__)
 
+FLUSH_SLOTS = 16
+"""Scratch slots beyond the seal checks' for the flush READs of :meth:`SealReader.release`
+(one per link at a time, at most this many at once)."""
+
 
 class SealReader:
     """Decode's side: scratch slots and seal checks; thread-safe (loads run in a pool)."""
 
-    def __init__(self, transport: Transport, max_concurrent: int) -> None:
+    def __init__(
+        self, transport: Transport, max_concurrent: int, flush_timeout_s: float = 30.0
+    ) -> None:
         self.transport = transport
-        layout = seal_layout(PROBES * RANKS_AT_ONCE * max(1, max_concurrent))
+        self._flush_timeout_s = flush_timeout_s
+        layout = seal_layout(PROBES * RANKS_AT_ONCE * max(1, max_concurrent) + FLUSH_SLOTS)
         self._caches = layout.allocate("cpu")
         (tensor,) = self._caches.values()
         self._slots = slot_rows(tensor, layout.groups[0].num_blocks)
         self.memory = transport.register(layout, self._caches)
         self._free = [BlockId(i) for i in range(layout.groups[0].num_blocks)]
         self._lock = threading.Lock()
+        self._flushes: dict[int, tuple[TransferHandle, BlockId]] = {}
+        """The flush READ in flight after a release notification, per link (:meth:`release`)."""
 
     def connect(self, peer_name: str, metadata: bytes, seal: KVLayout) -> PeerLink:
         """A link from the scratch slots to a peer's seal table."""
@@ -130,6 +139,7 @@ class SealReader:
         sealed the lease yet). None: ``lease_id`` is no lease id (no seal can hold)."""
         if len(links) > RANKS_AT_ONCE:
             raise OutOfBlocksError(f"more than {RANKS_AT_ONCE} seals at once")
+        self._reap()
         try:
             want = expected_seal(lease_id, digest)
         except ValueError:
@@ -176,13 +186,58 @@ class SealReader:
 
     def release(self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1) -> None:
         """Give a lease back without a round trip (best effort: unsent, it expires); as
-        ``reader`` of ``readers`` when several ranks read it (:func:`release_message`)."""
+        ``reader`` of ``readers`` when several ranks read it (:func:`release_message`).
+
+        Then a one-slot READ is posted on the link and left in flight (:meth:`_flush`): with
+        NIXL over UCX, every transfer ends with a flush of its endpoint, and the first flush
+        after a notification on that endpoint (its active-message lane, TCP on one host)
+        waits for the owner to progress and answer; this READ takes that wait off the next
+        load's block READ, which is then done inside its post again."""
+        self._reap()
         try:
             self.transport.send_notification(link, release_message(lease_id, reader, readers))
         except KVBridgeError as exc:
             log.info("release notification for lease %s failed (%s); it will expire", lease_id, exc)
+            return
+        self._flush(link)
+
+    def _flush(self, link: PeerLink) -> None:
+        """Post the flush READ of :meth:`release` (one of the owner's seal slots into a
+        scratch slot of ours; nothing reads it), unless one is in flight on ``link`` already
+        or no scratch slot is free: it only saves time, it never decides anything."""
+        with self._lock:
+            busy = link.link_id in self._flushes or len(self._flushes) >= FLUSH_SLOTS
+            if busy or not self._free:
+                return
+            mine = self._free.pop()
+        try:
+            handle = self.transport.read_blocks(
+                link, SEAL_GROUP, [mine], [BlockId(0)], timeout_s=self._flush_timeout_s
+            )
+        except KVBridgeError as exc:
+            log.debug("flush READ not posted (%s)", exc)
+            self._give_back([mine])
+            return
+        with self._lock:
+            self._flushes[link.link_id] = (handle, mine)
+
+    def _reap(self) -> None:
+        """Release the flush READs that are over (polling each once, never waiting)."""
+        with self._lock:
+            pending = list(self._flushes.items())
+        for key, (handle, slot) in pending:
+            if handle.poll() == "pending":
+                continue
+            handle.release()
+            with self._lock:
+                self._flushes.pop(key, None)
+                self._free.append(slot)
 
     def close(self) -> None:
+        with self._lock:
+            flushes, self._flushes = list(self._flushes.values()), {}
+        for handle, _ in flushes:  # the links are down or closing: in flight is given up
+            handle.release()
         self.transport.unregister(self.memory)
 
 

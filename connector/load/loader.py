@@ -72,7 +72,9 @@ class RemoteLoader:
         self.transport = transport
         self.memory = memory
         self.kv_caches = kv_caches
-        self._seal_reader = SealReader(transport, config.max_concurrent_loads + INLINE_LOADS)
+        self._seal_reader = SealReader(
+            transport, config.max_concurrent_loads + INLINE_LOADS, config.load_timeout_s
+        )
         self._links = LinkCache(
             transport,
             client_factory,

@@ -311,8 +311,9 @@ def run(args: argparse.Namespace) -> int:
     }
     payload = assemble(settings, rounds, requests)
     print_table(table_rows(payload), list(table_rows(payload)[0]) if requests else [])
-    print()
-    print_table(payload["ratios"], ["model", "prompts", "connector", *METRICS])
+    if payload["ratios"]:  # none without NixlConnector in the run
+        print()
+        print_table(payload["ratios"], ["model", "prompts", "connector", *METRICS])
     json_path, png_path = output_paths(args.out)
     print(f"wrote {write_json(json_path, payload)}")
     if box_plot(png_path, payload):
