@@ -68,6 +68,7 @@ class SealProof:
         """The blocks are proved by the seal's content tag (no digests to compare with)."""
         self._landed: dict[KVGroup, list[bytes]] | None = None
         """Their digests as they landed, for the tag (``_by_seal``)."""
+        self._waited = False
         load = job.load
         self._seal: SealCheck | None = None
         if load.lease_id and load.seal:
@@ -91,12 +92,14 @@ class SealProof:
             if block:
                 seal.wait(self._timeout_s)
             elif not _spin(seal, spin_until):
+                self._first("seal pending")  # the step log: a seal READ seen done a poll later
                 return False
             if self._by_seal and self._landed is None:
                 self._check()  # the digests of what landed make the tag the slot must hold
             tag, tagged = self._tag()
             held = seal.settle(tag, tagged=tagged)
             if held is None:  # an owner has not sealed the lease yet: read it again
+                self._first("seal absent")  # the step log: the wait for the owner's seal
                 if block:
                     time.sleep(SEAL_POLL_S)
                 seal.again()
@@ -111,6 +114,12 @@ class SealProof:
                 return False
             self._check()
         return True
+
+    def _first(self, step: str) -> None:
+        """Mark ``step`` the first time the seal is not ready at a poll (the step log)."""
+        if not self._waited:
+            self._waited = True
+            self.job.mark(step)
 
     def finish(self) -> None:
         """:meth:`advance` to the end, waiting."""
