@@ -199,9 +199,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         if args.verbose:
             traceback.print_exc()
+        message = _with_flag_names(message, _chosen(parser, args))
         print(f"{program}: error: {message}", file=sys.stderr)
         return 2
     return code
+
+
+def _with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """A config field named in an error (``tp_size 3``) as the flag of this command that sets
+    it (``--tp-size 3``): only fields whose name has an underscore (never an English word),
+    never after a ``.`` (``OffloadLookupConfig.tp_size`` is another object's field)."""
+    import re
+
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and "_" in action.dest:
+            message = re.sub(rf"(?<![\w.-]){action.dest}(?!\w)", longs[0], message)
+    return message
 
 
 def _user_error(exc: BaseException) -> str | None:

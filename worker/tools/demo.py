@@ -166,9 +166,34 @@ def reference_outputs(
     ]
 
 
+def check_offload_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag for an ``--offload-*`` flag without ``--offload`` (it would
+    be ignored) or a size the daemon would refuse, before the reference run and the nodes."""
+    from kvbridge.proto.errors import ConfigError
+    from kvbridge.worker.offload.cmd import parse_bytes
+
+    given = [
+        flag
+        for flag, value, default in (
+            ("--offload-capacity", args.offload_capacity, "256MiB"),
+            ("--offload-disk", args.offload_disk, None),
+            ("--offload-disk-capacity", args.offload_disk_capacity, "1GiB"),
+            ("--offload-restart", args.offload_restart, False),
+        )
+        if value != default
+    ]
+    if given and not args.offload:
+        raise ConfigError(f"{given[0]} needs --offload (the daemon it configures); add --offload")
+    if args.offload_restart and args.offload_disk is None:
+        raise ConfigError("--offload-restart needs --offload-disk (the state that survives)")
+    parse_bytes(args.offload_capacity, "--offload-capacity")
+    parse_bytes(args.offload_disk_capacity, "--offload-disk-capacity")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.serving.router import EngineClient, Router
 
+    check_offload_flags(args)
     config: Any = engine_config_from_args(args)
     prompts = make_workload(
         args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         counts = []
     if len(counts) not in (1, 2):
         raise ConfigError(f"--nodes takes P,D or one count, got {args.nodes!r}")
+    if min(counts) < 1:
+        raise ConfigError(f"--nodes {args.nodes}: every count must be at least 1, e.g. 2,2")
     config = SoakConfig(
         duration_s=args.duration,
         seed=args.seed,
