@@ -305,3 +305,22 @@ def test_a_token_file_other_users_can_read_is_warned_about(
     assert ("chmod 600" in out.stderr) is warned, out.stderr
     if warned:
         assert f"(mode {mode:04o})" in out.stderr and "s3cret" not in out.stderr, out.stderr
+
+
+def test_every_option_of_the_serving_commands_says_what_it_does() -> None:
+    """``--help`` of the commands a newcomer starts with explains every option (benchmarks
+    other than ``bench vllm`` aside: their sweep flags are for whoever tunes them)."""
+    import argparse
+
+    from kvbridge.worker.cli import build_parser
+
+    def bare(parser: argparse.ArgumentParser, name: str) -> Iterator[str]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    if name != "kvbridge bench" or sub == "vllm":
+                        yield from bare(child, f"{name} {sub}")
+            elif action.option_strings and not action.help:
+                yield f"{name} {action.option_strings[0]}"
+
+    assert list(bare(build_parser(), "kvbridge")) == []

@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("layout", help="print a model's KV block byte math")
     p.add_argument(
-        "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
+        "--model",
+        "--preset",
+        dest="preset",
+        default="llama3-8b",
+        choices=sorted(PRESETS),
+        help="model name (default llama3-8b)",
     )
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"

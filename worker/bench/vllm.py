@@ -78,11 +78,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="prompt lengths to run (default both)",
     )  # fmt: skip
     p.add_argument(
-        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX")
-    )
+        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"),
+        help="short prompts' length range in tokens (default 100 600)",
+    )  # fmt: skip
     p.add_argument(
-        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX")
-    )
+        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"),
+        help="long prompts' length range in tokens (default 1500 2000)",
+    )  # fmt: skip
     p.add_argument("--seed", type=non_negative_int, default=0, help="prompt and weight seed")
     p.add_argument(
         "--port", type=fixed_port, default=18600,

@@ -189,7 +189,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Run one serving node: the reference engine with kvbridge's connector, a "
         "PeerControl server for peers and an Inference server for the router.",
     )
-    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default="both",
+        help="prefill hands its prompts' KV to decode nodes, decode loads it, both (default) "
+        "does either",
+    )
     p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
@@ -198,6 +204,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--advertise",
         default="",
+        metavar="HOST:PORT",
         help="host:port peers use for PeerControl (default: the listening address)",
     )
     add_security_arguments(p)
@@ -219,7 +226,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=0.0,
         help="test hook: decode sleeps this long before each READ (default 0)",
     )
-    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--on-load-error",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
     p.add_argument(
         "--no-verify-loads",
         dest="verify_loads",

@@ -72,7 +72,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--max-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
     )
-    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--on-load-error",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
     p.add_argument(
         "--clips",
         type=positive_int,
@@ -106,7 +111,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="with --offload-disk: SIGKILL the daemon after the first pass and start it again "
         "on the same port and disk, so the second pass loads what its disk held",
     )
-    p.add_argument("--startup-timeout", type=positive_float, default=90.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=90.0,
+        help="seconds each process may take to start (default 90)",
+    )
     p.set_defaults(func=run)
 
 
@@ -172,18 +182,11 @@ def check_offload_flags(args: argparse.Namespace) -> None:
     from kvbridge.proto.errors import ConfigError
     from kvbridge.worker.offload.cmd import parse_bytes
 
-    given = [
-        flag
-        for flag, value, default in (
-            ("--offload-capacity", args.offload_capacity, "256MiB"),
-            ("--offload-disk", args.offload_disk, None),
-            ("--offload-disk-capacity", args.offload_disk_capacity, "1GiB"),
-            ("--offload-restart", args.offload_restart, False),
-        )
-        if value != default
-    ]
+    flags = {"capacity": "256MiB", "disk": None, "disk_capacity": "1GiB", "restart": False}
+    given = [k for k, default in flags.items() if getattr(args, f"offload_{k}") != default]
     if given and not args.offload:
-        raise ConfigError(f"{given[0]} needs --offload (the daemon it configures); add --offload")
+        flag = "--offload-" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} needs --offload (the daemon it configures); add --offload")
     if args.offload_restart and args.offload_disk is None:
         raise ConfigError("--offload-restart needs --offload-disk (the state that survives)")
     parse_bytes(args.offload_capacity, "--offload-capacity")
