@@ -90,9 +90,11 @@ class BlockLoad:
     """The first ``len(offload_hashes)`` ``self`` blocks are tried from the CPU offload daemon
     first; what it lacks comes from the remote engine (or, with no remote, is recomputed)."""
     offload_groups: Mapping[KVGroup, Sequence[BlockHash]] = field(default_factory=dict)
-    """A hybrid model's load from the offload daemon alone: per attention group (``g<i>``),
-    the daemon's names of ``local_ids[group]`` (the window at the hit's end). Loaded with
-    the ``self`` blocks or not at all: a shortfall recomputes the whole load."""
+    """A hybrid model's blocks from the offload daemon: per attention group (``g<i>``), the
+    daemon's names of the first ``len(offload_groups[group])`` of ``local_ids[group]`` (from
+    the daemon alone: all of them, the window at the hit's end). Loaded with the ``self``
+    blocks or not at all: a shortfall recomputes the whole load, or with a remote engine
+    reads every block from it."""
     remote_request_id: str = ""
     """The request id the remote engine leased the blocks under (its owner looks it up)."""
     first_block: int = 0

@@ -27,7 +27,8 @@ does not when its own cache already holds that encoder input's blocks) and
 prefill's cross hashes equal the request's.
 
 *Hybrid models*: each further attention group's blocks travel with the ``self`` blocks (to
-a decode and the offload daemon), a sliding window's in-window ones only (``windows``).
+a decode, to and from the offload daemon: a decode takes what it holds of each group), a
+sliding window's in-window ones only (``windows``).
 
 *Prefill* (``do_remote_decode``): when a request whose prompt was computed
 finishes, its blocks are put under a lease by a :class:`LeaseIssuer` (the
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.connector.base import (
@@ -80,6 +81,7 @@ class _Pending:
     offload_hashes: tuple[BlockHash, ...] = ()
     """Names of the blocks from ``first_block`` on that the offload daemon holds."""
     names: tuple[BlockHash, ...] = ()  # offload only: the prompt's names (a hybrid's groups)
+    spans: Mapping[KVGroup, tuple[int, int]] | None = None  # decode: groups' daemon blocks
 
 
 class KVBridgePlanner(SchedulerConnector):
@@ -145,11 +147,13 @@ class KVBridgePlanner(SchedulerConnector):
         external = params.num_tokens - num_computed_tokens
         if external <= 0:
             return 0, False
-        # blocks the node's offload daemon holds come from there; the rest from prefill
-        end = 0 if self.groups else len(params.block_hashes[KVGroup.SELF])  # hybrid: prefill's
-        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[first:end])
-        hits = self._lookup(names)
-        self._pending[request.request_id] = _Pending(params, first, names[:hits])
+        # blocks the node's offload daemon holds come from there (every group's, a sliding
+        # group's where they are its window); the rest from prefill
+        full = len(params.block_hashes[KVGroup.SELF])  # prefill's full blocks
+        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:full])
+        k = self._lookup(names[first:])
+        spans = self.groups.decode_hits(names, first, first + k, params.num_tokens, self._lookup)
+        self._pending[request.request_id] = _Pending(params, first, names[first:][:k], (), spans)
         return external, True
 
     def _refuse(self, request: RequestView, computed: int, why: str) -> tuple[int, bool]:
@@ -213,18 +217,9 @@ class KVBridgePlanner(SchedulerConnector):
         params = pending.params
         if params is None:  # blocks from the offload daemon only
             ids, named = self.groups.offload_load(block_ids, pending.names, first, first + k)
-            own = tuple(block_ids[KVGroup.SELF][first : first + k])
-            self._loads.append(
-                BlockLoad(
-                    request_id=request.request_id,
-                    remote_engine="",
-                    remote_address="",
-                    local_ids={KVGroup.SELF: own, **ids},
-                    remote_ids={},
-                    offload_hashes=offload_hashes,
-                    offload_groups=named,
-                )
-            )
+            own = {KVGroup.SELF: tuple(block_ids[KVGroup.SELF][first : first + k]), **ids}
+            load = BlockLoad(request.request_id, "", "", own, {}, offload_hashes=offload_hashes)
+            self._loads.append(replace(load, offload_groups=named))
             return
         end = -(-params.num_tokens // self.block_size)
         local = {KVGroup.SELF: tuple(block_ids[KVGroup.SELF][first:end])}
@@ -252,6 +247,9 @@ class KVBridgePlanner(SchedulerConnector):
                 lease_id=params.lease_id,
                 remote_hashes=hashes,
                 offload_hashes=offload_hashes,
+                offload_groups=self.groups.daemon_share(
+                    (local, hashes), params, offsets, len(names), pending.spans or {}
+                ),
                 remote_request_id=params.request_id,
                 first_block=first,
                 seal=self._seal(request, params, names),

@@ -21,7 +21,10 @@ under its group name too (never confused with the ``self`` block of the same pos
 A store takes each group's non-null full blocks (:meth:`AttentionGroups.store`); a prefix
 hit of ``P`` blocks needs every ``self`` block before ``P`` and each group's blocks of the
 window at ``P`` tokens (:meth:`AttentionGroups.offload_hit`: the longest ``P`` all groups
-can serve, like vLLM's own ``HybridKVCacheCoordinator.find_longest_cache_hit``).
+can serve, like vLLM's own ``HybridKVCacheCoordinator.find_longest_cache_hit``). A decode
+with a remote prefill takes from the daemon each group's blocks it holds of the window the
+decode keeps, before the end of the daemon's ``self`` hit (:meth:`AttentionGroups.decode_hits`,
+:meth:`AttentionGroups.daemon_share`), and the rest from the prefill.
 """
 
 from __future__ import annotations
@@ -200,6 +203,52 @@ class AttentionGroups:
                 ids[g] = tuple(mine[p] for p in pos)
                 hashes[g] = tuple(group_name(g, names[p]) for p in pos)
         return ids, hashes
+
+    def decode_hits(
+        self,
+        names: Sequence[BlockHash],
+        first: int,
+        end: int,
+        num_tokens: int,
+        lookup: Callable[[Sequence[BlockHash]], int],
+    ) -> dict[KVGroup, tuple[int, int]]:
+        """Offload, for a decode with a remote prefill whose ``self`` blocks ``first`` to
+        ``end`` the daemon serves (``names``: the prompt's full-block names): per group,
+        the positions ``(lo, stop)`` of its blocks the daemon holds too, a leading run from
+        its window start at ``num_tokens`` (or ``first``) on, before ``end``. The daemon
+        serves a sliding group's blocks only where they are the window the decode keeps;
+        prefill hands over the rest. One lookup per group."""
+        spans = {}
+        for g in self.windows:
+            lo = max(first, self.start(g, num_tokens))
+            want = [group_name(g, n) for n in names[lo:end]]
+            got = max(0, min(len(want), lookup(want))) if want else 0
+            if got:
+                spans[g] = (lo, lo + got)
+        return spans
+
+    @staticmethod
+    def daemon_share(
+        plan: tuple[_Ids, _Names],
+        params: KVTransferParams,
+        offsets: Mapping[KVGroup, int],
+        end: int,
+        spans: Mapping[KVGroup, tuple[int, int]],
+    ) -> _Names:
+        """Decode with a remote prefill: per group, the daemon's names of the leading blocks
+        of its load (``plan``: the local ids and names :meth:`plan_load` put in, ``offsets``
+        what it returned; ``end``: the prompt's block count) that :meth:`decode_hits` found
+        (``spans``); none where the load starts before the daemon's run."""
+        local, hashes = plan
+        share: _Names = {}
+        for g, (lo, stop) in spans.items():
+            if g not in local:
+                continue
+            start = end - len(params.block_ids[g]) + offsets[g]  # the load's first position
+            n = min(stop, start + len(local[g])) - start
+            if lo <= start and n > 0:
+                share[g] = tuple(hashes[g][:n])
+        return share
 
     @staticmethod
     def names_of(params: KVTransferParams) -> dict[KVGroup, tuple[BlockHash, ...]]:

@@ -38,18 +38,23 @@ from kvbridge.connector.base import (
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.releases import ReleaseListener
 from kvbridge.connector.control.seal import SealTable
+from kvbridge.connector.daemon_share import daemon_blocks, skip_offloaded
 from kvbridge.connector.load import ClientFactory, RemoteLoader, load_result
 from kvbridge.connector.load.inline import INLINE_LOADS, SPIN_S
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.types import BlockHash, BlockId, LeaseId, RequestId
+from kvbridge.proto.types import BlockId, LeaseId, RequestId
 
 if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
     from kvbridge.connector.load.inline import InlineLoad
-    from kvbridge.connector.offload.client import OffloadClient, OffloadStoreResult
+    from kvbridge.connector.offload.client import (
+        OffloadClient,
+        OffloadLoadResult,
+        OffloadStoreResult,
+    )
     from kvbridge.connector.transport.base import LocalMemory, Transport
     from kvbridge.proto.layout import KVLayout
 
@@ -290,16 +295,19 @@ class KVBridgeWorker(WorkerConnector):
         self._state.store_counts = replace(counts, failed=counts.failed + 1)
         log.warning("request %s: offload store failed: %s", rid, error)
 
-    def _load_groups(self, load: BlockLoad, local_self: list[BlockId]) -> LoadResult:
-        """A hybrid model's load from the offload daemon alone: the ``self`` blocks and each
-        group's window in one load (every group's blocks are ``self``-shaped pages); any
-        shortfall fails the whole load (every block recomputed), since a prefix of one
-        group without the other's window is no prefix at all."""
+    def _load_groups(self, load: BlockLoad) -> LoadResult:
+        """A hybrid model's blocks from the offload daemon: the ``self`` blocks and each
+        group's in one load (every group's blocks are ``self``-shaped pages), all or none,
+        since a prefix of one group without the other's window is no prefix at all. With a
+        remote engine the rest come from it (after a shortfall: every block); without one,
+        a shortfall fails the whole load (every block recomputed)."""
         assert self.offload is not None
-        group_ids, group_names = _flat_groups(load)
-        ids = local_self + group_ids
-        got = self.offload.load(ids, [*load.offload_hashes, *group_names])  # never raises
+        ids, names = daemon_blocks(load)
+        got = self.offload.load(ids, names)  # never raises
         ok = got.loaded == len(ids)
+        if load.remote_engine:
+            n = len(load.offload_hashes) if ok else 0
+            return self._from_remote(skip_offloaded(load, n, groups=ok), got, len(ids) if ok else 0)
         return load_result(
             load,
             0.0,
@@ -318,10 +326,10 @@ class KVBridgeWorker(WorkerConnector):
             raise KVBridgeError("a load before register_kv_caches")
         if not load.offload_hashes or self.offload is None:
             return remote.load(load)
+        if load.offload_groups:
+            return self._load_groups(load)
         k = len(load.offload_hashes)
         local_self = list(load.local_ids[KVGroup.SELF])
-        if load.offload_groups:
-            return self._load_groups(load, local_self[:k])
         got = self.offload.load(local_self[:k], list(load.offload_hashes))  # never raises
         m = got.loaded
         if not load.remote_engine:  # nothing to fall back on: recompute what is missing
@@ -335,13 +343,18 @@ class KVBridgeWorker(WorkerConnector):
                 elapsed_ms=got.elapsed_s * 1e3,
                 offload_bad_digest=got.bad_digest,
             )
-        # always go to the peer, if only to release the lease on what it pinned for us
-        result = remote.load(_skip_self(load, m))
+        return self._from_remote(skip_offloaded(load, m), got, m)
+
+    def _from_remote(self, load: BlockLoad, got: OffloadLoadResult, n: int) -> LoadResult:
+        """The rest of a load whose ``n`` other blocks came from the daemon (``got``): always
+        to the peer, if only to release the lease on what it pinned for us."""
+        assert self._remote is not None
+        result = self._remote.load(load)
         return replace(
             result,
-            blocks_requested=result.blocks_requested + m,
+            blocks_requested=result.blocks_requested + n,
             transfer_ms=result.transfer_ms + got.elapsed_s * 1e3,
-            blocks_offloaded=m,
+            blocks_offloaded=n,
             offload_bad_digest=got.bad_digest,
         )
 
@@ -363,38 +376,4 @@ def _log_steps(rid: RequestId, started: float, result: LoadResult) -> None:
         (now - started) * 1e3,
         "failed" if result.error else "ok",
         result.path or "-",
-    )
-
-
-def _flat_groups(load: BlockLoad) -> tuple[list[BlockId], list[BlockHash]]:
-    """A hybrid model's offload load's group blocks and their names, group after group."""
-    ids: list[BlockId] = []
-    names: list[BlockHash] = []
-    for g, hashes in load.offload_groups.items():
-        ids.extend(load.local_ids[g])
-        names.extend(hashes)
-    return ids, names
-
-
-def _skip_self(load: BlockLoad, n: int) -> BlockLoad:
-    """``load`` without its first ``n`` ``self`` blocks (they came from the offload daemon)."""
-    if n == 0:
-        return load
-    local = dict(load.local_ids)
-    remote = dict(load.remote_ids)
-    hashes = dict(load.remote_hashes)
-    local[KVGroup.SELF] = tuple(load.local_ids[KVGroup.SELF])[n:]
-    remote[KVGroup.SELF] = tuple(load.remote_ids.get(KVGroup.SELF, ()))[n:]
-    hashes[KVGroup.SELF] = tuple(load.remote_hashes.get(KVGroup.SELF, ()))[n:]
-    digests = dict(load.digests)
-    if KVGroup.SELF in digests:
-        digests[KVGroup.SELF] = tuple(digests[KVGroup.SELF])[n:]
-    return replace(
-        load,
-        digests=digests,
-        local_ids=local,
-        remote_ids=remote,
-        remote_hashes=hashes,
-        offload_hashes=(),
-        first_block=load.first_block + n,
     )

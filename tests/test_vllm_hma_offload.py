@@ -198,21 +198,62 @@ def test_the_plan_asks_the_daemon_a_bounded_number_of_times() -> None:
     assert len(daemon.asked) == MAX_GROUP_LOOKUPS
 
 
-def test_a_decode_with_remote_prefill_does_not_ask_the_daemon() -> None:
-    daemon = Daemon()
-    _store(daemon)
+def _handed_over(sliding: Sequence[int] = (0, 0, 0, 0, 34, 35, 36)) -> dict[str, Any]:
+    """A prefill's hand-over of FOLLOW (25 tokens: 6 full blocks and 1 token; the sliding
+    group's window at 25 tokens is its blocks 4..6)."""
     prefill = _scheduler(Daemon(), role="kv_producer")
     _, params = prefill.request_finished(
-        RequestId("p"),
-        FOLLOW,
-        {"do_remote_decode": True},
-        ([0, 0, 0, 0, 34, 35, 36], [*FULL, 26]),
-        True,
+        RequestId("p"), FOLLOW, {"do_remote_decode": True}, (list(sliding), [*FULL, 26]), True
     )
+    assert params is not None
+    return params
+
+
+def test_a_decode_with_remote_prefill_takes_what_the_daemon_holds_of_every_group() -> None:
+    """Like a Llama decode (the daemon's leading ``self`` blocks, the rest from prefill),
+    per group: the daemon holds ``self`` blocks 0..4 and the sliding group's 3 and 4; the
+    decode's window at 25 tokens is blocks 4..6, so it takes its block 4 from the daemon
+    (never 3: outside the window) and 5 and 6 from prefill."""
+    daemon = Daemon()
+    _store(daemon)
+    params = _handed_over()
     decode = _scheduler(daemon, role="kv_consumer")
+    names = _names(decode, FOLLOW)
     daemon.asked.clear()
     assert decode.num_matched(RequestId("p"), FOLLOW, params, 0) == (len(FOLLOW), True)
-    assert daemon.asked == []
+    # prefill's 6 full blocks (5 held), then the sliding group's window before block 5
+    assert daemon.asked == [tuple(names[:6]), (group_name("g0", BlockHash(names[4])),)]
+    local = ([0, 0, 0, 0, 44, 45, 46], [60 + i for i in range(7)])
+    decode.after_alloc(RequestId("p"), FOLLOW, local, 25)
+    (load,) = decode.build_step()[0].loads
+    assert load.remote_engine and load.local_ids == {
+        "self": (60, 61, 62, 63, 64, 65, 66),
+        "g0": (44, 45, 46),
+    }
+    assert load.remote_ids == {"self": (20, 21, 22, 23, 24, 25, 26), "g0": (34, 35, 36)}
+    assert [bytes(h) for h in load.offload_hashes] == names[:5]
+    assert load.offload_groups == {"g0": (group_name("g0", BlockHash(names[4])),)}
+    assert load.lease_offsets == {"g0": 0}
+
+
+def test_a_decode_takes_no_group_block_from_the_daemon_past_its_self_hits() -> None:
+    """The daemon serves positions before its ``self`` hits' end only: with ``self`` block
+    4 gone, the sliding group's block 4 comes from prefill too."""
+    daemon = Daemon()
+    _, store = _store(daemon)
+    daemon.names.discard(bytes(store.hashes[4]))
+    decode = _scheduler(daemon, role="kv_consumer")
+    assert decode.num_matched(RequestId("p"), FOLLOW, _handed_over(), 0) == (25, True)
+    decode.after_alloc(RequestId("p"), FOLLOW, ([0, 0, 0, 0, 44, 45, 46], [60] * 7), 25)
+    (load,) = decode.build_step()[0].loads
+    assert len(load.offload_hashes) == 4 and load.offload_groups == {}
+
+
+def test_a_decode_without_a_daemon_hit_asks_once_and_loads_every_group_from_prefill() -> None:
+    daemon = Daemon()
+    decode = _scheduler(daemon, role="kv_consumer")
+    assert decode.num_matched(RequestId("p"), FOLLOW, _handed_over(), 0) == (25, True)
+    assert len(daemon.asked) == 1  # the self blocks: none held, no group asked
     decode.after_alloc(RequestId("p"), FOLLOW, ([0, 0, 0, 0, 44, 45, 46], [60] * 7), 25)
     (load,) = decode.build_step()[0].loads
     assert load.offload_hashes == () and load.offload_groups == {}
@@ -267,7 +308,7 @@ def _group_load() -> BlockLoad:
 def test_a_group_load_is_one_load_and_any_shortfall_recomputes_all_of_it(held: int) -> None:
     client = _Client(held)
     worker: Any = SimpleNamespace(_remote=object(), offload=client)
-    worker._load_groups = lambda load, ids: KVBridgeWorker._load_groups(worker, load, ids)
+    worker._load_groups = lambda load: KVBridgeWorker._load_groups(worker, load)
     result = KVBridgeWorker._load(worker, _group_load())
     assert client.calls == [([60, 61, 62, 42], [b"a" * 32, b"b" * 32, b"c" * 32, b"g" * 32])]
     assert result.blocks_requested == 4
@@ -276,6 +317,61 @@ def test_a_group_load_is_one_load_and_any_shortfall_recomputes_all_of_it(held: i
     else:  # the self blocks alone are no prefix without the window: none are kept
         assert result.blocks_offloaded == 0
         assert result.bad_block_ids == (60, 61, 62, 42) and result.error
+
+
+class _Remote:
+    """The remote loader: records the load it is given and reads all of it."""
+
+    def __init__(self) -> None:
+        self.loads: list[BlockLoad] = []
+
+    def load(self, load: BlockLoad) -> LoadResult:
+        self.loads.append(load)
+        n = sum(len(ids) for ids in load.local_ids.values())
+        return LoadResult(load.request_id, n, n, (), 1.0)
+
+
+def _pd_group_load() -> BlockLoad:
+    """A hybrid decode's load: ``self`` blocks 0..3 (2 from the daemon), the sliding group's
+    blocks 2..3 (1 from the daemon), verified against the params' digests."""
+    return BlockLoad(
+        request_id=RequestId("r"),
+        remote_engine="prefill",
+        remote_address="127.0.0.1:1",
+        local_ids={"self": (60, 61, 62, 63), "g0": (42, 43)},
+        remote_ids={"self": (20, 21, 22, 23), "g0": (32, 33)},
+        remote_hashes={"self": (b"a", b"b", b"c", b"d"), "g0": (b"G", b"H")},
+        offload_hashes=(b"a" * 32, b"b" * 32),
+        offload_groups={"g0": (b"g" * 32,)},
+        digests={"self": (b"1", b"2", b"3", b"4"), "g0": (b"5", b"6")},
+        lease_offsets={"g0": 2},
+        whole_lease=True,
+    )
+
+
+@pytest.mark.parametrize("held", [3, 2, 0])
+def test_a_hybrid_decode_takes_every_groups_daemon_blocks_or_none_and_the_rest_from_prefill(
+    held: int,
+) -> None:
+    client, remote = _Client(held), _Remote()
+    worker: Any = SimpleNamespace(_remote=remote, offload=client)
+    worker._load_groups = lambda load: KVBridgeWorker._load_groups(worker, load)
+    worker._from_remote = lambda *a: KVBridgeWorker._from_remote(worker, *a)
+    result = KVBridgeWorker._load(worker, _pd_group_load())
+    assert client.calls == [([60, 61, 42], [b"a" * 32, b"b" * 32, b"g" * 32])]
+    (rest,) = remote.loads
+    assert not result.error and result.blocks_requested == 6
+    if held == 3:  # the rest: self 2..3 and the sliding group's block 3, in their lease places
+        assert result.blocks_offloaded == 3 and result.blocks_moved == 3
+        assert rest.local_ids == {"self": (62, 63), "g0": (43,)}
+        assert rest.remote_ids == {"self": (22, 23), "g0": (33,)}
+        assert rest.remote_hashes == {"self": (b"c", b"d"), "g0": (b"H",)}
+        assert rest.digests == {"self": (b"3", b"4"), "g0": (b"6",)}
+        assert (rest.first_block, rest.lease_offsets, rest.whole_lease) == (2, {"g0": 3}, False)
+    else:  # a shortfall: every block from prefill, none kept from the daemon
+        assert result.blocks_offloaded == 0 and result.blocks_moved == 6
+        assert rest.local_ids == _pd_group_load().local_ids
+        assert rest.first_block == 0 and rest.lease_offsets == {"g0": 2}
 
 
 class _Loader:

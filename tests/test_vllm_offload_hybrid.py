@@ -13,7 +13,10 @@ the sliding group's blocks still in its window at the end (vLLM freed the others
   the sliding group's window before them, so nothing loads (computed);
 - asks for the conversation's next turn (prompt, answer, new tokens): it loads the full
   block its own cache lacks and the sliding group's block of the window at that prefix
-  from the daemon, and its tokens equal the writer's.
+  from the daemon, and its tokens equal the writer's;
+- decodes a prompt the writer prefilled (P/D): it takes the blocks the daemon holds of
+  each group (a sliding group's where they are its window) from the daemon and only the
+  rest from the prefill, and its tokens equal the writer's.
 
 The same at TP=2 with ``gemma4-kv2`` (2 KV heads, one per rank): every rank stores and
 loads its own.
@@ -22,14 +25,13 @@ loads its own.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvbridge.worker import vllm as harness
-from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import daemon_stats, metric, model_or_skip, write_tiny_model
+from kvbridge.worker.serving import OffloadDaemonProcess
+from tests.harness.vllm import daemon_stats, metric, offload_pair
 
 pytestmark = [
     pytest.mark.slow,
@@ -42,51 +44,21 @@ PROMPT = [5, *range(10, 100), 7]  # 92 tokens: 2 full blocks + 28
 OTHER_FIRST = [9, *PROMPT[1:]]
 MAX_TOKENS = 8  # 99 tokens with KV: the generated tokens complete a third block
 SHARES_TWO = [*PROMPT[:64], *[3] * 30]  # 94 tokens: the first 2 full blocks are PROMPT's
+PD_PROMPT = [6, *range(400, 502), 8]  # 104 tokens: 3 full blocks + 8, shared with no other
 PAGE = 32 * 1 * 64 * 2 * 4  # one layer's page of a block: 1 KV head of 64, K and V, fp32
 HYBRID = ["FullAttentionSpec", "SlidingWindowSpec"]
-
-
-def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, Any]]:
-    """A daemon and a writer (core 0) and reader (core 1) of the tiny ``kind`` model, with
-    vLLM's hybrid KV cache manager on (its default with kvbridge)."""
-    model_or_skip(tmp)  # the venv
-    model = write_tiny_model(kind, tmp / kind)
-    with start_offload_daemon(tmp, 60, "64MiB") as daemon:
-        started = {
-            name: harness.Engine(
-                model,
-                core=core,
-                kv=harness.kv_config(
-                    "kvbridge",
-                    "kv_both",
-                    control_port=port + tp * core,
-                    offload_address=daemon.address,
-                    lease_ttl_s=20,
-                    load_timeout_s=10,
-                ),
-                log=tmp / f"{name}.log",
-                wait=False,
-                max_model_len=512,
-                startup_timeout_s=600.0,
-                log_stats=tp > 1,
-                tp=tp,
-            )
-            for core, name in enumerate(("writer", "reader"))
-        }
-        with harness.running(started) as ready:
-            yield {**ready, "daemon": daemon}
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-offload-hybrid")
-    yield from _pair(tmp, "gemma4", 29000 + (hash(str(tmp)) % 1000) * 2)
+    yield from offload_pair(tmp, "gemma4", 29000 + (hash(str(tmp)) % 1000) * 2)
 
 
 @pytest.fixture(scope="module")
 def engines_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-offload-hybrid-tp2")
-    yield from _pair(tmp, "gemma4-kv2", 31000 + (hash(str(tmp)) % 1000) * 4, tp=2)
+    yield from offload_pair(tmp, "gemma4-kv2", 31000 + (hash(str(tmp)) % 1000) * 4, tp=2)
 
 
 def _write(writer: Any, daemon: OffloadDaemonProcess) -> tuple[list[int], list[int]]:
@@ -142,6 +114,39 @@ def test_hybrid_groups_go_through_the_daemon_and_a_fresh_reader_loads_them(
     # window: it reaches the answer through the full-attention layers only
     changed = [*follow_up[:65], 3, *follow_up[66:]]
     assert expected != harness.tokens(writer.generate([changed], MAX_TOKENS))
+
+
+def test_a_hybrid_decode_takes_each_groups_daemon_blocks_and_only_the_rest_from_prefill(
+    engines: dict[str, Any],
+) -> None:
+    writer, reader = engines["writer"], engines["reader"]
+    daemon: OffloadDaemonProcess = engines["daemon"]
+    # the writer computes it alone first (the reference), which stores the full group's 3
+    # full blocks and the sliding group's block 2 (the window at 111 tokens)
+    (expected,) = harness.tokens(writer.generate([PD_PROMPT], MAX_TOKENS))
+    assert expected != harness.tokens(writer.generate([[9, *PD_PROMPT[1:]]], MAX_TOKENS))[0]
+    held = writer.call(cmd="drain", timeout_s=30)
+    assert held["blocks_in_use"] == 0 and held["requests"] == 0, held
+    before = set(reader.call(cmd="stats")["loads"])
+    loaded_before = daemon_stats(daemon.address)
+    pre = writer.generate([PD_PROMPT], 1, [{"do_remote_decode": True}])
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p["remote_address"] for p in params), params
+    assert harness.tokens(reader.generate([PD_PROMPT], MAX_TOKENS, params)) == [expected]
+    stats = reader.call(cmd="drain", timeout_s=30)
+    assert sorted(stats["kv_cache_groups"]) == HYBRID
+    loads = [v for k, v in stats["loads"].items() if k not in before]
+    # the decode's window at 104 tokens is the sliding group's blocks 2 and 3: from the
+    # daemon the full group's blocks 0..2 and the sliding group's 2; from the prefill each
+    # group's partial block 3, verified; nothing recomputed
+    assert [(x["offloaded"], x["moved"], x["error"]) for x in loads] == [(4, 2, "")], loads
+    assert loads[0]["bytes"] == 2 * PAGE and loads[0]["verified"], loads
+    loaded = daemon_stats(daemon.address)
+    assert loaded["loaded_blocks"] - loaded_before["loaded_blocks"] == 4, loaded
+    assert loaded["loaded_bytes"] - loaded_before["loaded_bytes"] == 4 * PAGE, loaded
+    assert stats["blocks_in_use"] == 0 and stats["requests"] == 0, stats
+    held = writer.call(cmd="drain", timeout_s=30)  # the decode released the prefill's lease
+    assert held["blocks_in_use"] == 0 and held["leases"] == 0, held
 
 
 def test_hybrid_groups_at_tp2_every_rank_stores_and_loads_its_own(

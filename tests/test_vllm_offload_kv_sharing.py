@@ -4,26 +4,26 @@ The tiny Gemma-4-style model (:mod:`tests.harness.tiny_models` ``gemma4``: 4 lay
 the last two reading the KV of the first two). vLLM hands the connector the target layer's
 tensor under a sharing layer's name; kvbridge counts each tensor once, so a block is the
 pages of the 2 layers that own KV and the daemon's blocks are that size: the sharing layers
-own no memory and are never stored or loaded. A *writer* computes the prompts and stores
-their full blocks (those its generated tokens completed included); a fresh *reader* loads
-them from the daemon and must produce the writer's tokens. The same at TP=2 with
-``gemma4-kv2`` (2 KV heads, one per rank): every rank stores and loads its own. The
-engines run with vLLM's hybrid KV cache manager off (``--disable-hybrid-kv-cache-manager``):
-one KV cache group whose block is both owning layers' pages (with the hybrid groups kept:
-``test_vllm_offload_hybrid.py``).
+own no memory and are never stored or loaded. The same with ``gemma4-full`` (full
+attention in every layer: a plain decoder whose last two layers share the first two's KV).
+A *writer* computes the prompts and stores their full blocks (those its generated tokens
+completed included); a fresh *reader* loads them from the daemon and must produce the
+writer's tokens. The same at TP=2 with ``gemma4-kv2`` (2 KV heads, one per rank): every
+rank stores and loads its own. The engines run with vLLM's hybrid KV cache manager off
+(``--disable-hybrid-kv-cache-manager``): one KV cache group whose block is both owning
+layers' pages (with the hybrid groups kept: ``test_vllm_offload_hybrid.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvbridge.worker import vllm as harness
-from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import daemon_stats, metric, model_or_skip, write_tiny_model
+from kvbridge.worker.serving import OffloadDaemonProcess
+from tests.harness.vllm import daemon_stats, metric, offload_pair
 
 pytestmark = [
     pytest.mark.slow,
@@ -36,51 +36,25 @@ PROMPTS = [[5, *range(10, 100), 7 + i] for i in range(2)]  # 92 tokens: 2 full b
 OTHER_FIRST = [9, *PROMPTS[0][1:]]
 MAX_TOKENS = 8  # 99 tokens with KV: the generated tokens complete a third block
 PAGE = 32 * 1 * 64 * 2 * 4  # one layer's page of a block: 1 KV head of 64, K and V, fp32
+ONE_GROUP = {"disable_hybrid_kv_cache_manager": True}
+"""vLLM's hybrid KV cache manager off: one KV cache group, a block is both owning layers'
+pages (the hybrid groups kept: test_vllm_offload_hybrid.py)."""
 
 
-def _pair(tmp: Path, kind: str, port: int, tp: int = 1) -> Iterator[dict[str, Any]]:
-    """A daemon and a writer (core 0) and reader (core 1) of the tiny ``kind`` model."""
-    model_or_skip(tmp)  # the venv
-    model = write_tiny_model(kind, tmp / kind)
-    with start_offload_daemon(tmp, 60, "64MiB") as daemon:
-        started = {
-            name: harness.Engine(
-                model,
-                core=core,
-                kv=harness.kv_config(
-                    "kvbridge",
-                    "kv_both",
-                    control_port=port + tp * core,
-                    offload_address=daemon.address,
-                    lease_ttl_s=20,
-                    load_timeout_s=10,
-                ),
-                log=tmp / f"{name}.log",
-                wait=False,
-                max_model_len=512,
-                startup_timeout_s=600.0,
-                log_stats=tp > 1,
-                tp=tp,
-                # one KV cache group: a block is both owning layers' pages (the hybrid
-                # groups kept: test_vllm_offload_hybrid.py)
-                llm_args={"disable_hybrid_kv_cache_manager": True},
-            )
-            for core, name in enumerate(("writer", "reader"))
-        }
-        with harness.running(started) as ready:
-            yield {**ready, "daemon": daemon}
-
-
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["gemma4", "gemma4-full"])
+def engines(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """``gemma4`` (hybrid, its groups merged into one here) or ``gemma4-full`` (the
+    KV-sharing decoder: full attention only, one KV cache group either way)."""
     tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing")
-    yield from _pair(tmp, "gemma4", 25000 + (hash(str(tmp)) % 1000) * 2)
+    yield from offload_pair(tmp, request.param, 25000 + (hash(str(tmp)) % 1000) * 2, **ONE_GROUP)
 
 
 @pytest.fixture(scope="module")
 def engines_tp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-offload-kv-sharing-tp2")
-    yield from _pair(tmp, "gemma4-kv2", 27000 + (hash(str(tmp)) % 1000) * 4, tp=2)
+    yield from offload_pair(tmp, "gemma4-kv2", 27000 + (hash(str(tmp)) % 1000) * 4, 2, **ONE_GROUP)
 
 
 def test_kv_sharing_blocks_go_through_the_daemon_without_the_sharing_layers(

@@ -13,6 +13,9 @@ vLLM aggregates over the ranks: one sample per rank per load.
 A prefill and a decode of different TP sizes (one dividing the other) load head
 slices: a TP=2 decode rank reads its half of every page of the TP=1 prefill; the
 TP=1 decode reads both prefill ranks' pages into the two halves of its own.
+
+Behind ``extended``: NixlConnector, the reference, on a fresh trio of the same shapes and
+the same pairs, one request at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import metric, model_or_skip
+from tests.harness.vllm import metric, model_or_skip, nixl_tp_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -250,3 +253,36 @@ def test_prefill_tp2_to_decode_tp1_loads_from_both_ranks(
         assert re.search(rf"connected to \S+ at 127\.0\.0\.1:{port + rank} \(head_slice", log)
     prefill = engines["prefill"].call(cmd="drain", timeout_s=TTL_S - 2)
     assert prefill["blocks_in_use"] == 0 and prefill["requests"] == 0, prefill
+
+
+@pytest.fixture(scope="module")
+def nixl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """NixlConnector on its own TP trio (:func:`~tests.harness.vllm.nixl_tp_runs`): P/D of
+    ``PROMPTS`` at TP=2 -> TP=2 and the heterogeneous prompts, one request at a time."""
+    tmp = tmp_path_factory.mktemp("vllm-tp-nixl")
+    model = model_or_skip(tmp)
+    port = 36000 + (hash(str(tmp)) % 400) * 8
+    prompts = {"tp2": PROMPTS, "tp1_to_tp2": TP1_TO_TP2, "tp2_to_tp1": TP2_TO_TP1}
+    return nixl_tp_runs(model, tmp, port, prompts, MAX_TOKENS, wait=False)
+
+
+@pytest.mark.extended  # three more TP engines (~5 min): the reference, out of the default run
+@pytest.mark.timeout(1800)
+def test_nixl_connector_at_tp2_and_heterogeneous_tp_moves_what_kvbridge_does(
+    nixl: dict[str, Any],
+) -> None:
+    """Equal output for every pair, and per request the bytes the tests above require of
+    kvbridge (a rank's half of each block: 4 layers x 32 tokens x 1 KV head x 64, K and
+    V, fp32), one request at a time, so that a prompt whose prefix the decode holds moves
+    only the rest."""
+    assert nixl["groups"] == {n: ["FullAttentionSpec"] for n in ("prefill", "decode", "tp1")}
+    half_block = 4 * 32 * 1 * 2 * 64 * 4
+    for pair, blocks in (("tp2", [3, 1, 1, 1]), ("tp1_to_tp2", [2, 1])):
+        tokens, growth = nixl[pair]
+        assert tokens == nixl[f"expected_{pair}"], pair
+        assert all(g["loads"] == 2 and g["failed"] == 0 for g in growth), (pair, growth)
+        assert [g["bytes"] for g in growth] == [2 * b * half_block for b in blocks], growth
+    tokens, reads, failed = nixl["tp2_to_tp1"]
+    assert tokens == nixl["expected_tp2_to_tp1"] and not failed, nixl["tp2_to_tp1"]
+    # one transfer per prefill rank: its half of each moved block
+    assert reads == [b * half_block for b in (2, 1) for _ in range(2)], reads

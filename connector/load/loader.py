@@ -36,10 +36,16 @@ from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks, ranks_failed, ranks_proven
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest, post_reads, read_groups
-from kvbridge.connector.load.result import load_result, timed_out, unverifiable, verdict
+from kvbridge.connector.load.result import (
+    link_suspect,
+    load_result,
+    timed_out,
+    unverifiable,
+    verdict,
+)
 from kvbridge.connector.load.sealed import load_sealed
 from kvbridge.connector.load.verify import Checked, expect_from, fetch_from_ranks
-from kvbridge.proto.errors import KVBridgeError, LeaseError
+from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.negotiate import source_ranks
 from kvbridge.proto.types import BlockId, LeaseId
@@ -167,7 +173,7 @@ class RemoteLoader:
         except Exception as exc:
             inline.close()
             if len(peers) > 1:
-                down = isinstance(exc, KVBridgeError) and not isinstance(exc, LeaseError)
+                down = isinstance(exc, KVBridgeError) and link_suspect(exc)
                 for peer in peers if down else []:  # a link may be down: handshake again
                     self._forget(load.remote_engine, peer, None)
                 return job.done(ranks_failed(load, job.t0, str(exc) or repr(exc)))
@@ -311,8 +317,10 @@ class RemoteLoader:
         ):
             # the link was to an earlier process of this engine: once more on the new one
             return self.load(load, retry_stale=False)
-        if peer is not None:
+        if peer is not None and link_suspect(exc):
             self._forget(load.remote_engine, peer, job.lease)
+        elif peer is not None:  # the owner refused over a working link: keep the link
+            self._releases.submit(self._release, peer, job.lease)
         return load_result(
             load, job.t0, bad=job.local.get(KVGroup.SELF, []), error=str(exc) or repr(exc)
         )

@@ -33,7 +33,7 @@ from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.control.seal import SEAL_POLL_S
 from kvbridge.connector.load.inline import SEAL_WAIT_S
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest
-from kvbridge.connector.load.result import load_result, unverifiable, verdict
+from kvbridge.connector.load.result import link_suspect, load_result, unverifiable, verdict
 from kvbridge.proto.errors import KVBridgeError, LeaseError
 from kvbridge.proto.layout import KVGroup
 
@@ -107,7 +107,7 @@ def load_from_ranks(
     except Exception as exc:
         if not isinstance(exc, KVBridgeError):
             log.exception("request %s: unexpected load failure", load.request_id)
-        elif not isinstance(exc, LeaseError):
+        elif link_suspect(exc):
             for peer in peers:  # a link may be down: handshake again next time
                 forget(load.remote_engine, peer)
         return ranks_failed(load, t0, str(exc) or repr(exc))

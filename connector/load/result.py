@@ -13,7 +13,7 @@ from kvbridge.proto.errors import ControlPlaneError, TransferTimeoutError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.types import BlockId
 
-__all__ = ["load_result", "timed_out", "unverifiable", "verdict"]
+__all__ = ["link_suspect", "load_result", "timed_out", "unverifiable", "verdict"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,32 @@ def unverifiable(load: BlockLoad) -> LoadResult:
     return load_result(
         load, time.perf_counter(), bad=load.local_ids.get(KVGroup.SELF, []), error=error
     )
+
+
+ANSWERED = frozenset(
+    {
+        "ABORTED",
+        "ALREADY_EXISTS",
+        "FAILED_PRECONDITION",
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "OUT_OF_RANGE",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+    }
+)
+"""gRPC codes a peer answers with over a working channel: a refusal, not a broken link."""
+
+
+def link_suspect(exc: BaseException) -> bool:
+    """Whether a failed load's error says its link may be broken, so the link is dropped
+    and the next load handshakes again. A peer's refusal (lease gone, too busy, a request
+    it rejects) came over a working link: dropping it would fail every other load in flight
+    on it for nothing. Anything else (a transfer or peer failure, a deadline, a malformed
+    answer, a bug) is suspect."""
+    if isinstance(exc, ControlPlaneError):
+        return exc.code not in ANSWERED
+    return True
 
 
 def timed_out(exc: Exception) -> bool:

@@ -11,6 +11,7 @@
   instead of replicating one.
 - ``gemma4-full``: ``gemma4`` with full attention in every layer: a plain decoder whose
   last two layers share the first two's KV (one KV cache group, no sliding window).
+- ``gemma4-full-kv2``: ``gemma4-full`` with 2 KV heads, so that TP=2 splits them.
 - ``gemma4-deep``: a wider ``gemma4`` (hidden 512, 8 layers) whose last 6 layers share
   the first two's KV: the layers vLLM's prefill skip leaves out cost most of a prefill.
 - ``mamba``: a one-layer Mamba (state-space, no attention), made by ``transformers``; it
@@ -115,6 +116,10 @@ def _write_gemma4_full(path: Path, seed: int) -> None:
     _write_gemma4(path, seed, layer_types=["full_attention"] * 4)
 
 
+def _write_gemma4_full_kv2(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, layer_types=["full_attention"] * 4, num_key_value_heads=2)
+
+
 def _write_gemma4_deep(path: Path, seed: int) -> None:
     _write_gemma4(
         path,
@@ -168,6 +173,7 @@ WRITERS = {
     "gemma4-wide": _write_gemma4_wide,
     "gemma4-kv2": _write_gemma4_kv2,
     "gemma4-full": _write_gemma4_full,
+    "gemma4-full-kv2": _write_gemma4_full_kv2,
     "gemma4-deep": _write_gemma4_deep,
     "mamba": _write_mamba,
     "whisper": _write_whisper,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvbridge.worker.serving import start_offload_daemon
 from kvbridge.worker.vllm import (
     PYTHON,
     ROOT,
@@ -24,6 +25,7 @@ from kvbridge.worker.vllm import (
     ensure_venv,
     kv_config,
     running,
+    tokens,
     write_model,
 )
 
@@ -186,3 +188,187 @@ def metric(text: str, name: str, *, before: bool = False) -> float:
         return 0.0
     assert len(values) == 1, (name, values)
     return values[0]
+
+
+def tp_trio(
+    model: Path, tmp: Path, connector: str, port: int, ttl_s: float = 30, **common: Any
+) -> dict[str, Engine]:
+    """The TP engine trio of ``model`` through ``connector``, started without waiting (pass
+    them to :func:`running`): a ``prefill`` at TP=2 (core 0), a ``decode`` at TP=2 (core 1;
+    vLLM's stat loggers on: with TP > 1 its loads are read from vLLM's metrics) and a TP=1
+    ``kv_both`` engine ``tp1`` (core 1): the reference, and the other side of the
+    heterogeneous pairs. ``kvbridge``: the prefill serves control at ``port + rank``, the
+    TP=1 engine at ``port + 100`` (leases of ``ttl_s``), and the decodes name their
+    prefills (they link at start: a first load that makes its handshakes can outlast its
+    deadline on a loaded machine). ``nixl``: side channels at ``port``, ``port + 2`` and
+    ``port + 4``. ``common`` goes to every :class:`Engine`."""
+    peers = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 100}"]
+    if connector == "kvbridge":
+        kv = {
+            "prefill": kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=ttl_s),
+            "decode": kv_config("kvbridge", "kv_consumer", load_timeout_s=20, allowed_peers=peers),
+            "tp1": kv_config(
+                "kvbridge",
+                "kv_both",
+                control_port=port + 100,
+                lease_ttl_s=ttl_s,
+                load_timeout_s=20,
+                allowed_peers=peers[:1],
+            ),
+        }
+        env: dict[str, dict[str, str]] = {name: {} for name in kv}
+    else:
+        roles = {"prefill": "kv_producer", "decode": "kv_consumer", "tp1": "kv_both"}
+        kv = {name: kv_config("nixl", role) for name, role in roles.items()}
+        offsets = {"prefill": 0, "decode": 2, "tp1": 4}
+        env = {n: {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + o)} for n, o in offsets.items()}
+    shapes = {"prefill": (0, 2), "decode": (1, 2), "tp1": (1, 1)}
+    return {
+        name: Engine(
+            model,
+            core=core,
+            kv=kv[name],
+            env=env[name],
+            log=tmp / f"{name}.log",
+            log_stats=tp > 1,
+            tp=tp,
+            **common,
+        )
+        for name, (core, tp) in shapes.items()
+    }
+
+
+def handed_over(prefill: Engine, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    """``prefill``'s ``kv_transfer_params`` for ``prompts`` (computed with one token each)."""
+    pre = prefill.generate(prompts, 1, [{"do_remote_decode": True}] * len(prompts))
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    assert all(p and p.get("remote_engine_id") for p in params), params
+    return params
+
+
+def pd_by_request(
+    prefill: Engine, decode: Engine, prefix: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[dict[str, float]]]:
+    """P/D of ``prompts`` one request at a time into a TP > 1 decode started with
+    ``log_stats``; returns the tokens and, per request, the growth of the decode's
+    ``vllm:<prefix>_*`` metrics over that request (all ranks' samples: ``loads``,
+    ``bytes``, ``failed``, and for kvbridge ``blocks`` and ``failed_blocks``)."""
+    names = {
+        "loads": f"vllm:{prefix}_xfer_time_seconds_count",
+        "bytes": f"vllm:{prefix}_bytes_transferred_sum",
+        "failed": f"vllm:{prefix}_num_failed_transfers_total",
+    }
+    if prefix == "kvbridge":
+        names["blocks"] = "vllm:kvbridge_num_blocks_sum"
+        names["failed_blocks"] = "vllm:kvbridge_num_failed_blocks_total"
+    got: list[list[int]] = []
+    growth: list[dict[str, float]] = []
+    for prompt in prompts:
+        before = decode.call(cmd="metrics")["text"]
+        params = handed_over(prefill, [prompt])
+        got += tokens(decode.generate([prompt], max_tokens, params))
+        after = decode.call(cmd="metrics")["text"]
+        for _ in range(3):  # a step's stats leave with a later step
+            if metric(after, names["loads"], before=True) > metric(
+                before, names["loads"], before=True
+            ):
+                break
+            decode.generate([[1, 2, 3, 4]], 1)
+            after = decode.call(cmd="metrics")["text"]
+        growth.append(
+            {
+                key: metric(after, name, before=True) - metric(before, name, before=True)
+                for key, name in names.items()
+            }
+        )
+    return got, growth
+
+
+def nixl_tp_runs(
+    model: Path,
+    tmp: Path,
+    port: int,
+    prompts: dict[str, list[list[int]]],
+    max_tokens: int,
+    **common: Any,
+) -> dict[str, Any]:
+    """NixlConnector, the reference, on a fresh :func:`tp_trio` of ``model``: P/D of
+    ``prompts["tp2"]`` at TP=2 -> TP=2 and of ``prompts["tp1_to_tp2"]`` and
+    ``prompts["tp2_to_tp1"]``, one request at a time. Per pair its reference tokens (from
+    an engine that is not its decode), tokens and transfers: the TP=2 decode's metric
+    growth per request (:func:`pd_by_request`), the TP=1 decode's bytes per transfer and
+    failures; and every engine's KV cache groups. The engines stop when this returns."""
+    out: dict[str, Any] = {}
+    with running(tp_trio(model, tmp, "nixl", port, **common)) as e:
+        out["groups"] = {n: sorted(x.call(cmd="stats")["kv_cache_groups"]) for n, x in e.items()}
+        for pair, prefill, decode, reference in (
+            ("tp2", "prefill", "decode", "tp1"),
+            ("tp1_to_tp2", "tp1", "decode", "tp1"),
+            ("tp2_to_tp1", "prefill", "tp1", "decode"),
+        ):
+            batch = prompts[pair]
+            out[f"expected_{pair}"] = tokens(e[reference].generate(batch, max_tokens))
+            if decode == "decode":
+                out[pair] = pd_by_request(e[prefill], e[decode], "nixl", batch, max_tokens)
+                continue
+            got: list[list[int]] = []
+            for prompt in batch:
+                params = handed_over(e[prefill], [prompt])
+                got += tokens(e[decode].generate([prompt], max_tokens, params))
+            stats = e[decode].call(cmd="stats")
+            out[pair] = (got, stats["nixl_bytes"], stats["nixl_failed"])
+    return out
+
+
+def offload_pair(
+    tmp: Path, kind: str, port: int, tp: int = 1, **llm_args: Any
+) -> Iterator[dict[str, Any]]:
+    """An offload daemon and two ``kv_both`` engines of the tiny ``kind`` model
+    (:func:`write_tiny_model`) with ``offload_address`` set: the ``writer`` (core 0, control
+    at ``port``) and the ``reader`` (core 1, at ``port + tp``), at TP=``tp`` (vLLM's stat
+    loggers on at TP > 1); ``llm_args`` go to ``vllm.LLM``. Yields the engines and the
+    ``daemon``."""
+    venv_or_skip(tmp)
+    model = write_tiny_model(kind, tmp / kind)
+    with start_offload_daemon(tmp, 60, "64MiB") as daemon:
+        started = {
+            name: Engine(
+                model,
+                core=core,
+                kv=kv_config(
+                    "kvbridge",
+                    "kv_both",
+                    control_port=port + tp * core,
+                    offload_address=daemon.address,
+                    lease_ttl_s=20,
+                    load_timeout_s=10,
+                ),
+                log=tmp / f"{name}.log",
+                wait=False,
+                max_model_len=512,
+                startup_timeout_s=600.0,
+                log_stats=tp > 1,
+                tp=tp,
+                llm_args=llm_args or None,
+            )
+            for core, name in enumerate(("writer", "reader"))
+        }
+        with running(started) as ready:
+            yield {**ready, "daemon": daemon}
+
+
+def nixl_pair(model: Path, tmp: Path, port: int, **common: Any) -> dict[str, Engine]:
+    """A NixlConnector ``prefill`` (core 0, side channel ``port``) and ``decode`` (core 1,
+    ``port + 1``) of ``model``, started without waiting (pass them to :func:`running`);
+    ``common`` goes to both :class:`Engine` s."""
+    return {
+        name: Engine(
+            model,
+            core=core,
+            kv=kv_config("nixl", role),
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + core)},
+            log=tmp / f"{name}.log",
+            **common,
+        )
+        for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
+    }
