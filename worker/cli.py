@@ -217,9 +217,9 @@ def _with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
     import re
 
     for action in parser._actions:
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if longs and "_" in action.dest:
-            message = re.sub(rf"(?<![\w.-]){action.dest}(?!\w)", longs[0], message)
+        flag = "--" + action.dest.replace("_", "-")  # not --no-verify-loads for verify_loads
+        if "_" in action.dest and flag in action.option_strings:
+            message = re.sub(rf"(?<![\w.-]){action.dest}(?!\w)", flag, message)
     return message
 
 
