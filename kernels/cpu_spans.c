@@ -5,7 +5,7 @@
  *
  * copy_spans(src_views, dst_views, npairs, src_ids, dst_ids, nblocks,
  *            src_block_bytes, dst_block_bytes, src_runs, dst_runs, nruns, run_bytes, threads,
- *            stream)
+ *            stream[, chunk_bytes])
  *
  * Every argument is an integer; the array arguments are addresses of int64 arrays that the
  * caller keeps alive for the call:
@@ -15,16 +15,29 @@
  * For every block i, view pair p and run r it copies run_bytes bytes from
  *   src_views[p] + src_ids[i] * src_block_bytes + src_runs[r]
  * to the same expression on the destination side. The caller has checked every id and
- * built the offsets from the views' own strides; this file trusts them. The (block, pair)
- * units are split between ``threads`` threads (the calling one included); the GIL is
- * released while bytes move.
+ * built the offsets from the views' own strides; this file trusts them. The GIL is released
+ * while bytes move.
  *
- * With ``stream`` nonzero (the caller sets it for copies much bigger than a cache whose runs
- * are 64 B to 4 KiB) the destination is written with non-temporal stores on x86-64: a plain
- * store first reads the destination line into the cache (a third memory pass), and short
- * runs scattered across a block (an order conversion writes 256-byte runs 4 KiB apart) also
- * meet cache-set conflicts. Streamed, such runs copy at least as fast as one long memcpy.
- * Elsewhere (another CPU, or ``stream`` zero) memcpy.
+ * Threads: the (block, pair) units are handed out in chunks of at least chunk_bytes (default
+ * CHUNK_BYTES) from one
+ * atomic counter to ``threads`` threads (the calling one included, which starts at once): a
+ * helper that starts late, or shares its core with another process or with torch's spinning
+ * OpenMP workers, takes fewer chunks instead of holding up the call with a fixed half.
+ *
+ * Stores: with ``stream`` nonzero (the caller sets it for copies much bigger than a cache,
+ * runs of at least 64 bytes) the destination is written with non-temporal stores on x86-64,
+ * 32 bytes at a time (AVX2, chosen at run time) or 16 (SSE2, part of x86-64 itself): a plain
+ * store first reads the destination line into the cache (a third memory pass), and runs
+ * scattered across a block (an order conversion writes 256-byte runs 4 KiB apart) also meet
+ * cache-set conflicts. Elsewhere (another CPU, or ``stream`` zero) memcpy.
+ *
+ * Prefetch: the source is read as one stream, run after run, and where it jumps (to the next
+ * unit, or between runs of 2 KiB or more, e.g. the 32-64 KiB runs of the separate per-layer
+ * tensors of a layer-separate cache) the hardware prefetcher needs several misses to pick
+ * it up again. The copy touches the source PREFETCH_BYTES ahead of such a jump: inside the
+ * streamed copy loop of a long run (the next run's first lines while this one ends), before
+ * a long memcpy (the next run's start), and for short runs the next unit's start a few runs
+ * before the unit ends.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -32,155 +45,256 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h> /* SSE2: part of x86-64 itself, no compiler flag needed */
+#include <immintrin.h> /* SSE2 is part of x86-64; AVX2 only in functions built for it */
 #define HAVE_STREAM 1
+#endif
+#if defined(HAVE_STREAM) && defined(__GNUC__)
+#define HAVE_AVX2 1
 #endif
 
 #define MAX_THREADS 64
+#define PREFETCH_BYTES 2048
+/* units are claimed in chunks of at least this many bytes (a few claims per thread) */
+#define CHUNK_BYTES (1 << 20)
 
 typedef struct {
     const int64_t *src_views, *dst_views, *src_ids, *dst_ids, *src_runs, *dst_runs;
     int64_t npairs, nruns, run_bytes, src_block_bytes, dst_block_bytes;
-    int64_t first, last; /* [first, last) units, unit = block * npairs + pair */
+    int64_t units, chunk; /* unit = block * npairs + pair; chunk: units per claim */
+    int64_t next;         /* first unclaimed unit, claimed atomically */
     int stream;
-} part_t;
+} job_t;
 
-#ifdef HAVE_STREAM
-/* memcpy with non-temporal 16-byte stores for the 16-byte-aligned part of dst */
-static void copy_streamed(char *dst, const char *src, size_t n)
+static int have_avx2;
+
+static const char *unit_src(const job_t *j, int64_t u)
 {
-    size_t head = (size_t)(-(uintptr_t)dst & 15);
-    if (head > n)
-        head = n;
-    if (head) {
-        memcpy(dst, src, head);
-        dst += head, src += head, n -= head;
-    }
-    for (; n >= 64; n -= 64, src += 64, dst += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src);
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), d);
-    }
-    for (; n >= 16; n -= 16, src += 16, dst += 16)
-        _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
-    if (n)
-        memcpy(dst, src, n);
+    int64_t i = u / j->npairs, p = u % j->npairs;
+    return (const char *)(intptr_t)(j->src_views[p] + j->src_ids[i] * j->src_block_bytes);
 }
-#endif
 
-/* Touch the first PREFETCH_BYTES of a source piece ahead of its copy. Each run of a block
- * (or the first one of the next block) starts somewhere else in memory, where the hardware
- * prefetcher needs several misses to pick the stream up; reading 32-64 KiB runs from the
- * separate tensors of a layer-separate cache is slower than one long read. */
-#define PREFETCH_BYTES 2048
-
-static void prefetch(const char *p)
+static char *unit_dst(const job_t *j, int64_t u)
 {
-    for (int o = 0; o < PREFETCH_BYTES; o += 64)
+    int64_t i = u / j->npairs, p = u % j->npairs;
+    return (char *)(intptr_t)(j->dst_views[p] + j->dst_ids[i] * j->dst_block_bytes);
+}
+
+static void prefetch_lines(const char *p, size_t n)
+{
+    for (size_t o = 0; o < n; o += 64)
         __builtin_prefetch(p + o, 0, 3);
 }
 
-static void *copy_part(void *arg)
+/* The stores of one run: n bytes from s to d. ``next`` (or NULL) is where the source stream
+ * goes on after s's last byte (the next run); the streamed copies touch the source
+ * PREFETCH_BYTES ahead of their reads, into ``next`` near the run's end. Inlined into the
+ * loop over runs (copy_units_*), which is built once per kind of store. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void copy_plain(char *d, const char *s, size_t n, const char *next)
 {
-    const part_t *w = (const part_t *)arg;
-    size_t len = (size_t)w->run_bytes;
-    /* runs shorter than the prefetch follow each other in the source (sorted by source
-     * offset): only the next block's first run is a new place, touched this many runs ahead */
-    int64_t ahead = len >= PREFETCH_BYTES ? 1 : PREFETCH_BYTES / (int64_t)len;
-    int64_t next_at = w->nruns > ahead ? w->nruns - ahead : 0;
-    for (int64_t u = w->first; u < w->last; u++) {
-        int64_t i = u / w->npairs, p = u % w->npairs;
-        const char *src = (const char *)(intptr_t)(w->src_views[p] + w->src_ids[i] * w->src_block_bytes);
-        char *dst = (char *)(intptr_t)(w->dst_views[p] + w->dst_ids[i] * w->dst_block_bytes);
-        const char *next = NULL; /* the next unit's first source run */
-        if (u + 1 < w->last) {
-            int64_t ni = (u + 1) / w->npairs, np = (u + 1) % w->npairs;
-            next = (const char *)(intptr_t)(w->src_views[np] + w->src_ids[ni] * w->src_block_bytes +
-                                            w->src_runs[0]);
-        }
-        for (int64_t r = 0; r < w->nruns; r++) {
-            if (len >= PREFETCH_BYTES && r + 1 < w->nruns)
-                prefetch(src + w->src_runs[r + 1]);
-            else if (r == next_at && next != NULL)
-                prefetch(next);
+    if (next != NULL) /* memcpy gives no place to prefetch inside: the next run's start */
+        prefetch_lines(next, PREFETCH_BYTES);
+    memcpy(d, s, n);
+}
+
+#define PREFETCH_AHEAD(s, o, n, next)                                                        \
+    do {                                                                                     \
+        size_t at_ = (o) + PREFETCH_BYTES;                                                   \
+        if (at_ < (n))                                                                       \
+            __builtin_prefetch((s) + at_, 0, 3);                                             \
+        else if ((next) != NULL)                                                             \
+            __builtin_prefetch((next) + (at_ - (n)), 0, 3);                                  \
+    } while (0)
+
 #ifdef HAVE_STREAM
-            if (w->stream) {
-                copy_streamed(dst + w->dst_runs[r], src + w->src_runs[r], len);
-                continue;
-            }
-#endif
-            memcpy(dst + w->dst_runs[r], src + w->src_runs[r], len);
+/* non-temporal stores from d's first 16-byte boundary on; the unaligned head and the tail
+ * under 16 bytes with memcpy (a call even for 0 bytes: skipped in the aligned case) */
+INLINE void copy_sse2(char *d, const char *s, size_t n, const char *next)
+{
+    size_t head = (size_t)(-(uintptr_t)d & 15), o;
+    if (head > n)
+        head = n;
+    if (head)
+        memcpy(d, s, head);
+    for (o = head; o + 64 <= n; o += 64) {
+        PREFETCH_AHEAD(s, o, n, next);
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
+        _mm_stream_si128((__m128i *)(d + o), a);
+        _mm_stream_si128((__m128i *)(d + o + 16), b);
+        _mm_stream_si128((__m128i *)(d + o + 32), c);
+        _mm_stream_si128((__m128i *)(d + o + 48), e);
+    }
+    for (; o + 16 <= n; o += 16)
+        _mm_stream_si128((__m128i *)(d + o), _mm_loadu_si128((const __m128i *)(s + o)));
+    if (o < n)
+        memcpy(d + o, s + o, n - o);
+}
+
+#ifdef HAVE_AVX2
+/* the same with 32-byte stores from d's first 32-byte boundary */
+__attribute__((target("avx2"))) INLINE void copy_avx2(char *d, const char *s, size_t n,
+                                                      const char *next)
+{
+    if (next == NULL && (n & 63) == 0 && ((uintptr_t)d & 31) == 0) {
+        /* the usual short run (e.g. a 256-byte head): whole lines, aligned, nothing ahead */
+        for (size_t o = 0; o < n; o += 64) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
+            _mm256_stream_si256((__m256i *)(d + o), a);
+            _mm256_stream_si256((__m256i *)(d + o + 32), b);
         }
+        return;
+    }
+    size_t head = (size_t)(-(uintptr_t)d & 31), o;
+    if (head > n)
+        head = n;
+    if (head)
+        memcpy(d, s, head);
+    for (o = head; o + 64 <= n; o += 64) {
+        PREFETCH_AHEAD(s, o, n, next);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
+        _mm256_stream_si256((__m256i *)(d + o), a);
+        _mm256_stream_si256((__m256i *)(d + o + 32), b);
+    }
+    for (; o + 32 <= n; o += 32)
+        _mm256_stream_si256((__m256i *)(d + o), _mm256_loadu_si256((const __m256i *)(s + o)));
+    if (o < n)
+        memcpy(d + o, s + o, n - o);
+}
+#endif
+#endif
+
+/* Copy units [first, last), every run of each, with COPY_RUN's stores. The source is read as
+ * one stream, touched PREFETCH_BYTES ahead where it jumps: runs at least that long pass the
+ * next run to COPY_RUN (whose loop reads into it near its end); shorter runs of one unit
+ * follow each other in the source (sorted by source offset), where the hardware prefetcher
+ * keeps up, and only the next unit's start is touched, that many bytes before its turn. */
+#define COPY_UNITS(COPY_RUN)                                                                 \
+    {                                                                                        \
+        const size_t len = (size_t)j->run_bytes;                                             \
+        const int64_t nruns = j->nruns;                                                      \
+        const int64_t *const src_runs = j->src_runs, *const dst_runs = j->dst_runs;          \
+        const int long_runs = len >= PREFETCH_BYTES;                                         \
+        /* short runs: the run of each unit at which the next unit's start is touched */     \
+        int64_t touch_at = long_runs ? nruns : nruns - PREFETCH_BYTES / (int64_t)len;        \
+        if (touch_at < 0)                                                                    \
+            touch_at = 0;                                                                    \
+        const char *nsrc = unit_src(j, first);                                               \
+        prefetch_lines(nsrc + src_runs[0], PREFETCH_BYTES);                                  \
+        for (int64_t u = first; u < last; u++) {                                             \
+            const char *const src = nsrc;                                                    \
+            char *const dst = unit_dst(j, u);                                                \
+            nsrc = u + 1 < last ? unit_src(j, u + 1) : NULL;                                 \
+            const char *nstart = nsrc != NULL ? nsrc + src_runs[0] : NULL;                   \
+            for (int64_t r = 0; r < nruns; r++) {                                            \
+                const char *next = NULL;                                                     \
+                if (long_runs)                                                               \
+                    next = r + 1 < nruns ? src + src_runs[r + 1] : nstart;                   \
+                else if (r == touch_at && nstart != NULL)                                    \
+                    prefetch_lines(nstart, PREFETCH_BYTES);                                  \
+                COPY_RUN(dst + dst_runs[r], src + src_runs[r], len, next);                   \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+static void copy_units_plain(const job_t *j, int64_t first, int64_t last) COPY_UNITS(copy_plain)
+#ifdef HAVE_STREAM
+static void copy_units_sse2(const job_t *j, int64_t first, int64_t last) COPY_UNITS(copy_sse2)
+#ifdef HAVE_AVX2
+__attribute__((target("avx2"))) static void copy_units_avx2(const job_t *j, int64_t first,
+                                                            int64_t last) COPY_UNITS(copy_avx2)
+#endif
+#endif
+
+static void copy_units(const job_t *j, int64_t first, int64_t last)
+{
+#ifdef HAVE_STREAM
+    if (j->stream) {
+#ifdef HAVE_AVX2
+        if (have_avx2) {
+            copy_units_avx2(j, first, last);
+            return;
+        }
+#endif
+        copy_units_sse2(j, first, last);
+        return;
+    }
+#endif
+    copy_units_plain(j, first, last);
+}
+
+static void *work(void *arg)
+{
+    job_t *j = (job_t *)arg;
+    for (;;) {
+        int64_t first = __atomic_fetch_add(&j->next, j->chunk, __ATOMIC_RELAXED);
+        if (first >= j->units)
+            break;
+        copy_units(j, first, first + j->chunk < j->units ? first + j->chunk : j->units);
     }
 #ifdef HAVE_STREAM
-    if (w->stream)
+    if (j->stream)
         _mm_sfence(); /* streamed stores are weakly ordered: done before the join sees them */
 #endif
     return NULL;
 }
 
-#define ARRAY(addr) ((const int64_t *)(intptr_t)(addr))
-
 static PyObject *copy_spans(PyObject *self, PyObject *args)
 {
     long long src_views, dst_views, npairs, src_ids, dst_ids, nblocks, src_bb, dst_bb;
-    long long src_runs, dst_runs, nruns, run_bytes, threads;
+    long long src_runs, dst_runs, nruns, run_bytes, threads, chunk_bytes = CHUNK_BYTES;
     int stream;
     (void)self;
-    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLp", &src_views, &dst_views, &npairs, &src_ids,
+    if (!PyArg_ParseTuple(args, "LLLLLLLLLLLLLp|L", &src_views, &dst_views, &npairs, &src_ids,
                           &dst_ids, &nblocks, &src_bb, &dst_bb, &src_runs, &dst_runs, &nruns,
-                          &run_bytes, &threads, &stream))
+                          &run_bytes, &threads, &stream, &chunk_bytes))
         return NULL;
-    if (npairs < 0 || nblocks < 0 || nruns < 0 || run_bytes < 0) {
+    if (npairs < 0 || nblocks < 0 || nruns < 0 || run_bytes < 0 || chunk_bytes < 1) {
         PyErr_SetString(PyExc_ValueError, "copy_spans: negative count or length");
         return NULL;
     }
     int64_t units = (int64_t)npairs * (int64_t)nblocks;
     if (units == 0 || nruns == 0 || run_bytes == 0)
         Py_RETURN_NONE;
+    int64_t unit_bytes = (int64_t)nruns * (int64_t)run_bytes;
+    job_t job = {
+        .src_views = (const int64_t *)(intptr_t)src_views,
+        .dst_views = (const int64_t *)(intptr_t)dst_views,
+        .src_ids = (const int64_t *)(intptr_t)src_ids,
+        .dst_ids = (const int64_t *)(intptr_t)dst_ids,
+        .src_runs = (const int64_t *)(intptr_t)src_runs,
+        .dst_runs = (const int64_t *)(intptr_t)dst_runs,
+        .npairs = npairs,
+        .nruns = nruns,
+        .run_bytes = run_bytes,
+        .src_block_bytes = src_bb,
+        .dst_block_bytes = dst_bb,
+        .units = units,
+        .chunk = unit_bytes >= chunk_bytes ? 1 : (chunk_bytes + unit_bytes - 1) / unit_bytes,
+        .next = 0,
+        .stream = stream,
+    };
     if (threads < 1)
         threads = 1;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > units)
-        threads = units;
-    part_t parts[MAX_THREADS];
+    int64_t chunks = (units + job.chunk - 1) / job.chunk;
+    if (threads > chunks)
+        threads = chunks;
     pthread_t helpers[MAX_THREADS];
     int started[MAX_THREADS];
-    int64_t step = (units + threads - 1) / threads;
-    for (long long t = 0; t < threads; t++) {
-        part_t *w = &parts[t];
-        w->src_views = ARRAY(src_views);
-        w->dst_views = ARRAY(dst_views);
-        w->src_ids = ARRAY(src_ids);
-        w->dst_ids = ARRAY(dst_ids);
-        w->src_runs = ARRAY(src_runs);
-        w->dst_runs = ARRAY(dst_runs);
-        w->npairs = npairs;
-        w->nruns = nruns;
-        w->run_bytes = run_bytes;
-        w->src_block_bytes = src_bb;
-        w->dst_block_bytes = dst_bb;
-        w->first = t * step < units ? t * step : units;
-        w->last = (t + 1) * step < units ? (t + 1) * step : units;
-        w->stream = stream;
-        started[t] = 0;
-    }
     Py_BEGIN_ALLOW_THREADS
+    for (long long t = 1; t < threads; t++) /* one that fails to start leaves more to claim */
+        started[t] = pthread_create(&helpers[t], NULL, work, &job) == 0;
+    work(&job);
     for (long long t = 1; t < threads; t++)
-        started[t] = pthread_create(&helpers[t], NULL, copy_part, &parts[t]) == 0;
-    copy_part(&parts[0]);
-    for (long long t = 1; t < threads; t++) {
         if (started[t])
             pthread_join(helpers[t], NULL);
-        else /* no thread to be had: this thread does that part too */
-            copy_part(&parts[t]);
-    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -196,4 +310,11 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__cpu_spans(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_spans(void)
+{
+#ifdef HAVE_AVX2
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    return PyModule_Create(&module);
+}

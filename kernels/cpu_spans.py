@@ -10,13 +10,18 @@ per view shape from the views' own strides; ``cpu_spans.c`` then copies,
 for every (block, view pair), every run with ``memcpy``: one C call for
 all blocks of all layers, no temporary, no view or ``TensorIterator`` per
 block, split between ``torch.get_num_threads()`` threads (the GIL is
-released). Copies of at least :data:`STREAM_BYTES` whose runs are short
-(:data:`STREAM_MIN_RUN` to :data:`STREAM_MAX_RUN` bytes, e.g. the 256-byte
-heads of an NHD <-> HND conversion) write the destination with non-temporal
-(streaming) stores on x86-64: short runs scattered over a block cost plain
-stores a read of each destination line and cache-set conflicts, and a copy
-that big leaves little of its destination in cache anyway. Long runs keep
-``memcpy``, which is as fast there.
+released), which claim the work in chunks as they get to run. Copies of at
+least :data:`STREAM_BYTES` in runs of at least :data:`STREAM_MIN_RUN` bytes
+write the destination with non-temporal (streaming) stores on x86-64 (AVX2
+where the CPU has it): a plain store first reads each destination line, runs
+scattered over a block (the 256-byte heads of an NHD <-> HND conversion) meet
+cache-set conflicts, and a copy that big leaves little of its destination in
+cache anyway. Smaller copies keep ``memcpy``, so that their destination stays
+cached for the reader that usually follows.
+
+The tables of a call (:class:`Plan`, from :func:`plan_pairs`) depend only on
+the views' shapes, strides and addresses; :mod:`kvbridge.kernels.cpu_plan`
+keeps them between calls.
 
 The helper is an optional extension module (``kvbridge.kernels._cpu_spans``)
 that pip builds with the package where a C compiler exists. Without it
@@ -31,7 +36,7 @@ import importlib
 from array import array
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import torch
 
@@ -41,25 +46,26 @@ __all__ = [
     "MIN_RUN_BYTES",
     "PART_BYTES",
     "STREAM_BYTES",
-    "STREAM_MAX_RUN",
     "STREAM_MIN_RUN",
+    "Plan",
     "available",
     "copy_pairs",
     "native_module",
+    "plan_pairs",
+    "run_plan",
 ]
 
 #: runs shorter than this are left to the torch path (a ``memcpy`` call per few bytes)
 MIN_RUN_BYTES = 32
-#: the work is split between threads only in parts of at least this many bytes
+#: the threads claim the work in parts of at least this many bytes, and a call gets no more
+#: threads than it has parts
 PART_BYTES = 1 << 20
-#: calls moving at least this many bytes in runs of :data:`STREAM_MIN_RUN` to
-#: :data:`STREAM_MAX_RUN` bytes write with streaming stores (smaller copies stay in cache
-#: for the reader that usually follows)
+#: calls moving at least this many bytes in runs of at least :data:`STREAM_MIN_RUN` bytes
+#: write with streaming stores (smaller copies stay in cache for the reader that usually
+#: follows)
 STREAM_BYTES = 8 << 20
 #: shorter runs would stream partial cache lines
 STREAM_MIN_RUN = 64
-#: longer runs copy as fast with memcpy, and faster from scattered sources
-STREAM_MAX_RUN = 4096
 
 
 @functools.cache
@@ -99,46 +105,36 @@ def _runs(
     return array("q", (src[order] * elem).tolist()), array("q", (dst[order] * elem).tolist()), run
 
 
-#: per group of equal view pairs: runs, the two block strides in bytes, the views' addresses
-_Plan: TypeAlias = "tuple[tuple[array[int], array[int], int], int, int, array[int], array[int]]"
+#: one group of view pairs of equal shapes and strides: the runs (offsets on each side and
+#: length), the two block strides in bytes, and the views' first bytes on each side
+_Group: TypeAlias = "tuple[tuple[array[int], array[int], int], int, int, array[int], array[int]]"
+
+
+class Plan(NamedTuple):
+    """Everything a span copy of these views needs but the block ids."""
+
+    groups: tuple[_Group, ...]
 
 
 def _address(a: array[int]) -> int:
     return a.buffer_info()[0]
 
 
-def copy_pairs(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    lead: int = 1,
-) -> bool:
-    """``b[:, :, dst_ids[i]] = a[:, :, src_ids[i]]`` for every CPU group-view pair ``(a, b)``.
-
-    ``pairs`` are the group views of :func:`~kvbridge.kernels.views.paired_views`
-    (block dim 2), apart from each other, with checked ids (``ops`` sees to
-    both); ``lead`` is passed to :func:`~kvbridge.kernels.views.coalesce`.
-    Pairs of equal shapes and strides (e.g. the per-layer tensors of a
-    layer-separate cache) are coalesced once and copied by one call. Returns
-    ``False``, having moved nothing, when the helper is not built or a pair's
-    runs are shorter than :data:`MIN_RUN_BYTES`.
-    """
-    native = native_module()
-    if native is None:
-        return False
-    # plain Python and int64 arrays from here on: each torch op costs tens of microseconds
-    # when a big copy has just evicted the interpreter's and torch's working set
-    plans: dict[tuple[object, ...], _Plan] = {}
+def plan_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], lead: int = 1) -> Plan | None:
+    """The tables of a span copy of ``pairs`` (see :func:`copy_pairs`), or ``None`` when a
+    pair's runs are shorter than :data:`MIN_RUN_BYTES`. Pairs of equal shapes and strides
+    (e.g. the per-layer tensors of a layer-separate cache) are coalesced once, one group."""
+    groups: dict[tuple[object, ...], _Group] = {}
     for a, b in pairs:
         key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype)
-        plan = plans.get(key)
-        if plan is None:
+        group = groups.get(key)
+        if group is None:
             wa, wb = widen(coalesce([a, b], lead=lead))
             runs = _runs(tuple(wa.shape[1:]), wa.stride()[1:], wb.stride()[1:], wa.element_size())
             if runs[2] < MIN_RUN_BYTES:
-                return False
+                return None
             elem = wa.element_size()
-            plan = plans[key] = (
+            group = groups[key] = (
                 runs,
                 wa.stride(0) * elem,
                 wb.stride(0) * elem,
@@ -146,19 +142,26 @@ def copy_pairs(
                 array("q"),
             )
         # a view's first byte is its coalesced view's: same storage offset, reinterpreted
-        plan[3].append(a.data_ptr())
-        plan[4].append(b.data_ptr())
+        group[3].append(a.data_ptr())
+        group[4].append(b.data_ptr())
+    return Plan(tuple(groups.values()))
+
+
+def run_plan(plan: Plan, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Copy blocks ``src_ids[i] -> dst_ids[i]`` (checked, CPU int64) of ``plan``'s views."""
+    native = native_module()
+    assert native is not None, "a plan is made only where the span copy is built"
     if src_ids.dtype != torch.int64 or not src_ids.is_contiguous():
         src_ids = src_ids.to(torch.int64).contiguous()
     if dst_ids.dtype != torch.int64 or not dst_ids.is_contiguous():
         dst_ids = dst_ids.to(torch.int64).contiguous()
     n = src_ids.numel()
     threads_allowed = torch.get_num_threads()
-    for (s_runs, d_runs, run), s_block, d_block, s_views, d_views in plans.values():
+    for (s_runs, d_runs, run), s_block, d_block, s_views, d_views in plan.groups:
         npairs = len(s_views)
         nbytes = n * npairs * len(s_runs) * run
         threads = max(1, min(threads_allowed, nbytes // PART_BYTES))
-        stream = nbytes >= STREAM_BYTES and STREAM_MIN_RUN <= run <= STREAM_MAX_RUN
+        stream = nbytes >= STREAM_BYTES and run >= STREAM_MIN_RUN
         native.copy_spans(
             _address(s_views),
             _address(d_views),
@@ -174,5 +177,28 @@ def copy_pairs(
             run,
             threads,
             stream,
+            PART_BYTES,
         )
+
+
+def copy_pairs(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src_ids: torch.Tensor,
+    dst_ids: torch.Tensor,
+    lead: int = 1,
+) -> bool:
+    """``b[:, :, dst_ids[i]] = a[:, :, src_ids[i]]`` for every CPU group-view pair ``(a, b)``.
+
+    ``pairs`` are the group views of :func:`~kvbridge.kernels.views.paired_views`
+    (block dim 2), apart from each other, with checked ids (``ops`` sees to
+    both); ``lead`` is passed to :func:`~kvbridge.kernels.views.coalesce`.
+    Returns ``False``, having moved nothing, when the helper is not built or a
+    pair's runs are shorter than :data:`MIN_RUN_BYTES`.
+    """
+    if native_module() is None:
+        return False
+    plan = plan_pairs(pairs, lead)
+    if plan is None:
+        return False
+    run_plan(plan, src_ids, dst_ids)
     return True

@@ -59,6 +59,8 @@ def _is_array(x: object) -> bool:
 
 def _to_index_tensor(x: object, what: str) -> torch.Tensor:
     """A CPU int64 tensor from a tensor, array or sequence of ints; LayoutError otherwise."""
+    if isinstance(x, torch.Tensor) and x.dtype is torch.int64 and x.is_cpu:
+        return x  # already one (no torch op: each costs tens of microseconds when cold)
     try:
         if isinstance(x, torch.Tensor):
             t = x.detach()
@@ -115,7 +117,11 @@ def as_mapping(mapping: MappingLike) -> tuple[torch.Tensor, torch.Tensor]:
             f"mapping needs two 1-D id lists of equal length, got shapes "
             f"{tuple(src.shape)} and {tuple(dst.shape)}"
         )
-    return src.contiguous(), dst.contiguous()
+    return _contiguous(src), _contiguous(dst)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def as_ids(block_ids: IdsLike, what: str = "block_ids") -> torch.Tensor:
@@ -123,7 +129,7 @@ def as_ids(block_ids: IdsLike, what: str = "block_ids") -> torch.Tensor:
     ids = _to_index_tensor(block_ids, what)
     if ids.dim() != 1:
         raise LayoutError(f"{what} must be 1-D, got shape {tuple(ids.shape)}")
-    return ids.contiguous()
+    return _contiguous(ids)
 
 
 def check_ids(

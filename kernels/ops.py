@@ -13,7 +13,8 @@ leaves the destination untouched. Then:
   (:mod:`kvbridge.kernels.cuda_path`) when the runs are contiguous and long
   enough, else torch's CUDA index ops;
 - on CPU, source and destination apart: one call of the compiled span copy for every
-  block of every view pair (:mod:`kvbridge.kernels.cpu_spans`), where it is built; else
+  block of every view pair (:mod:`kvbridge.kernels.cpu_spans`), where it is built, with
+  its tables kept between calls for the same tensors (:mod:`kvbridge.kernels.cpu_plan`); else
   (:func:`~kvbridge.kernels.torch_path.copy_pairs`) one index op per view pair when one
   side's ids are a run (gather, scatter), else one strided copy per block slice split
   between torch's threads (one pass, no temporary);
@@ -23,17 +24,18 @@ leaves the destination untouched. Then:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
 
-from kvbridge.kernels import cpu_spans
+from kvbridge.kernels import cpu_plan, cpu_spans
 from kvbridge.kernels.mapping import IdsLike, MappingLike, as_ids, as_mapping, check_ids
 from kvbridge.kernels.torch_path import copy_pairs, copy_rows, gather_rows, scatter_rows
 from kvbridge.kernels.views import coalesce, group_views, paired_views, staging_view, widen
 from kvbridge.proto.errors import IncompatibleLayoutError
 from kvbridge.proto.layout import KVGroup, KVLayout
-from kvbridge.proto.negotiate import negotiate
+from kvbridge.proto.negotiate import Negotiation, negotiate
 
 __all__ = ["copy_blocks", "convert_blocks", "gather_blocks", "scatter_blocks", "staging_nbytes"]
 
@@ -58,8 +60,16 @@ def copy_blocks(
     s_ids, d_ids = as_mapping(mapping)
     check_ids(layout, group, s_ids, distinct=False, side="mapping source")
     check_ids(layout, group, d_ids, distinct=True, side="mapping destination")
-    pairs = paired_views(group_views(src, layout, group), group_views(dst, layout, group))
-    _move(pairs, s_ids, d_ids, "copy")
+
+    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return paired_views(group_views(src, layout, group), group_views(dst, layout, group))
+
+    sides = (cpu_plan.cache_facts(src, layout, group), cpu_plan.cache_facts(dst, layout, group))
+    if s_ids.numel() and cpu_plan.run_cached(
+        "copy", (layout,), group, sides, pairs, s_ids, d_ids, lead=1
+    ):
+        return
+    _move(pairs(), s_ids, d_ids, "copy")
 
 
 def convert_blocks(
@@ -76,14 +86,28 @@ def convert_blocks(
     layouts differ in identity. K and V stay apart; KV-sharing layers are
     skipped, owning layers copied once each.
     """
-    negotiation = negotiate(src_layout, dst_layout)
+    negotiation = _negotiated(src_layout, dst_layout)
     if not negotiation.ok:
         raise IncompatibleLayoutError(negotiation.reason)
     s_ids, d_ids = as_mapping(mapping)
     check_ids(src_layout, group, s_ids, distinct=False, side="mapping source")
     check_ids(dst_layout, group, d_ids, distinct=True, side="mapping destination")
-    pairs = paired_views(group_views(src, src_layout, group), group_views(dst, dst_layout, group))
-    _move(pairs, s_ids, d_ids, "copy")
+
+    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return paired_views(
+            group_views(src, src_layout, group), group_views(dst, dst_layout, group)
+        )
+
+    sides = (
+        cpu_plan.cache_facts(src, src_layout, group),
+        cpu_plan.cache_facts(dst, dst_layout, group),
+    )
+    layouts = (src_layout, dst_layout)
+    if s_ids.numel() and cpu_plan.run_cached(
+        "copy", layouts, group, sides, pairs, s_ids, d_ids, lead=1
+    ):
+        return
+    _move(pairs(), s_ids, d_ids, "copy")
 
 
 def gather_blocks(
@@ -103,10 +127,16 @@ def gather_blocks(
     """
     ids = as_ids(block_ids)
     check_ids(layout, group, ids, distinct=False, side="block_ids")
-    views = group_views(cache, layout, group)
-    stage = staging_view(staging, layout, group, ids.numel(), "staging")
-    pairs = paired_views(views, [stage])
-    _move(pairs, ids, torch.arange(ids.numel()), "gather")
+    n = ids.numel()
+
+    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = group_views(cache, layout, group)
+        return paired_views(views, [staging_view(staging, layout, group, n, "staging")])
+
+    sides = (cpu_plan.cache_facts(cache, layout, group), _staging_facts(staging, n))
+    if n and cpu_plan.run_cached("gather", (layout,), group, sides, pairs, ids, _arange(n), 1):
+        return
+    _move(pairs(), ids, _arange(n), "gather")
 
 
 def scatter_blocks(
@@ -119,10 +149,44 @@ def scatter_blocks(
     """Unpack ``staging`` (as written by :func:`gather_blocks`) into blocks ``block_ids``."""
     ids = as_ids(block_ids)
     check_ids(layout, group, ids, distinct=True, side="block_ids")
-    views = group_views(cache, layout, group)
-    stage = staging_view(staging, layout, group, ids.numel(), "staging")
-    pairs = paired_views([stage], views)
-    _move(pairs, torch.arange(ids.numel()), ids, "scatter")
+    n = ids.numel()
+
+    def pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        views = group_views(cache, layout, group)
+        return paired_views([staging_view(staging, layout, group, n, "staging")], views)
+
+    sides = (_staging_facts(staging, n), cpu_plan.cache_facts(cache, layout, group))
+    if n and cpu_plan.run_cached("scatter", (layout,), group, sides, pairs, _arange(n), ids, 0):
+        return
+    _move(pairs(), _arange(n), ids, "scatter")
+
+
+def _staging_facts(staging: object, count: int) -> tuple[object, ...] | None:
+    facts = cpu_plan.tensor_facts(staging)
+    return None if facts is None else (*facts, count)
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> torch.Tensor:
+    """``0..n-1``, the staging side's ids (read only)."""
+    return torch.arange(n)
+
+
+_NEGOTIATED: dict[tuple[int, int], tuple[KVLayout, KVLayout, Negotiation]] = {}
+
+
+def _negotiated(src: KVLayout, dst: KVLayout) -> Negotiation:
+    """:func:`negotiate` of two (frozen) layouts, kept for the next call with the same two
+    objects (by identity: hashing a layout costs more than it saves; held, so their ids
+    stay theirs)."""
+    kept = _NEGOTIATED.get((id(src), id(dst)))
+    if kept is not None and kept[0] is src and kept[1] is dst:
+        return kept[2]
+    result = negotiate(src, dst)
+    if len(_NEGOTIATED) >= 64:
+        _NEGOTIATED.clear()
+    _NEGOTIATED[(id(src), id(dst))] = (src, dst, result)
+    return result
 
 
 def _may_overlap(

@@ -63,7 +63,6 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         if request.param == "span copy streamed":  # every run, of any length and alignment
             monkeypatch.setattr(cpu_spans, "STREAM_BYTES", 0)
             monkeypatch.setattr(cpu_spans, "STREAM_MIN_RUN", 0)
-            monkeypatch.setattr(cpu_spans, "STREAM_MAX_RUN", 1 << 62)
     return str(request.param)
 
 

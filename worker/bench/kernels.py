@@ -87,15 +87,21 @@ def run(args: argparse.Namespace) -> int:
     columns += sorted({k for r in rows for k in r if k.endswith("GB/s") and k != "GB/s"})
     columns += ["vs", "ratio", "best ratio", "meets"]
     print_table(rows, columns)
-    path_name = "compiled span copy" if available() else "torch ops (span copy not built)"
+    threads = torch.get_num_threads()
+    if available():
+        path_name = f"compiled span copy, up to {threads} thread(s) (pthreads claiming 1 MiB parts)"
+    else:
+        path_name = f"torch ops (span copy not built), {threads} torch thread(s)"
     print(
-        f"CPU path: {path_name}; clock {args.clock}; "
-        f"threads {torch.get_num_threads()}; target: 'ratio' (median of the per-repeat "
+        f"CPU: kvbridge {path_name}; baselines torch with {threads} intra-op thread(s) "
+        f"(OpenMP); clock {args.clock}; target: 'ratio' (median of the per-repeat "
         f"ratios to the baseline in 'vs') >= {TARGET:.0%}"
     )
     settings = settings_of(args)
-    settings["threads"] = torch.get_num_threads()
+    settings["threads"] = threads
     settings["cpu_path"] = "span copy" if available() else "torch"
+    settings["threads_kvbridge"] = threads  # at most: a call of under `threads` MiB uses fewer
+    settings["threads_baseline"] = threads
     json_path, png_path = output_paths(args.out)
     path = write_json(json_path, {"settings": settings, "rows": rows})
     labels = [f"{r['op']}\n{r['src']}->{r['dst']} {r['device']}" for r in rows]
