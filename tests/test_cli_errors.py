@@ -120,6 +120,23 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["offload", "serve", "--kv-events-buffer", "0"], ["--kv-events-buffer", "at least 1"]),
     (["offload", "serve", "--disk", "{not-pem}"], ["--disk", "not a writable directory"]),
     (["offload", "serve", "--disk-capacity", "lots", "--disk", "{dir}"], ["--disk-capacity"]),
+    # checked before the host pool is allocated (the disk tier's own check names no model)
+    (
+        [
+            "offload",
+            "serve",
+            "--model",
+            "llama3-8b",
+            "--capacity",
+            "64MiB",
+            "--disk",
+            "{dir}",
+            "--disk-capacity",
+            "1MiB",
+        ],
+        ["--disk-capacity of 1048576 bytes holds no 2097152-byte block of llama3-8b (1MiB)"],
+    ),
+    (["offload", "serve", "--model", "tiny", "--capacity", "1KiB"], ["--capacity"]),
     (["offload", "serve", "--order", "bogus"], ["order 'bogus'", "block-nhd"]),
     (["offload", "serve", "--metrics-port", "{port}"], ["--metrics-port {port}", "already in use"]),
     (["serve-control", "--default-ttl", "0"], ["--default-ttl", "more than 0"]),

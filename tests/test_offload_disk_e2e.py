@@ -238,7 +238,7 @@ def test_disk_lru_drops_the_least_recently_used_blocks(
     [
         (["--disk-capacity", "lots"], "--disk-capacity 'lots' is not a size"),
         (["--disk-capacity", "0"], "--disk-capacity '0' must be at least one byte"),
-        # a small host pool: the default 8GiB one is allocated (seconds) before the disk opens
+        # checked before the host pool is allocated; a small one all the same
         (
             ["--disk-capacity", "100B", "--model", "tiny", "--capacity", "1MiB"],
             "--disk-capacity of 100 bytes holds no",

@@ -82,7 +82,8 @@ def _filled(layout: KVLayout, seed: int) -> dict[str, torch.Tensor]:
 def setup(monkeypatch: pytest.MonkeyPatch) -> Any:
     layout = preset_layout("tiny", num_blocks=BLOCKS)
     # two blocks per piece: a transfer of 5 blocks goes as [0, 1], [2, 3], [4]
-    monkeypatch.setattr(moves, "PIPELINE_BYTES", 2 * layout.block_bytes())
+    for knob in ("PIPELINE_BYTES", "FIRST_PIECE_BYTES", "MAX_PIECE_BYTES"):
+        monkeypatch.setattr(moves, knob, 2 * layout.block_bytes())
     local_kv, pool_kv = _filled(layout, 1), _filled(layout, 2)
     local = LocalMemory(1, layout.bind(local_kv), "cpu")
     pool = _Pool(layout, pool_kv, local_kv)
@@ -123,13 +124,59 @@ def test_a_big_verified_load_checks_each_piece_and_names_the_bad_block(setup: An
     digests = [(key, d, ALGO_XXH3) for d in want]
     bad, verify_s = mover.read(_Session(), ids, slots, digests)
     assert bad == [3] and verify_s > 0
+    # a load's pieces are a store's in reverse: the piece checked after the last READ is small
     assert [(op, blocks) for op, blocks, *_ in pool.calls] == [
-        ("read", [0, 1]),
-        ("read", [2, 3]),
-        ("read", [4]),
+        ("read", [0]),
+        ("read", [1, 2]),
+        ("read", [3, 4]),
     ]
     for x in local.layout.owning_layers(KVGroup.SELF):
         assert torch.equal(_bits(pool.local_kv[x.name])[:, ids], _bits(pool.kv[x.name])[:, slots])
+
+
+def test_pieces_grow_from_the_first_size_to_the_max_and_a_load_ends_on_the_small_one(
+    setup: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mover, _, local = setup
+    block = local.layout.block_bytes()
+    monkeypatch.setattr(moves, "FIRST_PIECE_BYTES", block)
+    monkeypatch.setattr(moves, "MAX_PIECE_BYTES", 4 * block)
+    assert mover._pieces(12) == [(0, 1), (1, 3), (3, 7), (7, 11), (11, 12)]
+    assert mover._pieces(12, small_last=True) == [(0, 1), (1, 5), (5, 9), (9, 11), (11, 12)]
+    assert mover._pieces(2) == [(0, 2)]  # up to PIPELINE_BYTES (2 blocks here): one piece
+    assert mover._pieces(0) == []
+
+
+@pytest.mark.parametrize("blocks", [2, 5])
+def test_a_store_hands_its_digests_on_before_its_last_write(setup: Any, blocks: int) -> None:
+    # the client posts CommitStore from on_digests: the daemon then waits for the notification
+    mover, pool, local = setup
+    ids, key = list(range(blocks)), new_key()
+    seen: list[tuple[list[bytes], list[bytes | None]]] = []
+
+    def on_digests(algo: str, digests: list[bytes]) -> None:
+        seen.append((list(digests), [note for _, _, note, _ in pool.calls]))
+
+    _, digests = mover.write(_Session(), ids, ids, b"stored", key, on_digests=on_digests)
+    assert digests == block_digests(local.layout, KVGroup.SELF, ids, key)
+    assert len(seen) == 1 and seen[0][0] == digests and b"stored" not in seen[0][1]
+    assert pool.calls[-1][2] == b"stored"
+
+
+def test_digests_taken_while_prepare_store_is_in_flight_are_the_writes_own(setup: Any) -> None:
+    mover, pool, local = setup
+    key, ids = new_key(), [3, 1, 4, 0, 2]
+    calls = iter([False, False, True])  # done() after two rounds: two pieces of 2 blocks
+    early = mover.digest_while(_Session(), ids, key, lambda: next(calls))
+    assert early == block_digests(local.layout, KVGroup.SELF, ids[:4], key)
+    assert mover.digest_while(_Session(staging=object()), ids, key, lambda: False) == []
+    # the write takes the known ones as given (a marker here) and digests the rest itself
+    marker = bytes(16)
+    known = [marker, early[1], None, None, None]
+    _, digests = mover.write(_Session(), ids, [0, 1, 2, 3, 4], b"stored", key, known=known)
+    assert digests[0] == marker
+    assert digests[1:] == block_digests(local.layout, KVGroup.SELF, ids[1:], key)
+    assert pool.calls[-1][2] == b"stored"
 
 
 def test_an_unverified_load_is_one_read(setup: Any) -> None:

@@ -48,6 +48,21 @@ def stored(pool: HostPool, ks: list[BlockHash]) -> list[bytes]:
     return list(prep.evicted)
 
 
+def test_a_store_gets_ascending_slots_even_when_the_free_queue_holds_them_reversed() -> None:
+    # a committed store's slots go back to the free queue tail first (last block evicted
+    # first), so the next store evicts them in descending order; handed out ascending, a
+    # WRITE or READ of blocks in order finds adjacent slots that NIXL merges
+    pool = HostPool(8, 100)
+    for tag in ("a", "b", "c"):
+        prep = pool.prepare_store(keys(tag, 8), TTL)
+        assert list(prep.slots) == list(range(8)), prep.slots
+        commit(pool, prep)
+        loaded = pool.prepare_load(keys(tag, 8), TTL)
+        assert list(loaded.slots) == list(range(8))
+        pool.complete_load(loaded.load_id)
+    pool.check()
+
+
 def test_committed_blocks_are_found_by_prefix_and_others_are_misses() -> None:
     pool = HostPool(8, 100)
     ks = keys("a", 4)

@@ -7,8 +7,10 @@ in a job pool, like :mod:`kvbridge.connector.worker_side` does):
 
 - :meth:`OffloadClient.lookup` — how many leading blocks of a prefix the daemon
   holds (committed blocks only);
-- :meth:`OffloadClient.store` — PrepareStore (slots, evictions) → NIXL WRITE
-  of local blocks into the slots → CommitStore; AbortStore on any failure;
+- :meth:`OffloadClient.store` — PrepareStore (slots, evictions; the leading blocks are
+  digested while it is in flight) → NIXL WRITE
+  of local blocks into the slots → CommitStore (posted once the blocks are digested, while
+  the last WRITEs run: :mod:`kvbridge.connector.offload.commit`); AbortStore on any failure;
 - :meth:`OffloadClient.load` — PrepareLoad (pins the cached prefix) → NIXL
   READ into local blocks → CompleteLoad (unpins).
 
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvbridge.connector.control.errors import error_from_rpc
+from kvbridge.connector.offload.commit import StoreCommit
 from kvbridge.connector.offload.moves import BlockMover, load_digests
 from kvbridge.connector.offload.session import (
     GROUP,
@@ -156,7 +159,15 @@ class OffloadClient(Closing):
                 ttl_ms=round(self.config.ttl_s * 1000),
                 session=session.session,
             )
-            resp: pb.PrepareStoreResponse = self._call("PrepareStore", req)
+            key = new_key()
+            ask = self._stub.PrepareStore.future(
+                req, timeout=self.config.rpc_timeout_s, metadata=self._metadata
+            )
+            known = self._mover.digest_while(session, block_ids, key, ask.done)
+            try:
+                resp: pb.PrepareStoreResponse = ask.result()
+            except grpc.RpcError as err:
+                raise error_from_rpc(f"PrepareStore {self.config.address}", err) from None
             store_id = resp.store_id
             evicted = tuple(BlockHash(bytes(h)) for h in resp.evicted)
             if not store_id:
@@ -165,11 +176,17 @@ class OffloadClient(Closing):
                 )
             indices, slots = checked_slots(session, resp.indices, resp.slots, len(hashes))
             local_ids = [block_ids[i] for i in indices]
-            key = new_key()
-            algo, digests = self._mover.write(
-                session, local_ids, slots, store_notification(store_id), key
-            )
-            commit = self._commit(session, store_id, key, digests, algo)
+            what = f"CommitStore {self.config.address}"
+            early = StoreCommit(self._stub, self._call, what, self.config.rpc_timeout_s,
+                                self._metadata, store_id, session.session, key)  # fmt: skip
+            pre = [known[i] if i < len(known) else None for i in indices]
+            try:  # the commit goes out with the last digests, while the last WRITEs run
+                self._mover.write(session, local_ids, slots, store_notification(store_id),
+                                  key, on_digests=early.send, known=pre)  # fmt: skip
+            except BaseException:
+                early.cancel()
+                raise
+            commit = early.result()
             store_id = ""
             nbytes = len(slots) * self._local.layout.block_bytes(GROUP)
             return OffloadStoreResult(
@@ -315,26 +332,6 @@ class OffloadClient(Closing):
                 self._call, self.config, self._transport, self._local, self._caches
             )
             return self._session
-
-    def _commit(
-        self, session: Session, store_id: str, key: int, digests: Sequence[bytes], algo: str
-    ) -> pb.CommitStoreResponse:
-        """CommitStore; once more if the daemon had not yet seen our WRITE's notification."""
-        req = pb.CommitStoreRequest(
-            store_id=store_id,
-            session=session.session,
-            digest_key=key,
-            digests=list(digests),
-            digest_algo=algo,
-        )
-        try:
-            resp: pb.CommitStoreResponse = self._call("CommitStore", req)
-        except LeaseError as exc:
-            if exc.code != "FAILED_PRECONDITION":
-                raise
-            log.debug("offload commit refused once, retrying: %s", exc)
-            resp = self._call("CommitStore", req)
-        return resp
 
     def _call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         fn = getattr(self._stub, method)

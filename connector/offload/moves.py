@@ -9,19 +9,27 @@ Through a staging cache when the worker's inner order differs from the pool's
 (:mod:`kvbridge.connector.offload.staging`).
 
 Digesting costs about a fifth of a READ's time on the CPU, so a transfer of more than
-:data:`PIPELINE_BYTES` goes in pieces of that size that overlap the digests. The mover's
+:data:`PIPELINE_BYTES` goes in pieces that overlap the digests: from
+:data:`FIRST_PIECE_BYTES`, doubling up to :data:`MAX_PIECE_BYTES` (each piece costs NIXL
+about 0.1 ms, so few and big ones; the small first piece is all of a store's digest that
+is not overlapped), and a load's in reverse (its small last piece is all of its check that
+is not overlapped). The mover's
 one helper thread runs all the pieces' transfers back to back, one job per store or load
 (NIXL's ``transfer()`` copies on CMA inside the call and releases the GIL meanwhile),
 while the calling thread digests: a store's helper WRITEs piece *k* as soon as the caller
-has digested it (so no byte leaves before its digest is taken, and the WRITE reads bytes
-the digest just pulled into the cache), a verified load's caller checks piece *k* as soon
+has digested it (so no byte leaves before its digest is taken), and the caller runs at
+most :data:`AHEAD_PIECES` pieces ahead of the WRITEs, so that a WRITE reads bytes its
+digest just pulled into the cache; a verified load's caller checks piece *k* as soon
 as its READ landed while the helper already reads the next ones. Neither side waits for
-the other's round trip per piece. :meth:`BlockMover.close` stops the helper.
+the other's round trip per piece. A store's caller hands the digests on (``on_digests``:
+the client posts CommitStore then) before the last WRITEs complete.
+:meth:`BlockMover.close` stops the helper.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -45,10 +53,19 @@ if TYPE_CHECKING:
 __all__ = ["PIPELINE_BYTES", "BlockMover", "Digest", "load_digests"]
 
 PIPELINE_BYTES = 8 << 20
-"""Bytes per piece of a transfer whose digests are overlapped with it (see the module doc)."""
+"""A transfer of more bytes goes in pieces that overlap its digests (see the module doc)."""
+FIRST_PIECE_BYTES = 2 << 20
+"""The first piece of a store (the last of a load) in pieces; later ones double..."""
+MAX_PIECE_BYTES = 16 << 20
+"""...up to this size."""
+AHEAD_PIECES = 2
+"""A store's caller digests at most this many pieces not yet written (the one being written
+included)."""
+_POLL_S = 0.05
 
 Digest = tuple[int, bytes, str]
 """A pool block's ``(key, digest, algo)`` as its writer recorded it."""
+OnDigests = Callable[[str, list[bytes]], None]
 
 
 class BlockMover:
@@ -82,9 +99,22 @@ class BlockMover:
                 self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-offload-move")
             return self._helper.submit(job)
 
-    def _pieces(self, n: int) -> list[tuple[int, int]]:
-        per = max(1, PIPELINE_BYTES // self._local.layout.block_bytes(GROUP))
-        return list(chunks(n, per))
+    def _pieces(self, n: int, small_last: bool = False) -> list[tuple[int, int]]:
+        """One piece up to :data:`PIPELINE_BYTES`; beyond, pieces from
+        :data:`FIRST_PIECE_BYTES` doubling up to :data:`MAX_PIECE_BYTES` (``small_last``:
+        in reverse, so that what is left after the last transfer is small)."""
+        block = self._local.layout.block_bytes(GROUP)
+        if n * block <= PIPELINE_BYTES:
+            return [(0, n)] if n else []
+        size, top = max(1, FIRST_PIECE_BYTES // block), max(1, MAX_PIECE_BYTES // block)
+        sizes: list[int] = []
+        while sum(sizes) < n:
+            sizes.append(min(size, n - sum(sizes)))
+            size = min(max(top, size), size * 2)
+        if small_last:
+            sizes.reverse()
+        ends = list(itertools.accumulate(sizes))
+        return list(zip([0, *ends[:-1]], ends, strict=True))
 
     def transfer(
         self,
@@ -116,19 +146,28 @@ class BlockMover:
         notify: bytes,
         key: int,
         algo: str | None = None,
+        on_digests: OnDigests | None = None,
+        known: Sequence[bytes | None] = (),
     ) -> tuple[str, list[bytes]]:
         """WRITE ``local_ids`` into ``slots`` (the last transfer carries ``notify``); returns
         the blocks' digests, taken over the bytes as they are in the pool's order, and their
-        algorithm (``algo``; default: the one for the memory digested, :func:`digest_algo`)."""
+        algorithm (``algo``; default: the one for the memory digested, :func:`digest_algo`).
+        ``on_digests(algo, digests)`` is called as soon as every block is digested, before
+        the last WRITEs complete (the store's commit goes out then). ``known``: digests
+        already taken (:meth:`digest_while`), per block or None; not with a staging cache."""
         staging = session.staging
+        tell = on_digests or (lambda algo, digests: None)
         if staging is None:
             algo = algo or digest_algo(self._local.layout, GROUP)
             pieces = self._pieces(len(local_ids))
             if len(pieces) == 1:
-                digests = block_digests(self._local.layout, GROUP, local_ids, key, algo)
+                digests = self._digests(local_ids, key, algo, known)
+                tell(algo, digests)
                 self.transfer("write", session, local_ids, slots, notify)
                 return algo, digests
-            return algo, self._write_pipelined(session, local_ids, slots, notify, key, algo)
+            return algo, self._write_pipelined(
+                session, local_ids, slots, notify, key, algo, tell, known
+            )
         assert self._caches is not None
         algo = algo or digest_algo(staging.memory.layout, GROUP)
         digests = []
@@ -137,8 +176,41 @@ class BlockMover:
                 staged = staging.pack(self._local.layout, self._caches, local_ids[a:b], GROUP)
                 digests += block_digests(staging.memory.layout, GROUP, staged, key, algo)
                 last = b == len(local_ids)
+                if last:
+                    tell(algo, digests)
                 self.transfer("write", session, staged, slots[a:b], notify if last else None)
         return algo, digests
+
+    def digest_while(
+        self, session: Session, block_ids: Sequence[int], key: int, done: Callable[[], bool]
+    ) -> list[bytes]:
+        """Digests (with ``key``) of the leading ``block_ids``, a piece at a time until
+        ``done()``: a store digests while its PrepareStore is in flight and it would only
+        wait. None ([]) where :meth:`write` digests otherwise (staging, device memory);
+        an error stops it (:meth:`write` digests those blocks again, and raises there)."""
+        layout = self._local.layout
+        if session.staging is not None or digest_algo(layout, GROUP) != ALGO_XXH3:
+            return []
+        per = max(1, FIRST_PIECE_BYTES // layout.block_bytes(GROUP))
+        out: list[bytes] = []
+        with contextlib.suppress(Exception):
+            while len(out) < len(block_ids) and not done():
+                part = block_ids[len(out) : len(out) + per]
+                out += block_digests(layout, GROUP, part, key, ALGO_XXH3)
+        return out
+
+    def _digests(
+        self, ids: Sequence[int], key: int, algo: str, known: Sequence[bytes | None]
+    ) -> list[bytes]:
+        """Digests of ``ids``: ``known`` ones as given, the rest taken now."""
+        if not known:
+            return block_digests(self._local.layout, GROUP, ids, key, algo)
+        need = [j for j, d in enumerate(known) if d is None]
+        fresh = block_digests(self._local.layout, GROUP, [ids[j] for j in need], key, algo)
+        out = list(known)
+        for j, d in zip(need, fresh, strict=True):
+            out[j] = d
+        return [d for d in out if d is not None]
 
     def read(
         self,
@@ -151,7 +223,7 @@ class BlockMover:
         digest (none when ``digests`` is None: verification off) and the check's seconds."""
         staging = session.staging
         if staging is None:
-            pieces = self._pieces(len(local_ids))
+            pieces = self._pieces(len(local_ids), small_last=True)
             if digests is not None and len(pieces) > 1:
                 return self._read_pipelined(session, local_ids, slots, digests, pieces)
             self.transfer("read", session, local_ids, slots)
@@ -179,11 +251,15 @@ class BlockMover:
         notify: bytes,
         key: int,
         algo: str,
+        tell: OnDigests,
+        known: Sequence[bytes | None],
     ) -> list[bytes]:
-        """Digest the pieces here while the helper WRITEs each one already digested; the
-        last WRITE carries ``notify``."""
+        """Digest the pieces here while the helper WRITEs each one already digested (at most
+        :data:`AHEAD_PIECES` digested and not yet written); the last WRITE carries
+        ``notify``; ``tell(algo, digests)`` once all are digested."""
         pieces = self._pieces(len(local_ids))
         digested: queue.SimpleQueue[bool] = queue.SimpleQueue()  # True: next piece is ready
+        room = threading.Semaphore(AHEAD_PIECES)  # pieces digested and not yet written
 
         def writes() -> None:
             for a, b in pieces:
@@ -193,15 +269,21 @@ class BlockMover:
                 self.transfer(
                     "write", session, local_ids[a:b], slots[a:b], notify if last else None
                 )
+                room.release()
 
         digests: list[bytes] = []
         job = self._submit(writes)
         finished = False
         try:
             for a, b in pieces:
+                while not room.acquire(timeout=_POLL_S):
+                    if job.done():
+                        break
                 if job.done():
                     job.result()  # a failed WRITE raises here, before more digesting
-                digests += block_digests(self._local.layout, GROUP, local_ids[a:b], key, algo)
+                digests += self._digests(local_ids[a:b], key, algo, known[a:b])
+                if b == len(local_ids):
+                    tell(algo, digests)  # before the last WRITE is even posted
                 digested.put(True)
             job.result()
             finished = True

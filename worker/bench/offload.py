@@ -145,7 +145,11 @@ def _case(args: argparse.Namespace, preset: str, block_size: int) -> dict[str, A
             for t in kv.values():
                 t.fill_(1)
             memory = transport.register(layout, kv)
-            config = OffloadClientConfig(address=daemon.address, engine_id="bench-offload")
+            # a bench measures bandwidth, not the 2 s RPC deadline: on a loaded machine a
+            # starved daemon answered PrepareStore late and stopped whole runs
+            config = OffloadClientConfig(
+                address=daemon.address, engine_id="bench-offload", rpc_timeout_s=10.0
+            )
             with OffloadClient(config, transport, memory) as client:
                 ids = [BlockId(i) for i in range(n)]
                 store_s: list[float] = []

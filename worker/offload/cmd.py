@@ -35,8 +35,17 @@ if TYPE_CHECKING:
 
     from kvbridge.connector.events import BlockEventSink
     from kvbridge.proto.layout import KVLayout
+    from kvbridge.worker.offload.config import OffloadConfig
 
-__all__ = ["add_parser", "check_memory", "daemon_layout", "parse_bytes", "run", "main"]
+__all__ = [
+    "add_parser",
+    "check_memory",
+    "check_pool_fits",
+    "daemon_layout",
+    "parse_bytes",
+    "run",
+    "main",
+]
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         disk_path=disk_path,
         disk_capacity_bytes=disk_capacity,
     )
+    check_pool_fits(config, args.disk_capacity)
     metrics_config = (
         None
         if args.metrics_port is None
@@ -276,6 +286,29 @@ def run(args: argparse.Namespace) -> int:
         return Ready(line, f"offload daemon on {server.address}")
 
     return serve_until_stopped(start)
+
+
+def check_pool_fits(config: OffloadConfig, disk_text: str) -> None:
+    """Before the pool is allocated: a one-line ConfigError unless ``--capacity`` and, with
+    ``--disk``, ``--disk-capacity`` hold at least one block of the pool's layout (``--model``,
+    or the one an earlier run left on the disk). Without a known layout the check waits for
+    the first handshake."""
+    from kvbridge.proto.errors import ConfigError
+    from kvbridge.worker.offload.config import GROUP, pool_layout
+    from kvbridge.worker.offload.tiered import saved_layout
+
+    template = config.layout
+    if template is None and config.disk_path is not None:
+        template = saved_layout(config.disk_path)
+    if template is None:
+        return
+    block = pool_layout(template, config).block_bytes(GROUP)  # checks --capacity
+    if config.disk_path is not None and config.disk_capacity_bytes < block:
+        raise ConfigError(
+            f"--disk-capacity of {config.disk_capacity_bytes} bytes holds no {block}-byte "
+            f"block of {template.model.name} ({disk_text}); raise --disk-capacity to at least "
+            f"{block} bytes"
+        )
 
 
 def check_disk_dir(path: str) -> str:

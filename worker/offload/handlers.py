@@ -63,8 +63,9 @@ __all__ = ["OffloadHandlers", "stats_to_pb"]
 
 log = logging.getLogger(__name__)
 
-NOTIFY_POLL_S = 0.002
-"""How often CommitStore looks for its WRITE notification while it waits."""
+NOTIFY_POLL_S = 0.0005
+"""How often CommitStore looks for its WRITE notification while it waits (workers commit
+while their last WRITEs still run, so a commit usually waits for one or two pieces)."""
 
 
 @dataclass(slots=True)

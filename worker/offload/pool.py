@@ -173,7 +173,8 @@ class HostPool:
                 self._quotas.drop_store(peer)
                 return PreparedStore("", (), (), (), 0.0)
             wanted = wanted[:take]
-            slots = self._pool.allocate(take)
+            # ascending (the free queue holds them reversed): NIXL merges adjacent ones
+            slots = sorted(self._pool.allocate(take))
             evicted, self._evicted = self._evicted, []
             store_id = secrets.token_hex(16)
             now = self._clock()
