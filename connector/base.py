@@ -167,6 +167,9 @@ class LoadResult:
     """The backend's own timing of the block READs, summed (NIXL telemetry, post to
     completion): the span vLLM's NixlConnector reports as its transfer time. None where the
     backend does not say; ``transfer_ms`` is the whole load (link, READs, proof, release)."""
+    post_ms: float | None = None
+    """Of ``read_ms``, the posts themselves (NIXL telemetry): all of it when every READ was
+    done inside its post (CMA on one host), less when one completed after."""
     link_ms: float = 0.0
     """Of ``transfer_ms``, the time spent waiting for a new link to the peer (handshake and
     the link's warm-up READ); 0 when the link was already made."""

@@ -178,9 +178,29 @@ def test_bytes_moved_are_summarized_and_ratioed_against_nixl() -> None:
 
 
 def test_nixl_connectors_bytes_come_from_its_stats() -> None:
-    from kvbridge.worker.bench.vllm import _Loads
+    from kvbridge.worker.bench.vllm_loads import Loads
 
-    loads = _Loads()
+    loads = Loads()
     took = loads.take({"nixl_transfer_s": [0.002], "nixl_descriptors": [4],
-                       "nixl_bytes": [65536, 32768], "nixl_failed": 0})  # fmt: skip
-    assert took == (2.0, True, None) and loads.detail["bytes"] == 98304
+                       "nixl_bytes": [65536, 32768], "nixl_failed": 0,
+                       "load_spans": {"r1": 3.5}})  # fmt: skip
+    assert took == (3.5, True, None) and loads.detail["bytes"] == 98304
+    assert loads.detail["read_ms"] == loads.detail["connector_ms"] == 2.0
+
+
+def test_the_whole_load_is_the_engine_harness_span_for_every_connector() -> None:
+    """``transfer_ms`` is the same span for both connectors (start_load_kv to reported, timed
+    by the engine harness); each connector's own figure is kept as ``connector_ms``."""
+    from kvbridge.worker.bench.vllm_loads import Loads
+
+    loads = Loads()
+    load = {"transfer_ms": 1.5, "error": "", "moved": 4, "read_ms": 0.5, "steps": [["start", 0]]}
+    took = loads.take({"loads": {"r1": load}, "load_spans": {"r1": 2.5}})
+    assert took == (2.5, True, None)
+    assert loads.detail["connector_ms"] == 1.5 and loads.detail["steps"] == [["start", 0]]
+    # a load the harness did not see reported has no whole-load figure (not the connector's)
+    assert loads.take({"loads": {"r1": load, "r2": load}}) == (None, True, None)
+    burst = loads.take_all({"loads": {"a": load, "b": load}, "load_spans": {"b": 4.0, "a": 3.0}}, 2)
+    assert [r["transfer_ms"] for r in burst] == [3.0, 4.0]
+    nixl = {"nixl_transfer_s": [0.001, 0.002], "load_spans": {"x": 5.0, "y": 6.0}}
+    assert [r["transfer_ms"] for r in loads.take_all(nixl, 2)] == [5.0, 6.0]

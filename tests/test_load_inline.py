@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kvbridge.connector import BlockLoad
+from kvbridge.connector.control.seal import SEAL_WAIT_S
 from kvbridge.connector.load import Attempt, InlineLoad
-from kvbridge.connector.load.inline import SEAL_WAIT_S
 from kvbridge.connector.load.verify import Checked
 from kvbridge.proto import BlockId, KVGroup, RequestId, TransferError, TransferTimeoutError
 
@@ -38,6 +38,7 @@ class Handle:
         self.log.append(f"release {self.name}")
 
     nbytes, num_descriptors, wire_descriptors, backend_seconds = 64, 1, 1, 1e-4
+    backend_post_seconds = 1e-4
 
 
 class Transport:
@@ -54,9 +55,17 @@ class Transport:
 
 
 class SealCheck:
-    def __init__(self, log: list[str], held: list[bool], polls: int) -> None:
-        self.log, self.held, self.left = log, held, polls
-        self.closed = 0
+    """Seal READs in rounds, each over after ``polls`` polls: round ``k`` (from 1) finds every
+    seal ``held`` once ``k > sealed_after`` (an owner that seals the lease a step after
+    naming it), before that none; one not held counts as not sealed yet (absent), read
+    again (``again``) until ``until``."""
+
+    def __init__(
+        self, log: list[str], held: list[bool], polls: int, sealed_after: int, until: float
+    ) -> None:
+        self.log, self.held, self.polls, self.left = log, held, polls, polls
+        self.sealed_after, self.until = sealed_after, until
+        self.rounds, self.closed = 1, 0
 
     def poll(self) -> bool:
         if self.left > 0:
@@ -64,30 +73,40 @@ class SealCheck:
             return False
         return True
 
-    def verdict(self, tag: bytes | None = None, *, tagged: bool = False) -> Any:
+    def settle(self, tag: bytes | None = None, *, tagged: bool = False) -> list[bool] | None:
         assert self.left == 0, "judged before the seal READ was over"
         self.log.append(f"verdict {tag!r} {tagged}")
-        return self.held, [not h for h in self.held]  # a seal not there yet: absent
+        early = self.rounds <= self.sealed_after
+        held = [False] * len(self.held) if early else self.held
+        return held if all(held) or time.monotonic() >= self.until else None
+
+    def again(self) -> None:
+        assert self.left == 0 and not self.closed, "read again while in flight or closed"
+        self.log.append("seal again")
+        self.rounds, self.left = self.rounds + 1, self.polls
 
     def close(self) -> None:
         self.closed += 1
 
 
 class Seals:
-    """Seal READs: each says ``held`` after ``polls`` polls (``sealed_after``: False before
-    that many reads, as an owner that seals the lease a step after naming it)."""
+    """Seal READs: each round says ``held`` after ``polls`` polls (``sealed_after``: not
+    before that many rounds, as an owner that seals the lease a step after naming it)."""
 
     def __init__(
         self, log: list[str], held: list[bool], polls: int = 2, sealed_after: int = 0
     ) -> None:
         self.log, self.held, self.polls, self.sealed_after = log, held, polls, sealed_after
         self.checks: list[SealCheck] = []
+        self.waits: list[float] = []
 
-    def post(self, links: list[Any], lease: str, seal: bytes, timeout_s: float) -> SealCheck:
+    def post(
+        self, links: list[Any], lease: str, seal: bytes, timeout_s: float, wait_s: float = 0.0
+    ) -> SealCheck:
         self.log.append(f"seal {links}")
-        early = len(self.checks) < self.sealed_after
-        held = [False] * len(self.held) if early else self.held
-        self.checks.append(SealCheck(self.log, held, self.polls))
+        self.waits.append(wait_s)
+        until = time.monotonic() + wait_s
+        self.checks.append(SealCheck(self.log, self.held, self.polls, self.sealed_after, until))
         return self.checks[-1]
 
 
@@ -171,7 +190,9 @@ def test_a_seal_that_does_not_hold_leaves_the_blocks_unchecked() -> None:
     t0 = time.monotonic()
     _run(inline)
     assert inline.held == [False] and inline.checked is None
-    assert time.monotonic() - t0 >= SEAL_WAIT_S and len(seals.checks) > 1  # read again first
+    # read again first, for SEAL_WAIT_S, in the same check (its scratch slots)
+    assert seals.waits == [SEAL_WAIT_S] and time.monotonic() - t0 >= SEAL_WAIT_S
+    assert len(seals.checks) == 1 and seals.checks[0].rounds > 1
     assert all(c.closed == 1 for c in seals.checks)
 
 
@@ -180,7 +201,7 @@ def test_a_seal_made_a_step_after_the_answer_is_read_again_and_holds() -> None:
     seals = Seals(transport.log, [True], polls=0, sealed_after=3)
     inline = _inline(transport, seals, digests=2)
     _run(inline)
-    assert inline.held == [True] and len(seals.checks) == 4
+    assert inline.held == [True] and len(seals.checks) == 1 and seals.checks[0].rounds == 4
     assert inline.checked == {KVGroup.SELF: Checked(2, 0), KVGroup.CROSS: Checked(1, 0)}
     # the seal is only ever read after every block READ landed
     first_seal = next(i for i, e in enumerate(transport.log) if e.startswith("seal"))

@@ -31,6 +31,7 @@ class Handle:
     num_descriptors = 1
     wire_descriptors = 1
     backend_seconds = 1e-4
+    backend_post_seconds = 1e-4
 
 
 class Posts:

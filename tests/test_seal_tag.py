@@ -83,18 +83,23 @@ class _FakeOwnerLink:
     def __init__(self, table: SealTable) -> None:
         self.table, self.reads = table, 0
         self.reader: SealReader | None = None
+        self.reads_by: dict[str, int] = {}
+        """READs per owner (``connect``'s name)."""
 
     def register(self, layout: Any, caches: Any) -> Any:
         return SimpleNamespace(layout=layout)
 
     def connect(self, name: str, metadata: bytes, seal: Any, memory: Any) -> Any:
-        return SimpleNamespace(remote_layout=seal)
+        """A link to ``self.table``, or to ``metadata``'s table if it is one (another owner)."""
+        table = metadata if isinstance(metadata, SealTable) else self.table
+        return SimpleNamespace(remote_layout=seal, name=name, table=table)
 
     def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
         assert self.reader is not None
         self.reads += 1
+        self.reads_by[link.name] = self.reads_by.get(link.name, 0) + 1
         for mine, theirs in zip(local, remote, strict=True):
-            self.reader._slots[mine] = self.table._slots[theirs]
+            self.reader._slots[mine] = link.table._slots[theirs]
         return SimpleNamespace(  # copied at once: done when posted
             wait=lambda timeout_s: None, release=lambda: None, poll=lambda: "done"
         )
@@ -146,3 +151,75 @@ def test_no_seal_at_all_is_the_slow_path_after_the_wait() -> None:
     t0 = time.monotonic()
     assert not reader.holds(link, LEASE, SEAL, 1.0, wait_s=0.1)
     assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads > 1
+
+
+def test_only_an_owner_that_has_not_sealed_yet_is_read_again() -> None:
+    """Several owners (TP ranks): each one whose slots hold no nonce yet is READ again, the
+    others keep their first answer, and every answer comes from one SealReader mechanism."""
+    early, late, other = SealTable(64), SealTable(64), SealTable(64)
+    early.publish(LEASE, SEAL)
+    other.publish(LEASE, bytes(32))  # the nonce with another seal: an answer at once
+    reader, fake, _ = _reader(early)
+    links = [
+        reader.connect(name, table, table.layout)  # type: ignore[arg-type]
+        for name, table in (("early", early), ("late", late), ("other", other))
+    ]
+    sealing = threading.Timer(0.05, late.publish, (LEASE, SEAL))
+    sealing.start()
+    try:
+        assert reader.holds_all(links[:2], LEASE, SEAL, 1.0, wait_s=5.0) == [True, True]
+    finally:
+        sealing.join()
+    assert fake.reads_by["early"] == 1 and fake.reads_by["late"] > 1
+    t0 = time.monotonic()
+    assert reader.holds_all(links, LEASE, SEAL, 1.0, wait_s=5.0) == [True, True, False]
+    assert time.monotonic() - t0 < 2.0 and fake.reads_by["other"] == 1
+    # an owner that never seals: read again until the wait is over, then not held
+    late.retract(LEASE)
+    t0 = time.monotonic()
+    assert reader.holds_all(links[:2], LEASE, SEAL, 1.0, wait_s=0.1) == [True, False]
+    assert 0.09 <= time.monotonic() - t0 < 2.0 and fake.reads_by["early"] == 3
+
+
+class _Flushable(_FakeOwnerLink):
+    """:class:`_FakeOwnerLink` whose READs stay in flight until ``land()``, and that records
+    notifications."""
+
+    def __init__(self, table: SealTable) -> None:
+        super().__init__(table)
+        self.sent: list[bytes] = []
+        self.handles: list[Any] = []
+
+    def send_notification(self, link: Any, message: bytes) -> None:
+        self.sent.append(message)
+
+    def read_blocks(self, link: Any, group: Any, local: Any, remote: Any, **_: Any) -> Any:
+        self.reads += 1
+        handle = SimpleNamespace(state="pending", released=0)
+        handle.poll = lambda: handle.state
+        handle.release = lambda: setattr(handle, "released", handle.released + 1)
+        self.handles.append(handle)
+        return handle
+
+
+def test_a_release_leaves_one_flush_read_per_link_in_flight_and_reaps_it_once_over() -> None:
+    """After a release notification the reader posts a one-slot READ on the link (it takes
+    UCX's flush wait after a notification off the next load's READ), never two at once on
+    one link, and gives its scratch slot back only once it is over (never releasing one in
+    flight, which would take the link down)."""
+    table = SealTable(64)
+    fake = _Flushable(table)
+    reader = SealReader(fake, 1)  # type: ignore[arg-type]
+    fake.reader = reader
+    link = SimpleNamespace(remote_layout=table.layout, link_id=7)
+    free = len(reader._free)
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    assert len(fake.sent) == 2 and fake.reads == 1 and len(reader._free) == free - 1
+    reader._reap()
+    assert fake.handles[0].released == 0 and len(reader._free) == free - 1  # in flight
+    fake.handles[0].state = "done"
+    reader._reap()
+    assert fake.handles[0].released == 1 and len(reader._free) == free
+    reader.release(link, LEASE)  # type: ignore[arg-type]
+    assert fake.reads == 2  # the next release flushes again

@@ -67,6 +67,8 @@ __all__ = [
     "PROBES",
     "SEAL_BYTES",
     "SEAL_GROUP",
+    "SEAL_POLL_S",
+    "SEAL_WAIT_S",
     "SealTable",
     "TAG_BYTES",
     "content_tag",
@@ -91,7 +93,13 @@ PROBES = 4
 """A lease's seal sits in one of the ``PROBES`` slots after its home slot."""
 _MODEL = "kvbridge-seal-v1"
 SEAL_POLL_S = 0.002
-"""How often a load that found no seal for its lease READs the slots again (``wait_s``)."""
+"""How often a load waiting on a pool thread for an owner to seal its lease READs the slots
+again (``wait_s``; a load driven from the engine's thread reads them again at its next poll)."""
+SEAL_WAIT_S = 0.05
+"""How long a load reads again a seal whose nonce is in no probe slot yet before it takes
+the seal as not holding (and asks the owner): vLLM's prefill worker makes a lease, and seals
+it, at the engine step after its scheduler's answer named it, and a decode can read before
+that step ran."""
 RANKS_AT_ONCE = 8
 """Owners whose seals one :meth:`SealReader.holds_all` READs at once (scratch is sized so
 that every concurrent load can)."""

@@ -10,7 +10,8 @@ request from several remote TP ranks (heterogeneous TP); ``result`` builds every
 :class:`~kvbridge.connector.base.LoadResult`.
 """
 
-from kvbridge.connector.load.inline import Attempt, InlineLoad
+from kvbridge.connector.load.attempt import Attempt
+from kvbridge.connector.load.inline import InlineLoad
 from kvbridge.connector.load.links import STAGING_BLOCKS, ClientFactory, LinkCache, Peer, Staging
 from kvbridge.connector.load.loader import RELEASE_TIMEOUT_S, RemoteLoader
 from kvbridge.connector.load.ranks import load_from_ranks

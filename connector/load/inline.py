@@ -1,4 +1,4 @@
-"""A decode load driven from the engine's own thread, and what every load carries while under way.
+"""A decode load driven from the engine's own thread.
 
 A load run as a job on a thread pool needs the interpreter lock from that
 thread at each of its steps (link lookup, posting the READs, the seal READ,
@@ -11,8 +11,9 @@ each TP rank's slice) and returns; each ``get_finished`` polls them without
 blocking, posts the lease seals' READ once they all landed (that order is the
 proof, :mod:`kvbridge.connector.control.seal`), checks the blocks against their
 digests once those arrived (the Digests RPC's answer is taken by gRPC's own
-thread, no thread of ours runs it) and reads the seals' verdict. Anything slow
-or blocking (a new link, the owner path, a retry) stays on the pool.
+thread, no thread of ours runs it) and reads the seals' verdict: the same step
+as a load on the pool, :class:`~kvbridge.connector.load.sealed.SealProof`, polled.
+Anything slow or blocking (a new link, the owner path, a retry) stays on the pool.
 """
 
 from __future__ import annotations
@@ -20,27 +21,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.control.seal import RANKS_AT_ONCE
+from kvbridge.connector.load.attempt import Attempt
 from kvbridge.connector.load.reads import ReadFigures
-from kvbridge.connector.load.verify import Checked, Expected, expect_from, fetch_from_ranks
+from kvbridge.connector.load.sealed import SealProof
+from kvbridge.connector.load.verify import Checked, expect_from, fetch_from_ranks
 from kvbridge.proto.errors import TransferTimeoutError
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.types import BlockId, LeaseId
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
+    from kvbridge.connector.base import BlockLoad
     from kvbridge.connector.config import ConnectorConfig
-    from kvbridge.connector.control.seal_reader import SealCheck, SealReader
+    from kvbridge.connector.control.seal_reader import SealReader
     from kvbridge.connector.load.links import LinkCache, Peer
-    from kvbridge.connector.transport.base import TransferHandle, Transport
+    from kvbridge.connector.transport.base import PeerLink, TransferHandle, Transport
     from kvbridge.proto.layout import KVLayout
 
-__all__ = ["INLINE_LOADS", "SEAL_WAIT_S", "SPIN_S", "Attempt", "InlineLoad", "start_inline"]
+__all__ = ["INLINE_LOADS", "SPIN_S", "Attempt", "InlineLoad", "start_inline"]
 
 log = logging.getLogger(__name__)
 
@@ -49,53 +50,9 @@ INLINE_LOADS = 64
 HELPED_BLOCKS = 16
 """Blocks from which an inline load's check lets a second thread hash a share: below, the
 engine's thread hashes them all (a few µs each) rather than wake one."""
-SEAL_WAIT_S = 0.05
-"""How long a load reads again a seal whose nonce is in no probe slot yet before it asks
-the owner: vLLM's prefill worker makes a lease, and seals it, at the engine step after its
-scheduler's answer named it, and a decode can read before that step ran (an inline load
-reads it again once per ``get_finished``, the pool's every ``SEAL_POLL_S``)."""
 SPIN_S = 1e-4
 """How long one ``get_finished`` may poll READs in flight back to back (for all its loads
 together): one that lands within it is seen now rather than a step later."""
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One load under way: what it reads, and what it holds that a failure must give back."""
-
-    load: BlockLoad
-    t0: float = field(default_factory=time.perf_counter)
-    local: dict[KVGroup, list[BlockId]] = field(init=False)
-    remote: dict[KVGroup, list[BlockId]] = field(init=False)
-    peer: Peer | None = None
-    cached: bool = False
-    """Whether ``peer`` came from the link cache (it may be to a process since restarted)."""
-    link_ms: float = 0.0
-    """How long this load waited for a new link (handshake and warm-up); 0 when cached."""
-    lease: LeaseId | None = None
-    """The lease the owner named for this load: the only lease this load may release (the
-    lease id in the params is a claim, maybe another request's)."""
-    expected: Expected | None = field(init=False)
-    """The digests the blocks must match (None: the load is not verified)."""
-    steps: list[tuple[str, float]] = field(init=False)
-    """``(step, time.perf_counter())`` as the load passed each step (the debug step timing)."""
-
-    def __post_init__(self) -> None:
-        load = self.load
-        self.expected = Expected.of(load)
-        groups = [g for g, ids in load.local_ids.items() if ids]
-        self.local = {g: list(load.local_ids[g]) for g in groups}
-        self.remote = {g: list(load.remote_ids.get(g, ())) for g in groups}
-        self.steps = [("start", self.t0)]
-
-    def mark(self, step: str) -> None:
-        self.steps.append((step, time.perf_counter()))
-
-    def done(self, result: LoadResult) -> LoadResult:
-        """``result`` with this load's link time and steps."""
-        self.mark("verdict")
-        steps = tuple(sorted((*result.steps, *self.steps), key=lambda step: step[1]))
-        return replace(result, link_ms=self.link_ms or result.link_ms, steps=steps)
 
 
 class InlineLoad:
@@ -117,19 +74,20 @@ class InlineLoad:
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._handles: list[TransferHandle] = []
-        self._seal: SealCheck | None = None
-        self._seal_until: float | None = None
         self.reads: list[ReadFigures] | None = None
         """Each READ's figures once all landed: rank after rank, each rank's groups in order."""
-        self.held: list[bool] | None = None
+        self.proof: SealProof | None = None
+        """The seal READ, check and verdict, once every READ landed."""
+
+    @property
+    def held(self) -> list[bool] | None:
         """Each peer's seal verdict, once read."""
-        self.checked: dict[KVGroup, Checked] | None = None
+        return None if self.proof is None else self.proof.held
+
+    @property
+    def checked(self) -> dict[KVGroup, Checked] | None:
         """Each group's digest check (every block good when the load is not verified)."""
-        expected = job.expected
-        self._by_seal = expected is not None and expected.by_seal
-        """The blocks are proved by the seal's content tag (no digests to compare with)."""
-        self._landed: dict[KVGroup, list[bytes]] | None = None
-        """Their digests as they landed, for the tag (``_by_seal``)."""
+        return None if self.proof is None else self.proof.checked
 
     def post(self, transport: Transport) -> None:
         """Post every block READ (raises, with nothing left in flight, if one cannot be)."""
@@ -152,7 +110,6 @@ class InlineLoad:
         back until ``time.perf_counter()`` passes ``spin_until``); True once every READ
         landed, every seal was read and (if they all held) the blocks were checked. Raises
         a READ's error, a digest fetch's, or TransferTimeoutError past the load's deadline."""
-        job = self.job
         if self.reads is None:
             for handle in self._handles:
                 state = _spin(handle, spin_until)
@@ -162,74 +119,12 @@ class InlineLoad:
                     handle.wait(0)  # raises the READ's error
             self.reads = [ReadFigures.of(h) for h in self._handles]
             self._release_reads()
-            job.mark("reads")
-            self._post_seals()  # only now: READ after the blocks landed, they prove them
-        if self.checked is None and self._landed is None and self._ready():
-            self._check()  # while the seal READ is in flight
-        if self.held is None:
-            assert self._seal is not None
-            done = self._seal.poll()
-            while not done and time.perf_counter() < spin_until:
-                done = self._seal.poll()
-            if not done:
-                return self._in_time()
-            if self._by_seal and self._landed is None:
-                self._check()  # the digests of what landed make the tag the slot must hold
-            tag, tagged = self._tag()
-            held, absent = self._seal.verdict(tag, tagged=tagged)
-            self._seal.close()
-            self._seal = None
-            now = time.monotonic()
-            if self._seal_until is None:
-                self._seal_until = now + SEAL_WAIT_S
-            if any(a and not h for a, h in zip(absent, held, strict=True)) and (
-                now < self._seal_until
-            ):
-                self._post_seals()  # not sealed yet: read it again at the next poll
-                return self._in_time()
-            self.held = held
-            job.mark("seal")
-            if self._by_seal and all(held):  # the content tag proved every block
-                self.checked = {g: Checked(len(ids), 0) for g, ids in job.local.items()}
-        if self.checked is None and all(self.held) and not self._by_seal:
-            if not self._ready():
-                return self._in_time()
-            self._check()
-        return True
-
-    def _tag(self) -> tuple[bytes | None, bool]:
-        """What :meth:`SealCheck.verdict` needs: the content tag over what landed, if the
-        load is proved by it."""
-        expected = self.job.expected
-        if not self._by_seal or expected is None or self._landed is None:
-            return None, False
-        return expected.tag(self.job.load, self._layout, self._landed), True
-
-    def _post_seals(self) -> None:
-        job = self.job
-        lease, seal = job.load.lease_id, job.load.seal
-        links = [p.seal_link for p in self.peers if p.seal_link is not None]
-        self._seal = self._seals.post(links, lease, seal, self._timeout_s)
-        if self._seal is None:  # no lease id: no seal can hold
-            self.held = [False] * len(self.peers)
-
-    def _ready(self) -> bool:
-        return self.job.expected is None or self._by_seal or self.job.expected.ready()
-
-    def _check(self) -> None:
-        job, expected = self.job, self.job.expected
-        if self._by_seal:
-            assert expected is not None
-            self._landed = {
-                g: expected.landed(self._layout, g, ids) for g, ids in job.local.items()
-            }
-            job.mark("check")
-            return
-        self.checked = {
-            g: Checked(len(ids), 0) if expected is None else expected.check(self._layout, g, ids)
-            for g, ids in job.local.items()
-        }
-        job.mark("check")
+            self.job.mark("reads")
+            # only now: the seal READ after the blocks landed proves them
+            links: list[PeerLink] = [p.seal_link for p in self.peers]  # type: ignore[misc]
+            self.proof = SealProof(self.job, links, self._seals, self._layout, self._timeout_s)
+        assert self.proof is not None
+        return self.proof.advance(spin_until) or self._in_time()
 
     def _in_time(self) -> bool:
         if time.monotonic() > self._deadline:
@@ -247,9 +142,8 @@ class InlineLoad:
     def close(self) -> None:
         """Release whatever is still in flight (idempotent)."""
         self._release_reads()
-        if self._seal is not None:
-            self._seal.close()
-            self._seal = None
+        if self.proof is not None:
+            self.proof.close()
 
 
 def _spin(handle: TransferHandle, until: float) -> str:

@@ -26,12 +26,8 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.base import BlockLoad, LoadResult
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.seal_reader import SealReader
-from kvbridge.connector.load.inline import (
-    INLINE_LOADS,
-    Attempt,
-    InlineLoad,
-    start_inline,
-)
+from kvbridge.connector.load.attempt import Attempt
+from kvbridge.connector.load.inline import INLINE_LOADS, InlineLoad, start_inline
 from kvbridge.connector.load.links import ClientFactory, LinkCache, Peer
 from kvbridge.connector.load.owner import owner_blocks
 from kvbridge.connector.load.ranks import load_from_ranks, ranks_failed, ranks_proven
@@ -82,7 +78,9 @@ class RemoteLoader:
         self.transport = transport
         self.memory = memory
         self.kv_caches = kv_caches
-        self._seal_reader = SealReader(transport, config.max_concurrent_loads + INLINE_LOADS)
+        self._seal_reader = SealReader(
+            transport, config.max_concurrent_loads + INLINE_LOADS, config.load_timeout_s
+        )
         self._links = LinkCache(
             transport,
             client_factory,

@@ -30,8 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from kvbridge.connector.base import BlockLoad, LoadResult
-from kvbridge.connector.control.seal import SEAL_POLL_S
-from kvbridge.connector.load.inline import SEAL_WAIT_S
+from kvbridge.connector.control.seal import SEAL_WAIT_S
 from kvbridge.connector.load.reads import ReadFigures, ReadRequest
 from kvbridge.connector.load.result import link_suspect, load_result, unverifiable, verdict
 from kvbridge.proto.errors import KVBridgeError, LeaseError
@@ -88,14 +87,16 @@ def load_from_ranks(
         expected = None if expect is None or load.digest_key is None else expect(peers)
         # every rank's slices at once, then (the proof's order) every rank's seal at once
         reads = read([ReadRequest(p.link, g, local[g], remote[g]) for p in peers for g in groups])
-        seal_links = [p.seal_link for p in peers]
-        held = seals.holds_all(seal_links, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
         # a vLLM prefill rank seals its lease an engine step after the id was handed out:
-        # seals that did not hold yet are read again (all ranks') for up to SEAL_WAIT_S
-        late = time.monotonic() + SEAL_WAIT_S
-        while not all(held) and time.monotonic() + SEAL_POLL_S <= late:
-            time.sleep(SEAL_POLL_S)
-            held = seals.holds_all(seal_links, load.lease_id, load.seal, timeout_s)  # type: ignore[arg-type]
+        # a rank that has not sealed it yet is read again for up to SEAL_WAIT_S
+        seal_links = [p.seal_link for p in peers]
+        held = seals.holds_all(
+            seal_links,  # type: ignore[arg-type]
+            load.lease_id,
+            load.seal,
+            timeout_s,
+            wait_s=SEAL_WAIT_S,
+        )
         for peer, ok in zip(peers, held, strict=True):
             if ok:  # proven ours: give it back; the others expire
                 seals.release(peer.seal_link, load.lease_id)  # type: ignore[arg-type]
@@ -143,12 +144,13 @@ def ranks_proven(
 def _merged(reads: Sequence[ReadFigures]) -> ReadFigures:
     """One group's READs from every rank, as one."""
     total = ReadFigures.total(reads)
-    read_ms = total["read_ms"]
+    read_ms, post_ms = total["read_ms"], total["post_ms"]
     return ReadFigures(
         total["bytes_moved"],
         total["descriptors"],
         total["wire_descriptors"],
         None if read_ms is None else read_ms / 1e3,
+        None if post_ms is None else post_ms / 1e3,
     )
 
 

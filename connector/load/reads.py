@@ -38,6 +38,8 @@ class ReadFigures(NamedTuple):
     descriptors: int
     wire_descriptors: int
     backend_s: float | None
+    post_s: float | None = None
+    """Of ``backend_s``, the post (all of it when the READ was done inside its post)."""
 
     @classmethod
     def of(cls, handle: TransferHandle) -> ReadFigures:
@@ -47,18 +49,23 @@ class ReadFigures(NamedTuple):
             handle.num_descriptors,
             handle.num_descriptors if wire is None else wire,
             handle.backend_seconds,
+            handle.backend_post_seconds,
         )
 
     @staticmethod
     def total(reads: Sequence[ReadFigures]) -> dict[str, Any]:
         """``LoadResult`` keyword arguments for ``reads`` together."""
-        times = [r.backend_s for r in reads]
-        known = bool(times) and None not in times
+
+        def ms(times: list[float | None]) -> float | None:
+            known = bool(times) and None not in times
+            return sum(t for t in times if t is not None) * 1e3 if known else None
+
         return {
             "bytes_moved": sum(r.nbytes for r in reads),
             "descriptors": sum(r.descriptors for r in reads),
             "wire_descriptors": sum(r.wire_descriptors for r in reads),
-            "read_ms": sum(t for t in times if t is not None) * 1e3 if known else None,
+            "read_ms": ms([r.backend_s for r in reads]),
+            "post_ms": ms([r.post_s for r in reads]),
         }
 
 

@@ -145,6 +145,13 @@ class TransferHandle(abc.ABC):
         where the backend does not say. NIXL's is what vLLM's NixlConnector reports."""
         return None
 
+    @property
+    def backend_post_seconds(self) -> float | None:
+        """Of :attr:`backend_seconds`, the post itself (all of it when the transfer was done
+        inside its post, as a READ over CMA on one host is); None where the backend does
+        not say."""
+        return None
+
 
 class DeadlineHandle(TransferHandle):
     """What a transport's handles share: their figures, kvbridge's own deadline, ``wait``.
@@ -163,6 +170,7 @@ class DeadlineHandle(TransferHandle):
         self._error: TransferError | None = None
         self._wire_desc: int | None = None
         self._backend_s: float | None = None
+        self._backend_post_s: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +187,10 @@ class DeadlineHandle(TransferHandle):
     @property
     def backend_seconds(self) -> float | None:
         return self._backend_s
+
+    @property
+    def backend_post_seconds(self) -> float | None:
+        return self._backend_post_s
 
     @property
     def error(self) -> TransferError | None:

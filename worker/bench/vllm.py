@@ -6,8 +6,10 @@ Real vLLM (CPU build, ``.venv-vllm``), tiny seeded Llamas and a hybrid Gemma-3-s
 same seeded prompts (short and long interleaved, each its own first block), one at a time:
 prefill with ``max_tokens=1`` and ``do_remote_decode``, decode with its params. Per request
 it records the KV bytes decode read, decode TTFT (timed in the engine), NIXL's telemetry of
-the KV READ (the same span for both), the connector's own transfer figure and end to end;
-it checks decode's first token is prefill's and the KV came over the connector.
+the KV READ (the same span for both), the whole load as the engine saw it (from the
+``start_load_kv`` that started it to the ``get_transfer_results`` that reported it, timed
+the same way for both), the connector's own figure and end to end; it checks decode's
+first token is prefill's and the KV came over the connector.
 Figures: :mod:`kvbridge.worker.bench.vllm_report`.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 from kvbridge.proto.errors import ConfigError
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import print_table, write_json
+from kvbridge.worker.bench.vllm_loads import Loads
 from kvbridge.worker.cli_checks import fixed_port, non_negative_int, positive_int
 
 __all__ = ["MODELS", "add_parser", "run"]
@@ -164,73 +167,7 @@ def _engines(
     return prefill, decode
 
 
-class _Loads:
-    """What the decode's ``stats`` says about the request just served: the connector's
-    transfer time, whether the KV came over it, and why not."""
-
-    def __init__(self) -> None:
-        self.seen: set[str] = set()
-        self.detail: dict[str, Any] = {}
-        """The last request's descriptors (and kvbridge's bytes and load path)."""
-
-    def take(self, stats: dict[str, Any]) -> tuple[float | None, bool, str | None]:
-        self.detail = {}
-        if "loads" in stats:  # kvbridge: one new load result per request
-            new = [v for k, v in stats["loads"].items() if k not in self.seen]
-            self.seen.update(stats["loads"])
-            if len(new) != 1:
-                return None, False, f"{len(new)} new kvbridge load results"
-            self.detail, transfer, loaded, error = self.one(new[0])
-            return transfer, loaded, error
-        durations = stats.get("nixl_transfer_s") or []
-        # NixlConnector's figures are NIXL's telemetry: descriptors after merging, the READ
-        merged = sum(stats.get("nixl_descriptors") or [])
-        self.detail = {
-            "descriptors": merged,
-            "wire_descriptors": merged,
-            "read_ms": 1e3 * sum(durations) if durations else None,
-        }
-        self.detail["bytes"] = sum(stats.get("nixl_bytes") or []) or None
-        if stats.get("nixl_failed"):
-            return None, False, f"{stats['nixl_failed']} NixlConnector failed transfers"
-        if not durations:
-            return None, False, "no NixlConnector transfer reported"
-        return 1e3 * sum(durations), True, None
-
-    @staticmethod
-    def one(load: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool, str | None]:
-        """``(detail, transfer figure, loaded, error)`` of one kvbridge load result."""
-        keys = ("descriptors", "wire_descriptors", "bytes", "path", "read_ms", "link_ms")
-        detail = {k: load.get(k) for k in keys}
-        if load["error"] or not load["moved"]:
-            return detail, load["transfer_ms"], False, load["error"] or "no block moved"
-        return detail, float(load["transfer_ms"]), True, None
-
-    def take_all(self, stats: dict[str, Any], n: int) -> list[dict[str, Any]]:
-        """The ``n`` loads of a burst (in the order the connector reports them, which need
-        not be the prompts' order): their figures, as rows' fields."""
-        if "loads" in stats:
-            new = [v for k, v in stats["loads"].items() if k not in self.seen]
-            self.seen.update(stats["loads"])
-            if len(new) != n:
-                error = f"{len(new)} new kvbridge load results for {n} prompts"
-                return [{"transfer_ms": None, "loaded": False, "error": error}] * n
-            out = []
-            for load in new:
-                detail, transfer, loaded, why = self.one(load)
-                out.append(detail | {"transfer_ms": transfer, "loaded": loaded, "error": why})
-            return out
-        durations = stats.get("nixl_transfer_s") or []
-        if stats.get("nixl_failed") or len(durations) != n:
-            error = f"{len(durations)} NixlConnector transfers, {stats.get('nixl_failed')} failed"
-            return [{"transfer_ms": None, "loaded": False, "error": error}] * n
-        return [
-            {"transfer_ms": 1e3 * d, "read_ms": 1e3 * d, "loaded": True, "error": None}
-            for d in durations
-        ]
-
-
-def _burst(prefill: Any, decode: Any, prompts: list[list[int]], loads: _Loads) -> list[Any]:
+def _burst(prefill: Any, decode: Any, prompts: list[list[int]], loads: Loads) -> list[Any]:
     """``prompts`` at once (one ``generate`` each side): one row per load; decode TTFT and
     end to end are the whole batch's."""
     t0 = time.perf_counter()
@@ -256,7 +193,7 @@ def _burst(prefill: Any, decode: Any, prompts: list[list[int]], loads: _Loads) -
     return rows
 
 
-def _request(prefill: Any, decode: Any, prompt: list[int], loads: _Loads) -> dict[str, Any]:
+def _request(prefill: Any, decode: Any, prompt: list[int], loads: Loads) -> dict[str, Any]:
     t0 = time.perf_counter()
     pre = prefill.generate([prompt], 1, [{"do_remote_decode": True}])
     t1 = time.perf_counter()
@@ -300,7 +237,7 @@ def run_pair(
         decode.wait_ready()
         startup_s = time.perf_counter() - t0
         _say(f"  engines ready in {startup_s:.1f} s; warm-up, then {len(prompts)} requests")
-        loads = _Loads()
+        loads = Loads()
         for i, row in enumerate(_burst(prefill, decode, burst, loads) if burst else []):
             rows.append(where | {"index": i, "prompts": "burst"} | row)
         _request(prefill, decode, warm, loads)
@@ -382,8 +319,9 @@ def run(args: argparse.Namespace) -> int:
     }
     payload = assemble(settings, rounds, requests)
     print_table(table_rows(payload), list(table_rows(payload)[0]) if requests else [])
-    print()
-    print_table(payload["ratios"], ["model", "prompts", "connector", *METRICS])
+    if payload["ratios"]:  # none without NixlConnector in the run
+        print()
+        print_table(payload["ratios"], ["model", "prompts", "connector", *METRICS])
     json_path, png_path = output_paths(args.out)
     print(f"wrote {write_json(json_path, payload)}")
     if box_plot(png_path, payload):

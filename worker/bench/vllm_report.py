@@ -37,14 +37,15 @@ log = logging.getLogger(__name__)
 METRICS = ("decode_ttft_ms", "read_ms", "transfer_ms", "e2e_ms", "bytes")
 """Per request: decode's ``generate`` with ``max_tokens=1`` (transfer + first token, in the
 engine); NIXL's own timing of the KV READ, post to completion (telemetry, the same span for
-both connectors); the connector's own transfer figure (kvbridge: the whole load, link,
-READs, seal check and release; NixlConnector: the same telemetry as ``read_ms``);
+both connectors); the whole load as the engine saw it, the same span for both connectors
+(from the ``start_load_kv`` that started it to the ``get_transfer_results`` that reported it
+received; each row also keeps the connector's own figure as ``connector_ms``);
 prefill + decode as the client saw them; and the KV bytes decode read (kvbridge's load
 report, NixlConnector's ``bytes_transferred``)."""
 BASELINE = "nixl"
 """Ratios are kvbridge's median over this connector's."""
 TAIL_FACTOR = 3.0
-"""A request whose connector transfer figure exceeds this many times its row's median is
+"""A request whose whole load (``transfer_ms``) exceeds this many times its row's median is
 listed under ``tails`` (the warm-up request, which pays the handshake, is never a row)."""
 TABLE = (("decode_ttft_ms", "ttft"), ("read_ms", "read"), ("transfer_ms", "xfer"))
 """The metrics the printed table shows with median, p90 and max."""
@@ -183,7 +184,7 @@ def assemble(
 
 def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Flat rows for :func:`~kvbridge.worker.bench.report.print_table`: median, p90 and max of
-    decode TTFT, the KV READ and the connector's transfer figure, so a tail cannot hide."""
+    decode TTFT, the KV READ and the whole load, so a tail cannot hide."""
     rows = []
     for s in payload["summary"]:
         row = {k: s[k] for k in ("model", "prompts", "connector")} | {"n": s["requests"]}
@@ -199,7 +200,7 @@ def table_rows(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def box_plot(path: Path, payload: Mapping[str, Any]) -> Path | None:
     """Box plots (whiskers p10..p90, log scale) of decode TTFT, NIXL's READ time and the
-    connector's own transfer figure per (model, prompt length), one box per connector;
+    whole load (start_load_kv to reported) per (model, prompt length), one box per connector;
     None when matplotlib is missing."""
     try:
         import matplotlib
@@ -218,7 +219,7 @@ def box_plot(path: Path, payload: Mapping[str, Any]) -> Path | None:
     panels = (
         ("decode_ttft_ms", "decode TTFT"),
         ("read_ms", "KV READ (NIXL telemetry)"),
-        ("transfer_ms", "connector's transfer figure"),
+        ("transfer_ms", "whole load: start_load_kv to reported"),
     )
     for ax, (metric, title) in zip(axes, panels, strict=True):
         for i, conn in enumerate(connectors):

@@ -100,12 +100,47 @@ class Instance:
         self.core = self.llm.llm_engine.engine_core.engine_core
         self.scheduler = self.core.scheduler
         self.nixl_transfer_s: list[float] = []
+        self.nixl_post_s: list[float] = []
         self.nixl_failed = 0
         self.nixl_descriptors: list[int] = []
         self.nixl_bytes: list[int] = []
+        self.load_spans: dict[str, float] = {}
+        """Per request, ms from the ``start_load_kv`` that started its load to the
+        ``get_transfer_results`` that reported it received, timed here the same way for
+        every connector (what a load costs the engine)."""
+        self._load_started: dict[str, float] = {}
         conn = self._worker_connector()
         if conn is not None and not hasattr(conn, "_worker"):
             self._tap_stats(conn)
+        if conn is not None and args.tensor_parallel_size == 1:
+            self._tap_loads(conn)
+
+    def _tap_loads(self, conn: Any) -> None:
+        """Time each load from the engine's side (:attr:`load_spans`): the requests a step's
+        ``start_load_kv`` starts (NixlConnector's ``reqs_to_recv``, kvbridge's loads) until
+        ``get_transfer_results`` names them in ``finished_recving``."""
+        start, results = conn.start_load_kv, conn.get_transfer_results
+
+        def started(*args: Any, **kwargs: Any) -> Any:
+            now = time.perf_counter()
+            meta = conn._get_connector_metadata()
+            rids = list(getattr(meta, "reqs_to_recv", {}))  # NixlConnector
+            step = getattr(meta, "step", None)  # kvbridge
+            rids += [str(load.request_id) for load in getattr(step, "loads", ())]
+            for rid in rids:
+                self._load_started.setdefault(rid, now)
+            return start(*args, **kwargs)
+
+        def reported(*args: Any, **kwargs: Any) -> Any:
+            out = results(*args, **kwargs)
+            now = time.perf_counter()
+            for rid in out.finished_recving or ():
+                t0 = self._load_started.pop(rid, None)
+                if t0 is not None:
+                    self.load_spans[rid] = (now - t0) * 1e3
+            return out
+
+        conn.start_load_kv, conn.get_transfer_results = started, reported
 
     def _tap_stats(self, conn: Any) -> None:
         """Keep a copy of NixlConnector's transfer durations, descriptors, bytes and failed
@@ -116,6 +151,7 @@ class Instance:
             stats = original()
             if stats is not None:
                 self.nixl_transfer_s.extend(stats.data.get("transfer_duration", []))
+                self.nixl_post_s.extend(stats.data.get("post_duration", []))
                 self.nixl_descriptors.extend(stats.data.get("num_descriptors", []))
                 self.nixl_bytes.extend(stats.data.get("bytes_transferred", []))
                 for key in ("num_failed_transfers", "num_failed_handshakes"):
@@ -214,6 +250,8 @@ class Instance:
                     "descriptors": r.descriptors,
                     "wire_descriptors": r.wire_descriptors,
                     "read_ms": r.read_ms,
+                    "post_ms": r.post_ms,
+                    "steps": [(step, (at - r.steps[0][1]) * 1e3) for step, at in r.steps],
                     "link_ms": r.link_ms,
                     "path": r.path,
                     "error": r.error,
@@ -224,9 +262,11 @@ class Instance:
             }
         elif conn is not None:
             out["nixl_transfer_s"], self.nixl_transfer_s = self.nixl_transfer_s, []
+            out["nixl_post_s"], self.nixl_post_s = self.nixl_post_s, []
             out["nixl_failed"], self.nixl_failed = self.nixl_failed, 0
             out["nixl_descriptors"], self.nixl_descriptors = self.nixl_descriptors, []
             out["nixl_bytes"], self.nixl_bytes = self.nixl_bytes, []
+        out["load_spans"], self.load_spans = self.load_spans, {}
         return out
 
     def metrics(self) -> dict[str, Any]:

@@ -217,13 +217,14 @@ class NixlAgent:
             return f"error {exc!r}"
         return status
 
-    def telemetry(self, xfer: Any) -> tuple[float, int] | None:
+    def telemetry(self, xfer: Any) -> tuple[float, int, float] | None:
         """NIXL's own figures of a finished request: ``(seconds from post to completion,
-        descriptors after merging adjacent ones)``; None if NIXL has none."""
+        descriptors after merging adjacent ones, seconds the post itself took)``; the first
+        equals the last when the transfer was done inside its post. None if NIXL has none."""
         try:
             with self.lock:
                 t = self._agent.get_xfer_telemetry(xfer)
-            return t.xferDuration / 1e6, int(t.descCount)
+            return t.xferDuration / 1e6, int(t.descCount), t.postDuration / 1e6
         except Exception as exc:
             log.debug("no NIXL telemetry for a transfer: %r", exc)
             return None

@@ -72,14 +72,16 @@ class NixlTransferHandle(DeadlineHandle):
         with self._agent.lock:
             if self._state != "pending":
                 return self._state
-            if time.monotonic() > self._deadline:
-                self._fail(TransferTimeoutError(f"{self._what} did not finish before its deadline"))
-                return self._state
+            # the state first: a transfer that finished counts as done however late it is
+            # polled (a flush READ left in flight is polled only at the next load); the
+            # deadline fails only one still in flight
             status = self._agent.check(self._xfer)
             if status == "DONE":
                 self._finish()
             elif status != "PROC":
                 self._fail(TransferError(f"{self._what} failed: {status}"))
+            elif time.monotonic() > self._deadline:
+                self._fail(TransferTimeoutError(f"{self._what} did not finish before its deadline"))
             return self._state
 
     def _idle(self, rounds: int) -> None:
@@ -101,7 +103,7 @@ class NixlTransferHandle(DeadlineHandle):
         with self._agent.lock:
             self._state = "done"
             if (figures := self._agent.telemetry(self._xfer)) is not None:
-                self._backend_s, self._wire_desc = figures
+                self._backend_s, self._wire_desc, self._backend_post_s = figures
             self._release_request()
 
     def _fail(self, error: TransferError, *, drop_link: bool = True) -> None:
