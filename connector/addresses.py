@@ -22,8 +22,10 @@ def normalize_address(address: str) -> str:
     if not isinstance(address, str) or not 0 < len(address) <= _MAX_ADDRESS_CHARS:
         raise ValueError(f"address {str(address)[:64]!r} must be 1..{_MAX_ADDRESS_CHARS} chars")
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"address {address[:64]!r} is not HOST:PORT")
+    if not 0 < int(port) <= 65535:
+        raise ValueError(f"address {address[:64]!r} is not HOST:PORT (port 1 to 65535)")
     host = host.lower()
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not bare or any(c.isspace() or c in "/@?#[]" for c in bare):

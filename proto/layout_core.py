@@ -73,10 +73,14 @@ class LayoutCore:
         if self.block_size < 1:
             raise LayoutError(f"block_size must be >= 1, got {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
-            raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+            ranks = f" (ranks are 0 to {self.tp_size - 1})" if self.tp_size > 0 else ""
+            raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}{ranks}")
         if self.model.num_kv_heads % self.tp_size:
+            heads = self.model.num_kv_heads
+            sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
             raise LayoutError(
-                f"{self.model.num_kv_heads} KV heads cannot be split over tp_size {self.tp_size}"
+                f"{heads} KV heads cannot be split over tp_size {self.tp_size}; "
+                f"use a TP size that divides {heads}: {sizes}"
             )
         check_groups_and_layers(self.model.num_layers, self.groups, self.layers)
         if self.one_region and self.order[0] != "L":

@@ -96,7 +96,7 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["serve", "--host", "0.0.0.0", "--role", "prefill"], ["--advertise"]),
     (["serve-control", "--host", "nohost.invalid"], ["--host", "nohost.invalid"]),
     (["layout", "--model", "gpt-9"], ["--model", "gpt-9"]),
-    (["serve", "--offload", "nodaemon"], ["--offload", "host:port"]),
+    (["serve", "--offload", "nodaemon"], ["--offload", "HOST:PORT"]),
     (["serve", "--advertise", "nohost"], ["--advertise", "HOST:PORT"]),
     (["serve", "--allow-peer", "nohost"], ["nohost", "HOST:PORT"]),
     (["serve", "--lease-ttl", "-1"], ["--lease-ttl"]),
@@ -159,6 +159,33 @@ CASES: list[tuple[list[str], list[str]]] = [
     (["bench", "prefill-skip", "--layers", "-2"], ["--layers", "at least 1"]),
     (["bench", "vllm", "--rounds", "0"], ["--rounds", "at least 1"]),
     (["bench", "vllm", "--port", "70000"], ["--port", "70000"]),
+    # a newcomer's mistakes: ports, addresses, tokens, model names, TP sizes, devices
+    (["bench", "vllm", "--port", "0"], ["--port", "'0'", "1024 to 65535"]),
+    (["bench", "vllm", "--port", "65530"], ["--port 65530", "--port 65499 or lower"]),
+    (["layout", "--tp-size", "3"], ["--tp-size 3", "divides 8: 1, 2, 4, 8"]),
+    (["serve-control", "--tp-rank", "2", "--tp-size", "2"], ["--tp-rank 2", "--tp-size 2"]),
+    (["offload", "serve", "--model", "llama3-8b", "--tp-size", "3"], ["--tp-size 3"]),
+    (["demo", "--model", "tny"], ["--model 'tny'", "tiny, small"]),
+    (["soak", "--model", "llama3-8b"], ["--model 'llama3-8b'", "tiny, small"]),
+    (["soak", "--nodes", "2,0"], ["--nodes 2,0", "at least 1"]),
+    (["serve", "--token", ""], ["--token is empty", "leave it out"]),
+    (["serve-control", "--token", " "], ["--token is empty"]),
+    (["serve-control", "--token", "abc "], ["--token", "spaces"]),
+    (["offload", "serve", "--token", "t\u00f6ken"], ["--token", "printable ASCII"]),
+    (["serve", "--token-file", "{dir}"], ["--token-file", "Is a directory"]),
+    (["serve", "--role", "prefill", "--advertise", "127.0.0.1:99999"], ["--advertise", "65535"]),
+    (["serve", "--offload", "127.0.0.1:99999"], ["--offload '127.0.0.1:99999'", "HOST:PORT"]),
+    (["serve", "--offload", ":5000"], ["--offload ':5000'", "HOST:PORT"]),
+    (["serve", "--allow-peer", "127.0.0.1:0"], ["127.0.0.1:0", "port 1 to 65535"]),
+    (["serve", "--device", "cuda:99"], ["--device cuda:99", "--device cpu"]),
+    (["demo", "--device", "gpu"], ["--device 'gpu'", "cpu, cuda or cuda:N"]),
+    (["demo", "--offload-disk", "{dir}"], ["--offload-disk needs --offload"]),
+    (["demo", "--offload", "--offload-capacity", "lots"], ["--offload-capacity 'lots'"]),
+    (["demo", "--offload", "--offload-restart"], ["--offload-restart needs --offload-disk"]),
+    (
+        ["offload", "serve", "--disk", "{dir}", "--disk-capacity", "-1GiB"],
+        ["--disk-capacity '-1GiB' is negative"],
+    ),
     (["offload"], ["kvbridge offload:", "required"]),
     (["offload", "serve", "--bogus"], ["kvbridge offload serve:", "--bogus"]),
     (["bench", "vllm", "--bogus"], ["kvbridge bench vllm:", "--bogus"]),
@@ -267,3 +294,50 @@ def test_files_are_read_relative_to_the_cwd(tmp_path: Path) -> None:
         timeout=90,
     )
     assert out.returncode == 2 and "--token-file 'token' is empty" in out.stderr, out
+
+
+def test_an_empty_token_in_the_environment_is_refused(tmp_path: Path) -> None:
+    env = {**os.environ, "KVBRIDGE_TOKEN": ""}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge.worker.cli", "serve-control"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=90,
+    )
+    assert out.returncode == 2, out
+    assert "$KVBRIDGE_TOKEN is empty" in out.stderr and "Traceback" not in out.stderr, out
+
+
+@pytest.mark.parametrize(("mode", "warned"), [(0o644, True), (0o640, True), (0o600, False)])
+def test_a_token_file_other_users_can_read_is_warned_about(
+    tmp_path: Path, files: dict[str, str], mode: int, warned: bool
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(mode)
+    # the token file is read, then the lone --tls-cert stops the command before any server
+    out = kvbridge("serve-control", "--token-file", str(token), "--tls-cert", files["fake-pem"])
+    assert out.returncode == 2 and "--tls-cert and --tls-key go together" in out.stderr, out
+    assert ("chmod 600" in out.stderr) is warned, out.stderr
+    if warned:
+        assert f"(mode {mode:04o})" in out.stderr and "s3cret" not in out.stderr, out.stderr
+
+
+def test_every_option_of_the_serving_commands_says_what_it_does() -> None:
+    """``--help`` of the commands a newcomer starts with explains every option (benchmarks
+    other than ``bench vllm`` aside: their sweep flags are for whoever tunes them)."""
+    import argparse
+
+    from kvbridge.worker.cli import build_parser
+
+    def bare(parser: argparse.ArgumentParser, name: str) -> Iterator[str]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    if name != "kvbridge bench" or sub == "vllm":
+                        yield from bare(child, f"{name} {sub}")
+            elif action.option_strings and not action.help:
+                yield f"{name} {action.option_strings[0]}"
+
+    assert list(bare(build_parser(), "kvbridge")) == []

@@ -57,7 +57,8 @@ def test_bench_transfer_on_cuda_is_refused_without_a_gpu(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     assert main(["bench", "transfer", "--reader-device", "cuda", "--quick"]) == 2
-    assert "needs a CUDA device" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "kvbridge bench transfer: error: --reader-device cuda needs a CUDA device" in err
 
 
 def test_the_reference_copy_of_the_transfer_bench_runs_on_the_host() -> None:

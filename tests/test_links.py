@@ -7,6 +7,7 @@ counts links, since the peers here have no KV memory to connect to.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -353,3 +354,28 @@ def test_an_allowed_peer_that_refuses_at_first_is_tried_again_and_linked_before_
     assert counter.connected == ["prefill-a"]
     _, cached = cache.get(a.load())
     assert cached and a.handshakes == 3  # refused, then one to learn the engine, one to link
+
+
+def test_an_allowed_peer_that_never_answers_is_named_in_one_warning_when_the_tries_end(
+    links: tuple[LinkCache, LinkCounter],
+    prefills: dict[str, Prefill],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvbridge.connector.load import links as links_module
+
+    cache, counter = links
+    a = prefills["prefill-a"]
+    a.refuse = 10**6  # a peer that is up but refuses every handshake
+    monkeypatch.setattr(links_module, "EARLY_LINK_TRIES", 2)
+    with caplog.at_level(logging.INFO, logger=links_module.__name__):
+        cache.connect_address(a.server.address, lambda tp_size: [0])
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline and not any(
+            r.levelno == logging.WARNING for r in caplog.records
+        ):
+            time.sleep(0.01)
+    assert a.handshakes == 2
+    levels = [r.levelno for r in caplog.records if a.server.address in r.getMessage()]
+    assert levels == [logging.INFO, logging.WARNING], caplog.text
+    assert counter.connected == []

@@ -52,10 +52,12 @@ def test_missing_or_half_given_files_are_config_errors_naming_the_flag(
 
 
 def test_only_an_unguarded_non_loopback_listener_is_warned_about(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = logging.getLogger("kvbridge.test.server_auth")
-    open_auth = read_auth(parse("offload", "serve", "--token", ""))
+    monkeypatch.delenv("KVBRIDGE_TOKEN", raising=False)
+    open_auth = read_auth(parse("offload", "serve"))
+    assert open_auth.token is None
     guarded = read_auth(parse("offload", "serve", "--token", "t", "--insecure-plaintext-token"))
     with caplog.at_level(logging.WARNING, logger=log.name):
         warn_if_open(log, "127.0.0.1", open_auth, "store and load blocks")

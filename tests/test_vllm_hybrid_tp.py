@@ -40,7 +40,7 @@ from tests.harness.vllm import (
     write_tiny_model,
 )
 
-# six TP engines per model (~15 min each on 2 cores): out of the default CI run
+# six TP engines per model (~6 min each on 2 loaded cores): out of the default CI run
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(2400)]
 
 PROMPTS = [[5, *range(10, 100), 7 + i] for i in range(2)]  # 92 tokens: 2 full blocks + 28

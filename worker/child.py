@@ -66,6 +66,11 @@ READY_ENV = "KVBRIDGE_READY_TIMEOUT_S"
 EXIT_POLL_S = 0.25
 """How often a wait for the ready line checks whether the child has exited."""
 
+KILL_WAIT_S = 60.0
+"""How long a SIGKILLed child may take to be gone: tearing down a big address space (a vLLM
+engine with its KV cache and registered memory) took over 20 s on a 2-core machine short of
+memory."""
+
 
 class LaunchError(KVBridgeError, RuntimeError):
     """A child process exited, stayed silent or said something malformed before it was
@@ -298,7 +303,7 @@ class ChildProcess(Closing):
                 self.proc.kill()
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=20)
+        self.proc.wait(timeout=KILL_WAIT_S)
 
     def close(self, grace_s: float = 10.0) -> None:
         """SIGTERM, up to ``grace_s`` to exit, then SIGKILL; close pipes, log and reader

@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("layout", help="print a model's KV block byte math")
     p.add_argument(
-        "--model", "--preset", dest="preset", default="llama3-8b", choices=sorted(PRESETS)
+        "--model",
+        "--preset",
+        dest="preset",
+        default="llama3-8b",
+        choices=sorted(PRESETS),
+        help="model name (default llama3-8b)",
     )
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
@@ -199,9 +204,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         if args.verbose:
             traceback.print_exc()
+        message = _with_flag_names(message, _chosen(parser, args))
         print(f"{program}: error: {message}", file=sys.stderr)
         return 2
     return code
+
+
+def _with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
+    """A config field named in an error (``tp_size 3``) as the flag of this command that sets
+    it (``--tp-size 3``): only fields whose name has an underscore (never an English word),
+    never after a ``.`` (``OffloadLookupConfig.tp_size`` is another object's field)."""
+    import re
+
+    for action in parser._actions:
+        flag = "--" + action.dest.replace("_", "-")  # not --no-verify-loads for verify_loads
+        if "_" in action.dest and flag in action.option_strings:
+            message = re.sub(rf"(?<![\w.-]){action.dest}(?!\w)", flag, message)
+    return message
 
 
 def _user_error(exc: BaseException) -> str | None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
+    "fixed_port",
     "int_at_least",
     "merge_negative_values",
     "non_negative_float",
@@ -83,6 +84,18 @@ def port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 picks a free one, max 65535)")
+    return value
+
+
+def fixed_port(text: str) -> int:
+    """An argparse type: a TCP port a command hands on to processes it starts, 1024 to 65535
+    (no 0: those processes need the number before they listen)."""
+    value = _int(text)
+    if not 1024 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a port it can use: give one from 1024 to 65535 "
+            "(0 does not apply: the engines are told their ports before they start)"
+        )
     return value
 
 

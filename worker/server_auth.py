@@ -28,6 +28,7 @@ __all__ = [
     "ServerAuth",
     "add_auth_arguments",
     "add_plaintext_argument",
+    "check_token",
     "read_auth",
     "read_token_file",
     "warn_if_open",
@@ -104,6 +105,8 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
     token = args.token
     if args.token_file is not None:
         token = read_token_file(args.token_file)
+    elif token is not None:
+        check_token(token, from_env=token == os.environ.get("KVBRIDGE_TOKEN"))
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together")
     cert = None if args.tls_cert is None else _read(args.tls_cert, "--tls-cert")
@@ -120,6 +123,28 @@ def read_auth(args: argparse.Namespace) -> ServerAuth:
         tls_root_cert=roots,
         insecure_plaintext_token=bool(getattr(args, "insecure_plaintext_token", False)),
     )
+
+
+def check_token(token: str, *, from_env: bool = False) -> None:
+    """ConfigError naming ``--token`` (or ``$KVBRIDGE_TOKEN``) unless ``token`` can be a
+    token: not empty (an empty one would leave the ports open while the operator believes
+    them guarded), no spaces at its ends (a token file's line is stripped, so peers reading
+    the same token from a file would not match), printable ASCII (it travels as metadata)."""
+    from kvbridge.proto.errors import ConfigError
+
+    where = "$KVBRIDGE_TOKEN" if from_env else "--token"
+    if not token.strip():
+        raise ConfigError(
+            f"{where} is empty: give the token, or leave it out to run without one"
+            + (" (unset $KVBRIDGE_TOKEN)" if from_env else "")
+        )
+    if token != token.strip():
+        raise ConfigError(
+            f"{where} has spaces at its start or end: remove them (a --token-file line is "
+            "stripped, so a peer reading the same token from a file would not match)"
+        )
+    if not (token.isascii() and token.isprintable()):
+        raise ConfigError(f"{where}: a token must be printable ASCII (it travels as gRPC metadata)")
 
 
 def warn_if_open(log: logging.Logger, host: str, auth: ServerAuth, exposes: str) -> None:
@@ -177,7 +202,23 @@ def read_token_file(path: Path, flag: str = "--token-file") -> str:
             f"{where} is empty (no token line): write the token into it, or leave the "
             "flag out to run without one"
         )
+    _warn_if_others_can_read(path, where)
     return tokens[0] if len(tokens) == 1 else TokenSet(tokens)
+
+
+def _warn_if_others_can_read(path: Path, where: str) -> None:
+    """One warning when users other than the owner may read or write the token file."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        logging.getLogger(__name__).warning(
+            "%s can be read by other users (mode %04o): anyone who reads it is a full "
+            "member of the deployment; run chmod 600 on it",
+            where,
+            mode,
+        )
 
 
 def _read(path: Path, flag: str) -> bytes:

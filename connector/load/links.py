@@ -67,6 +67,7 @@ ClientFactory = Callable[[str, int], "ControlClient"]
 
 EARLY_LINK_TRIES = 20
 """Handshakes tried with a peer named at start (pauses 0.5 s doubling to 5 s: ~1.5 min)."""
+_NO_LINK = "no link to allowed peer %s yet (try %d; loads naming it recompute meanwhile): %s"
 HANDSHAKE_STEP = "the handshake RPC (dial included)"
 STAGING_BLOCKS = 256
 """Blocks of a REARRANGE staging cache (per remote order); a load needing more recomputes."""
@@ -189,8 +190,9 @@ class LinkCache:
                     client.close()
                 break
             except Exception as exc:  # not up yet, refused, ...
-                log.info("no early link to %s yet (try %d): %s", address, attempt, exc)
-                if attempt == EARLY_LINK_TRIES or self._stop.wait(pause):
+                last = attempt == EARLY_LINK_TRIES  # then a load naming it links again
+                log.log(logging.WARNING if last else logging.INFO, _NO_LINK, address, attempt, exc)
+                if last or self._stop.wait(pause):
                     return
                 pause = min(2 * pause, 5.0)
         size = hs.peer.layout.tp_size

@@ -278,8 +278,13 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("bench transfer: --target-device/--reader-device cuda needs a CUDA device")
-            return 2
+            flags = [f"--{side}-device cuda" for side in ("target", "reader")]
+            sides = (args.target_device, args.reader_device)
+            given = [f for f, device in zip(flags, sides, strict=True) if device != "cpu"]
+            raise KVBridgeError(
+                f"{' '.join(given)} needs a CUDA device, and this torch ({torch.__version__}) "
+                f"sees none; leave {'them' if len(given) > 1 else 'it'} out (cpu) here"
+            )
     if args.quick:
         args.transports = ["default"]
         args.mib = min(args.mib, 32)

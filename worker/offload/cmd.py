@@ -72,7 +72,7 @@ def parse_bytes(text: str, flag: str = "--capacity") -> int:
     from kvbridge.proto.errors import ConfigError
 
     if text.strip().startswith("-"):
-        raise ConfigError(f"--capacity {text!r} is negative: give the pool size, e.g. 8GiB")
+        raise ConfigError(f"{flag} {text!r} is negative: give a size, e.g. 8GiB")
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:

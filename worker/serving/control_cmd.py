@@ -37,7 +37,12 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         "empty block pool: checks addresses, tokens, TLS and layout compatibility.",
     )
     p.add_argument(
-        "--model", "--preset", dest="preset", default="tiny", choices=sorted(PRESETS), help="model"
+        "--model",
+        "--preset",
+        dest="preset",
+        default="tiny",
+        choices=sorted(PRESETS),
+        help="model whose KV layout the pool has (default tiny)",
     )
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
@@ -46,9 +51,21 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         "--num-blocks", type=positive_int, default=1024, help="blocks per group (default 1024)"
     )
     p.add_argument("--order", default="block-nhd", help=f"physical order: {', '.join(ORDERS)}")
-    p.add_argument("--tp-rank", type=non_negative_int, default=0)
-    p.add_argument("--tp-size", type=positive_int, default=1)
-    p.add_argument("--role", default="prefill", choices=["prefill", "decode", "both", "offload"])
+    p.add_argument(
+        "--tp-rank", type=non_negative_int, default=0, help="this rank, below --tp-size (default 0)"
+    )
+    p.add_argument(
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size; divides the model's KV heads (default 1)",
+    )
+    p.add_argument(
+        "--role",
+        default="prefill",
+        choices=["prefill", "decode", "both", "offload"],
+        help="the role peers see in the handshake (default prefill)",
+    )
     p.add_argument("--engine-id", help="unique id of this process (default: HOST-PID)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")

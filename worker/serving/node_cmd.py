@@ -29,6 +29,7 @@ __all__ = [
     "engine_config_from_args",
     "engine_model_flags",
     "add_security_arguments",
+    "check_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def engine_config_from_args(args: argparse.Namespace, order: str | None = None) 
     from kvbridge.proto.errors import ConfigError
     from kvbridge.worker.engine import EngineConfig
 
+    check_device(getattr(args, "device", "cpu"))
     overrides: dict[str, object] = {}
     share_last = getattr(args, "share_last", None)
     share_every = getattr(args, "share_every", None)
@@ -117,6 +119,26 @@ def engine_config_from_args(args: argparse.Namespace, order: str | None = None) 
         raise ConfigError(_flag_names(str(exc))) from None
 
 
+def check_device(device: str) -> None:
+    """ConfigError naming ``--device`` unless this machine's torch can use ``device``."""
+    from kvbridge.proto.errors import ConfigError
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ConfigError(f"--device {device!r} must be cpu, cuda or cuda:N")
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        seen = f"{count} CUDA device(s)" if count else "no CUDA device"
+        raise ConfigError(
+            f"--device {device}: this torch ({torch.__version__}) sees {seen}; use --device "
+            "cpu, or a CUDA build of torch on a machine with a GPU"
+        )
+
+
 _FLAGS = ("block_size", "num_blocks", "seed", "share_last", "share_every", "order")
 
 
@@ -126,7 +148,8 @@ def _flag_names(message: str) -> str:
         flag = "--" + name.replace("_", "-")
         message = re.sub(rf"\b(?:EngineConfig\.)?{name}=", f"{flag} ", message)
         message = re.sub(rf"\bEngineConfig\.{name}\b", flag, message)
-    return message.replace("EngineConfig: ", "").replace("EngineConfig.", "")
+    message = message.replace("EngineConfig: ", "").replace("EngineConfig.", "")
+    return re.sub(r"^model (?=')", "--model ", message)  # EngineConfig.preset's unknown name
 
 
 def engine_model_flags(args: argparse.Namespace) -> list[str]:
@@ -166,7 +189,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Run one serving node: the reference engine with kvbridge's connector, a "
         "PeerControl server for peers and an Inference server for the router.",
     )
-    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument(
+        "--role",
+        choices=["prefill", "decode", "both"],
+        default="both",
+        help="prefill hands its prompts' KV to decode nodes, decode loads it, both (default) "
+        "does either",
+    )
     p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
@@ -175,6 +204,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--advertise",
         default="",
+        metavar="HOST:PORT",
         help="host:port peers use for PeerControl (default: the listening address)",
     )
     add_security_arguments(p)
@@ -196,7 +226,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=0.0,
         help="test hook: decode sleeps this long before each READ (default 0)",
     )
-    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--on-load-error",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
     p.add_argument(
         "--no-verify-loads",
         dest="verify_loads",
@@ -261,6 +296,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(message) from None
 
 
+def _check_address(flag: str, address: str, what: str) -> None:
+    """ConfigError naming ``flag`` unless ``address`` (when given) is ``HOST:PORT``."""
+    from kvbridge.connector.addresses import normalize_address
+    from kvbridge.proto.errors import ConfigError
+
+    if not address:
+        return
+    try:
+        normalize_address(address)
+    except ValueError:
+        raise ConfigError(
+            f"{flag} {address!r} must be HOST:PORT with a port from 1 to 65535 ({what})"
+        ) from None
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
@@ -278,13 +328,10 @@ def _run(args: argparse.Namespace) -> int:
             "that address: pass --advertise HOST:PORT (this node's reachable address and its "
             "--control-port) so decode nodes can reach its control server"
         )
-    if args.advertise and not re.fullmatch(r".+:\d{1,5}", args.advertise):
-        from kvbridge.proto.errors import ConfigError
-
-        raise ConfigError(
-            f"--advertise {args.advertise!r} must be HOST:PORT (this node's reachable address "
-            "and its --control-port)"
-        )
+    _check_address(
+        "--advertise", args.advertise, "this node's reachable address and its --control-port"
+    )
+    _check_address("--offload", args.offload, "the address kvbridge offload serve listens on")
     security = read_auth(args)
     warn_if_open(log, args.host, security, "generate, pin blocks and read KV")
     config = NodeConfig(

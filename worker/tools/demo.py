@@ -72,7 +72,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--max-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
     )
-    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
+    p.add_argument(
+        "--on-load-error",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
     p.add_argument(
         "--clips",
         type=positive_int,
@@ -106,7 +111,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="with --offload-disk: SIGKILL the daemon after the first pass and start it again "
         "on the same port and disk, so the second pass loads what its disk held",
     )
-    p.add_argument("--startup-timeout", type=positive_float, default=90.0)
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=90.0,
+        help="seconds each process may take to start (default 90)",
+    )
     p.set_defaults(func=run)
 
 
@@ -166,9 +176,27 @@ def reference_outputs(
     ]
 
 
+def check_offload_flags(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag for an ``--offload-*`` flag without ``--offload`` (it would
+    be ignored) or a size the daemon would refuse, before the reference run and the nodes."""
+    from kvbridge.proto.errors import ConfigError
+    from kvbridge.worker.offload.cmd import parse_bytes
+
+    flags = {"capacity": "256MiB", "disk": None, "disk_capacity": "1GiB", "restart": False}
+    given = [k for k, default in flags.items() if getattr(args, f"offload_{k}") != default]
+    if given and not args.offload:
+        flag = "--offload-" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} needs --offload (the daemon it configures); add --offload")
+    if args.offload_restart and args.offload_disk is None:
+        raise ConfigError("--offload-restart needs --offload-disk (the state that survives)")
+    parse_bytes(args.offload_capacity, "--offload-capacity")
+    parse_bytes(args.offload_disk_capacity, "--offload-disk-capacity")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.serving.router import EngineClient, Router
 
+    check_offload_flags(args)
     config: Any = engine_config_from_args(args)
     prompts = make_workload(
         args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed

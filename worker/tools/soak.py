@@ -85,8 +85,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--max-tokens", type=int_at_least(2), default=4, help="tokens per request (default 4)"
     )
     p.add_argument("--no-offload", action="store_true", help="run without an offload daemon")
-    p.add_argument("--on-load-error", choices=["recompute", "fail"], default="recompute")
-    p.add_argument("--startup-timeout", type=positive_float, default=120.0)
+    p.add_argument(
+        "--on-load-error",
+        choices=["recompute", "fail"],
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=positive_float,
+        default=120.0,
+        help="seconds each process may take to start (default 120)",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the JSON summary here")
     p.set_defaults(func=run)
 
@@ -98,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         counts = []
     if len(counts) not in (1, 2):
         raise ConfigError(f"--nodes takes P,D or one count, got {args.nodes!r}")
+    if min(counts) < 1:
+        raise ConfigError(f"--nodes {args.nodes}: every count must be at least 1, e.g. 2,2")
     config = SoakConfig(
         duration_s=args.duration,
         seed=args.seed,
