@@ -24,6 +24,7 @@ from kvbridge.proto.specs import (
     KVGroup,
     LayerSpec,
     ModelSpec,
+    PageShape,
     Region,
     Span,
     check_groups_and_layers,
@@ -83,6 +84,8 @@ class LayoutCore:
                 f"use a TP size that divides {heads}: {sizes}"
             )
         check_groups_and_layers(self.model.num_layers, self.groups, self.layers)
+        for g in self.groups:
+            self._check_page(g.name, g.page)
         if self.one_region and self.order[0] != "L":
             raise LayoutError(
                 f"one_region applies to layer-outermost orders only, got {' '.join(self.order)}"
@@ -90,7 +93,44 @@ class LayoutCore:
         if self.regions and len(self.regions) != self.num_regions:
             raise LayoutError(f"{len(self.regions)} regions given, layout has {self.num_regions}")
 
+    def _check_page(self, group: KVGroup, page: PageShape | None) -> None:
+        if page is None:
+            return
+        if group == KVGroup.SELF:
+            raise LayoutError(
+                "group 'self' has the layout's own page shape (block_size and model); "
+                "give a page shape only to a further group"
+            )
+        if page == self.own_page:
+            raise LayoutError(
+                f"group {group!r} is given the layout's own page shape ({page.describe()}); "
+                "give None instead"
+            )
+        if page.num_kv_heads % self.tp_size:
+            raise LayoutError(
+                f"group {group!r}: {page.num_kv_heads} KV heads cannot be split over tp_size "
+                f"{self.tp_size}; use a TP size that divides {page.num_kv_heads}"
+            )
+
     # ----- structure ---------------------------------------------------------------------
+    @property
+    def own_page(self) -> PageShape:
+        """The layout's own page shape (``self``'s, and any group's without one)."""
+        return PageShape(self.block_size, self.model.num_kv_heads, self.model.head_size)
+
+    def page(self, group: KVGroup) -> PageShape:
+        """The page shape of ``group``: its own where it has one, else the layout's."""
+        key = f"page:{group}"
+        if key not in self._cache:
+            self._cache[key] = self.group(group).page or self.own_page
+        page: PageShape = self._cache[key]
+        return page
+
+    @property
+    def uniform_pages(self) -> bool:
+        """Every group has the layout's page shape (no group gives one of its own)."""
+        return all(g.page is None for g in self.groups)
+
     @property
     def num_heads(self) -> int:
         """KV heads held by this TP rank (the ``H`` dimension)."""
@@ -136,14 +176,15 @@ class LayoutCore:
         return result
 
     def sizes(self, group: KVGroup) -> dict[str, int]:
-        """Size of each logical dimension in ``group``."""
+        """Size of each logical dimension in ``group`` (its own page shape, if any)."""
+        page = self.page(group)
         return {
             "B": self.group(group).num_blocks,
             "L": len(self.owning_layers(group)),
             "KV": 2,
-            "N": self.block_size,
-            "H": self.num_heads,
-            "C": self.model.head_size,
+            "N": page.block_size,
+            "H": page.num_kv_heads // self.tp_size,
+            "C": page.head_size,
         }
 
     def strides(self, group: KVGroup) -> dict[str, int]:
@@ -159,12 +200,18 @@ class LayoutCore:
     # ----- byte math ---------------------------------------------------------------------
     @property
     def span_bytes(self) -> int:
-        """Bytes of one (layer, K/V) span of one block: ``N * H * C * dtype``."""
+        """Bytes of one (layer, K/V) span of one block of ``self`` (of every group unless
+        :attr:`uniform_pages` is False): ``N * H * C * dtype``."""
         return self.block_size * self.num_heads * self.model.head_size * self.model.dtype_bytes
+
+    def group_span_bytes(self, group: KVGroup) -> int:
+        """Bytes of one (layer, K/V) span of one block of ``group``, in its page shape."""
+        sizes = self.sizes(group)
+        return sizes["N"] * sizes["H"] * sizes["C"] * self.model.dtype_bytes
 
     def block_bytes(self, group: KVGroup = KVGroup.SELF) -> int:
         """Bytes of one block of ``group`` across all its owning layers and K/V."""
-        return 2 * len(self.owning_layers(group)) * self.span_bytes
+        return 2 * len(self.owning_layers(group)) * self.group_span_bytes(group)
 
     def descriptors_per_block(self, group: KVGroup = KVGroup.SELF) -> int:
         return 1 if self.block_outermost else 2 * len(self.owning_layers(group))
@@ -219,6 +266,7 @@ class LayoutCore:
         if self.block_outermost:
             return [Span(regions.start, block_id * st["B"], st["B"])]
         n_layers = len(self.owning_layers(group))
+        span = self.group_span_bytes(group)
         spans = []
         for li in range(n_layers):
             if self.layer_separate:
@@ -226,9 +274,7 @@ class LayoutCore:
             else:
                 region, base = regions.start, li * st["L"]
             for kv in (0, 1):
-                spans.append(
-                    Span(region, base + block_id * st["B"] + kv * st["KV"], self.span_bytes)
-                )
+                spans.append(Span(region, base + block_id * st["B"] + kv * st["KV"], span))
         return spans
 
     def iter_spans(self, group: KVGroup, block_ids: Sequence[int]) -> Iterator[Span]:
@@ -237,14 +283,23 @@ class LayoutCore:
 
     # ----- identity ---------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
-        """The fields two peers must agree on to exchange blocks at all."""
-        return {
+        """The fields two peers must agree on to exchange blocks at all. ``pages`` (each
+        group's own page shape) only where a group has one: a layout of uniform pages keeps
+        the identity, fingerprint and block names it always had."""
+        out: dict[str, Any] = {
             "model": model_dict(self.model),
             "block_size": self.block_size,
             "groups": [g.name for g in self.groups],
             "layers": [[x.name, x.group, x.kv_source] for x in self.layers],
             "tp_size": self.tp_size,
         }
+        if not self.uniform_pages:
+            out["pages"] = {
+                str(g.name): [g.page.block_size, g.page.num_kv_heads, g.page.head_size]
+                for g in self.groups
+                if g.page is not None
+            }
+        return out
 
     def fingerprint(self) -> bytes:
         """SHA-256 over :meth:`identity`; roots block hashes so other models never match."""
@@ -259,7 +314,9 @@ class LayoutCore:
 
     def with_num_blocks(self, /, **num_blocks: int) -> Self:
         """A copy with other block counts per group, e.g. ``with_num_blocks(self=128)``."""
-        groups = tuple(GroupSpec(g.name, num_blocks.get(g.name, g.num_blocks)) for g in self.groups)
+        groups = tuple(
+            replace(g, num_blocks=num_blocks.get(g.name, g.num_blocks)) for g in self.groups
+        )
         return replace(self, groups=groups, regions=())
 
     def with_order(self, order: str | Sequence[str], *, one_region: bool = False) -> Self:
@@ -279,6 +336,7 @@ class LayoutCore:
             lines.append(
                 f"  group {g.name}: {g.num_blocks} blocks, {own} owning layers"
                 + (f" (+{shared} sharing KV, never moved)" if shared else "")
+                + (f", pages of {g.page.describe()}" if g.page is not None else "")
                 + f", block {_human(self.block_bytes(g.name))}"
                 f" = {self.descriptors_per_block(g.name)} descriptor(s) of "
                 f"{_human(self.block_bytes(g.name) // self.descriptors_per_block(g.name))},"

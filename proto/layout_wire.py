@@ -16,7 +16,7 @@ from typing import TypeVar
 from kvbridge.proto import codec
 from kvbridge.proto.errors import WireError
 from kvbridge.proto.layout_core import LayoutCore
-from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, Region, parse_group
+from kvbridge.proto.specs import GroupSpec, LayerSpec, ModelSpec, PageShape, Region, parse_group
 
 __all__ = ["layout_from_bytes", "layout_to_bytes"]
 
@@ -51,8 +51,10 @@ def layout_from_bytes(cls: type[L], data: bytes, *, max_bytes: int = codec.MAX_M
         counts = codec.take(body, "num_blocks", list)
         if len(names) != len(counts):
             raise WireError("groups and num_blocks differ in length")
+        pages = _pages(body.get("pages", {}), names)
         groups = tuple(
-            GroupSpec(parse_group(_str(n)), _int(c)) for n, c in zip(names, counts, strict=True)
+            GroupSpec(parse_group(_str(n)), _int(c), pages.get(n))
+            for n, c in zip(names, counts, strict=True)
         )
         layers = []
         for item in codec.take(body, "layers", list):
@@ -82,6 +84,21 @@ def layout_from_bytes(cls: type[L], data: bytes, *, max_bytes: int = codec.MAX_M
         )
     except TypeError as exc:
         raise WireError(f"KVLayout: {exc}") from None
+
+
+def _pages(raw: object, names: list[object]) -> dict[object, PageShape]:
+    """The ``pages`` field: each group's own page shape, ``{group: [block size, KV heads,
+    head size]}``, for groups of ``names`` only."""
+    if not isinstance(raw, dict):
+        raise WireError(f"pages must be a map, got {type(raw).__name__}")
+    out = {}
+    for name, shape in raw.items():
+        if name not in names:
+            raise WireError(f"pages names group {name!r}, which the layout does not have")
+        if not isinstance(shape, list) or len(shape) != 3:
+            raise WireError("each page shape must be [block_size, num_kv_heads, head_size]")
+        out[name] = PageShape(_int(shape[0]), _int(shape[1]), _int(shape[2]))
+    return out
 
 
 def _str(v: object) -> str:

@@ -25,6 +25,7 @@ from kvbridge.proto.errors import IncompatibleLayoutError
 
 if TYPE_CHECKING:
     from kvbridge.proto.layout_core import LayoutCore
+    from kvbridge.proto.specs import KVGroup
 
 __all__ = [
     "HEAD_MAJOR_SUFFIX",
@@ -76,6 +77,13 @@ def _mismatch(local: LayoutCore, remote: LayoutCore, *, tp: bool = True) -> str 
     for name, a, b in pairs:
         if a != b:
             return f"{name} differs: local {a!r}, remote {b!r}"
+    for g in local.groups:  # each group's page shape (vLLM's hybrid groups may differ)
+        mine, theirs = g.page, remote.group(g.name).page
+        if mine != theirs:
+            return (
+                f"group {g.name!r} page shape differs: local {_page(local, g.name)}, "
+                f"remote {_page(remote, g.name)}"
+            )
     for a, b in zip(local.layers, remote.layers, strict=True):
         if a != b:
             return (
@@ -83,6 +91,11 @@ def _mismatch(local: LayoutCore, remote: LayoutCore, *, tp: bool = True) -> str 
                 f"remote {b.name!r} (group {b.group}, kv_source {b.kv_source})"
             )
     return None
+
+
+def _page(layout: LayoutCore, group: KVGroup) -> str:
+    own = "" if layout.group(group).page is not None else " (the layout's own)"
+    return layout.page(group).describe() + own
 
 
 def negotiate(local: LayoutCore, remote: LayoutCore) -> Negotiation:

@@ -29,6 +29,7 @@ __all__ = [
     "KVGroup",
     "LayerSpec",
     "ModelSpec",
+    "PageShape",
     "Region",
     "Span",
     "check_groups_and_layers",
@@ -180,12 +181,34 @@ class LayerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class PageShape:
+    """A group's page shape where it differs from its layout's (vLLM's hybrid groups of
+    Gemma-4: a larger head size for full attention, larger blocks for sliding windows):
+    block size in tokens, KV heads of the whole model (all TP ranks), head size."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        for knob in ("block_size", "num_kv_heads", "head_size"):
+            value = getattr(self, knob)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"PageShape.{knob} must be an integer >= 1, got {value!r}")
+
+    def describe(self) -> str:
+        return f"{self.block_size}-token blocks of {self.num_kv_heads} KV heads x {self.head_size}"
+
+
+@dataclass(frozen=True, slots=True)
 class GroupSpec:
     """A KV-cache group with its own block ids: ``self`` or ``cross`` attention, or a
-    further self-attention group (:func:`attention_group`)."""
+    further self-attention group (:func:`attention_group`). ``page``: the group's page
+    shape where it differs from the layout's (None: the layout's block size and model)."""
 
     name: KVGroup
     num_blocks: int
+    page: PageShape | None = None
 
 
 @dataclass(frozen=True, slots=True)
