@@ -21,6 +21,7 @@ from kvbridge.proto import (
     attention_group,
     codec,
     negotiate,
+    preset_layout,
 )
 from kvbridge.proto.layout import PageShape
 from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
@@ -29,6 +30,10 @@ G1 = attention_group(1)
 WIDE = PageShape(64, 1, 64)
 """``gemma4-wide``'s sliding group: 64-token blocks of 1 KV head x 64 (the full group, the
 layout's own shape: 32-token blocks of 1 KV head x 128); 32 KiB pages both, in fp32."""
+
+
+PINNED_WIDE = "73e4db87231a55c59a799217c8189e8d9c8580fd6f76a7abdd2ae1099083f96c"
+PINNED_LLAMA = "c6ed56fa7c085e73d11082d8f5ef69948fdd33e63f78d42d947e5d73d15c8894"
 
 
 def wide(
@@ -75,6 +80,9 @@ def test_a_uniform_layout_keeps_the_identity_and_fingerprint_it_had() -> None:
     ident = lay.identity()
     assert set(ident) == {"model", "block_size", "groups", "layers", "tp_size"}
     assert lay.fingerprint() == hashlib.sha256(codec.pack("KVIdentity", ident)).digest()
+    # the fingerprints before groups could have page shapes (block names root in them)
+    assert lay.fingerprint().hex() == PINNED_WIDE
+    assert preset_layout("llama3-8b").fingerprint().hex() == PINNED_LLAMA
     assert lay.span_bytes == lay.group_span_bytes(G1) == 32 * 128 * 4
     shaped = wide()
     assert shaped.identity()["pages"] == {"g1": [64, 1, 64]}
