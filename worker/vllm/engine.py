@@ -28,6 +28,9 @@ PREFIX = "KVB-JSON "
 STARTUP_BASE_S = 240.0
 """An engine's wait for its ready line on an idle machine (stretched by load)."""
 
+DRAIN_MARGIN_S = 30.0
+"""How much longer than a ``drain``'s own deadline its answer is waited for."""
+
 
 def kv_config(connector: str, role: str, **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for kvbridge (``connector="kvbridge"``) or NixlConnector."""
@@ -163,7 +166,13 @@ class Engine:
 
     def call(self, timeout_s: float = 300.0, **cmd: Any) -> dict[str, Any]:
         """Send one command and read its answer; a child that stays silent for ``timeout_s``
-        is killed (the read then ends) and :class:`TimeoutError` raised."""
+        is killed (the read then ends) and :class:`TimeoutError` raised. A ``drain`` gets
+        ``timeout_s`` as its own deadline (it then answers with what is still held) and is
+        waited for :data:`DRAIN_MARGIN_S` longer, so a drain that runs to its deadline is
+        answered, not killed (which would fail every later test sharing the engine)."""
+        if cmd.get("cmd") == "drain":
+            cmd.setdefault("timeout_s", timeout_s)
+            timeout_s = float(cmd["timeout_s"]) + DRAIN_MARGIN_S
         self._send(cmd)
         return self._answer(timeout_s)
 
