@@ -53,6 +53,9 @@ FD_TABLE_SLOTS = 4096
 """File descriptor table slots reserved before the agent is made (capped by the soft
 ``RLIMIT_NOFILE``): 32 KiB of kernel memory."""
 
+CLOSE_PROGRESS_ROUNDS = 4
+"""Progress rounds at close, so that requests cancelled by a dead peer complete first."""
+
 
 def fd_table_size() -> int | None:
     """This process's file descriptor table size (``FDSize`` in ``/proc/self/status``);
@@ -288,4 +291,14 @@ class NixlAgent:
                 except Exception as exc:
                     log.warning("a transfer request could not be released at close: %r", exc)
             self.leaked.clear()
+            if self._agent is not None:
+                # a request cancelled by a peer's death (a post that failed half-way) goes back
+                # to UCX's pool only from a completion callback, run by progress: give it a
+                # few rounds before the worker goes, or UCX reports it leaked
+                for _ in range(CLOSE_PROGRESS_ROUNDS):
+                    try:
+                        self._agent.get_new_notifs()
+                    except Exception as exc:
+                        log.debug("progress at close: %r", exc)
+                        break
             self._agent = None
