@@ -36,3 +36,29 @@ def test_help_loads_no_heavy_module(argv: list[str]) -> None:
         "    assert exc.code == 0, exc.code\n"
     )
     assert loaded_after(code) == "[]"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--model", "llama3-8b"],
+        ["demo", "--offload-disk", "/tmp/x"],
+        ["soak", "--model", "llama3-8b"],
+        ["serve", "--model", "llama3-8b"],
+        ["serve", "--share-last", "9"],
+        ["offload", "serve", "--model", "no-such-model"],
+        ["offload", "serve", "--model", "tiny", "--tp-size", "2"],
+    ],
+)
+def test_a_flag_error_is_reported_before_any_heavy_module_loads(argv: list[str]) -> None:
+    """The commands check their flags (the model name among them) before they import torch,
+    NIXL or gRPC, which take seconds: the error comes first."""
+    code = (
+        "from kvbridge.worker.cli import main\n"
+        "try:\n"
+        f"    code = main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        "assert code == 2, code\n"
+    )
+    assert loaded_after(code) == "[]"

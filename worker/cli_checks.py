@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
+    "add_on_load_error",
     "fixed_port",
     "int_at_least",
     "merge_negative_values",
@@ -97,6 +98,19 @@ def fixed_port(text: str) -> int:
             "(0 does not apply: the engines are told their ports before they start)"
         )
     return value
+
+
+def add_on_load_error(p: argparse.ArgumentParser) -> None:
+    """``--on-load-error``: what a serving node does with a request whose KV load failed
+    (``serve``, and ``demo`` and ``soak``, which pass it on to the nodes they start)."""
+    from kvbridge.connector.config import LOAD_ERROR_POLICIES
+
+    p.add_argument(
+        "--on-load-error",
+        choices=LOAD_ERROR_POLICIES,
+        default="recompute",
+        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
 
 
 def _int(text: str) -> int:

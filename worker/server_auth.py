@@ -21,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvbridge.worker.cli_checks import port
+
 if TYPE_CHECKING:
     from kvbridge.connector.server_options import ServerOptions
 
 __all__ = [
     "ServerAuth",
     "add_auth_arguments",
+    "add_listen_arguments",
     "add_plaintext_argument",
     "check_token",
     "read_auth",
@@ -55,6 +58,13 @@ class ServerAuth:
         from kvbridge.connector.server_options import ServerOptions
 
         return ServerOptions(host, port, self.token, self.tls_cert, self.tls_key, port_flag)
+
+
+def add_listen_arguments(p: argparse.ArgumentParser, port_name: str) -> None:
+    """``--host`` (default loopback) and ``--port`` (default 0: a free one, printed on start);
+    ``port_name`` says which port ``--port`` is, for the help text."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
+    p.add_argument("--port", type=port, default=0, help=f"{port_name} (default 0: pick a free one)")
 
 
 def add_auth_arguments(p: argparse.ArgumentParser, *, callers: str, dials: bool) -> None:

@@ -28,7 +28,12 @@ from kvbridge.worker.cli_checks import (
 )
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args, open_sink
 from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
-from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
+from kvbridge.worker.server_auth import (
+    add_auth_arguments,
+    add_listen_arguments,
+    read_auth,
+    warn_if_open,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -126,8 +131,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--capacity", default="8GiB", help="host pool size, e.g. 8GiB, 512MiB (default 8GiB)"
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=port, default=0, help="gRPC port (default 0: pick a free one)")
+    add_listen_arguments(p, "OffloadStore gRPC port")
     p.add_argument(
         "--metrics-port", type=port, help="serve Prometheus metrics on this port (/metrics)"
     )
@@ -216,9 +220,14 @@ def run(args: argparse.Namespace) -> int:
     capacity = parse_bytes(args.capacity)
     check_memory(capacity, args.capacity)
     # the flags checked without the server's modules (they import torch: seconds): a bad
-    # size or path is reported at once
+    # size, path or --model is reported at once
     disk_path = None if args.disk is None else check_disk_dir(args.disk)
     disk_capacity = parse_bytes(args.disk_capacity, "--disk-capacity")
+    layout = (
+        None
+        if args.preset is None
+        else daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
+    )
 
     from kvbridge.connector.events import MEDIUM_CPU
     from kvbridge.connector.transport.nixl import NixlConfig, NixlTransport
@@ -228,9 +237,6 @@ def run(args: argparse.Namespace) -> int:
     from kvbridge.worker.offload.pool import pool_key
     from kvbridge.worker.offload.server import OffloadConfig, new_instance, serve
 
-    layout = None
-    if args.preset is not None:
-        layout = daemon_layout(args.preset, args.block_size, args.tp_size, args.seed)
     config = OffloadConfig(
         capacity_bytes=capacity,
         listen=auth.listen(args.host, args.port),

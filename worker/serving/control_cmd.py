@@ -17,9 +17,14 @@ import socket
 import sys
 from contextlib import ExitStack
 
-from kvbridge.worker.cli_checks import non_negative_int, port, positive_float, positive_int
+from kvbridge.worker.cli_checks import non_negative_int, positive_float, positive_int
 from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
-from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
+from kvbridge.worker.server_auth import (
+    add_auth_arguments,
+    add_listen_arguments,
+    read_auth,
+    warn_if_open,
+)
 
 __all__ = ["add_parser", "run", "main"]
 
@@ -67,8 +72,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         help="the role peers see in the handshake (default prefill)",
     )
     p.add_argument("--engine-id", help="unique id of this process (default: HOST-PID)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=port, default=0, help="port (default 0: pick a free one)")
+    add_listen_arguments(p, "PeerControl port")
     add_auth_arguments(p, callers="the control port", dials=False)
     p.add_argument(
         "--default-ttl", type=positive_float, default=30.0, help="lease TTL in s (default 30)"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvbridge.proto.layout import ORDERS
 from kvbridge.worker.cli_checks import (
+    add_on_load_error,
     non_negative_float,
     non_negative_int,
     port,
@@ -20,7 +21,12 @@ from kvbridge.worker.cli_checks import (
 )
 from kvbridge.worker.kv_events import add_kv_events_arguments, kv_events_from_args
 from kvbridge.worker.run_loop import Ready, serve_until_stopped
-from kvbridge.worker.server_auth import add_auth_arguments, read_auth, warn_if_open
+from kvbridge.worker.server_auth import (
+    add_auth_arguments,
+    add_listen_arguments,
+    read_auth,
+    warn_if_open,
+)
 
 __all__ = [
     "add_parser",
@@ -198,9 +204,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("--engine-id", default=None, help="unique engine id (default: role-pid)")
     add_engine_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=port, default=0, help="Inference port (default: any free)")
-    p.add_argument("--control-port", type=port, default=0, help="PeerControl port (default: any)")
+    add_listen_arguments(p, "Inference port")
+    p.add_argument(
+        "--control-port", type=port, default=0, help="PeerControl port (default 0: pick a free one)"
+    )
     p.add_argument(
         "--advertise",
         default="",
@@ -226,12 +233,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         default=0.0,
         help="test hook: decode sleeps this long before each READ (default 0)",
     )
-    p.add_argument(
-        "--on-load-error",
-        choices=["recompute", "fail"],
-        default="recompute",
-        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
-    )
+    add_on_load_error(p)
     p.add_argument(
         "--no-verify-loads",
         dest="verify_loads",
@@ -312,13 +314,8 @@ def _check_address(flag: str, address: str, what: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
     from kvbridge.connector.config import ConnectorConfig
-    from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
-    from kvbridge.worker.serving.node import Node, NodeConfig
 
-    torch.set_num_threads(args.threads)
     engine_id = args.engine_id or f"{args.role}-{os.getpid()}"
     if args.role != "decode" and not args.advertise and args.host in ("0.0.0.0", "::", ""):
         from kvbridge.proto.errors import ConfigError
@@ -334,28 +331,38 @@ def _run(args: argparse.Namespace) -> int:
     _check_address("--offload", args.offload, "the address kvbridge offload serve listens on")
     security = read_auth(args)
     warn_if_open(log, args.host, security, "generate, pin blocks and read KV")
+    engine = engine_config_from_args(args)
+    connector = ConnectorConfig(
+        engine_id=engine_id,
+        role=args.role,
+        control_address=args.advertise,
+        token=security.token,
+        tls_root_cert=security.tls_root_cert,
+        allowed_peers=tuple(args.allow_peer),
+        lease_ttl_s=args.lease_ttl,
+        max_lease_ttl_s=args.max_lease_ttl,
+        load_timeout_s=args.load_timeout,
+        stall_before_read_s=args.stall_before_read,
+        on_load_error=args.on_load_error,
+        offload_address=args.offload,
+        offload_verify=not args.no_offload_verify,
+        verify_loads=args.verify_loads,
+    )
+    kv_events = kv_events_from_args(args)
+    # the flags are checked: only now the modules that take seconds (torch, NIXL, gRPC)
+    import torch
+
+    from kvbridge.worker.metrics_server import MetricsServer, MetricsServerConfig
+    from kvbridge.worker.serving.node import Node, NodeConfig
+
+    torch.set_num_threads(args.threads)
     config = NodeConfig(
-        engine=engine_config_from_args(args),  # type: ignore[arg-type]
-        connector=ConnectorConfig(
-            engine_id=engine_id,
-            role=args.role,
-            control_address=args.advertise,
-            token=security.token,
-            tls_root_cert=security.tls_root_cert,
-            allowed_peers=tuple(args.allow_peer),
-            lease_ttl_s=args.lease_ttl,
-            max_lease_ttl_s=args.max_lease_ttl,
-            load_timeout_s=args.load_timeout,
-            stall_before_read_s=args.stall_before_read,
-            on_load_error=args.on_load_error,
-            offload_address=args.offload,
-            offload_verify=not args.no_offload_verify,
-            verify_loads=args.verify_loads,
-        ),
+        engine=engine,  # type: ignore[arg-type]
+        connector=connector,
         listen=security.listen(args.host, args.port),
         device=args.device,
         control_port=args.control_port,
-        kv_events=kv_events_from_args(args),
+        kv_events=kv_events,
     )
     metrics_config = (
         None

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvbridge.proto.layout import ORDERS, KVGroup
 from kvbridge.worker.bench.report import machine_info
-from kvbridge.worker.cli_checks import positive_float, positive_int
+from kvbridge.worker.cli_checks import add_on_load_error, positive_float, positive_int
 from kvbridge.worker.serving.launch import (
     OffloadDaemonProcess,
     start_node,
@@ -72,12 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--max-tokens", type=positive_int, default=8, help="tokens to generate (default 8)"
     )
-    p.add_argument(
-        "--on-load-error",
-        choices=["recompute", "fail"],
-        default="recompute",
-        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
-    )
+    add_on_load_error(p)
     p.add_argument(
         "--clips",
         type=positive_int,
@@ -194,10 +189,11 @@ def check_offload_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_offload_flags(args)
+    config: Any = engine_config_from_args(args)  # flags first: a bad one imports no torch
+
     from kvbridge.worker.serving.router import EngineClient, Router
 
-    check_offload_flags(args)
-    config: Any = engine_config_from_args(args)
     prompts = make_workload(
         args.requests, args.prefixes, config.vocab_size, args.block_size, args.seed
     )

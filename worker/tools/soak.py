@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.proto.errors import ConfigError
-from kvbridge.worker.cli_checks import int_at_least, positive_float, positive_int
+from kvbridge.worker.cli_checks import add_on_load_error, int_at_least, positive_float, positive_int
 from kvbridge.worker.serving.node_cmd import add_engine_arguments, engine_config_from_args
 from kvbridge.worker.tools.chaos import ChaosEvent, Deployment, chaos_schedule
 from kvbridge.worker.tools.soak_config import SoakConfig
@@ -85,12 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--max-tokens", type=int_at_least(2), default=4, help="tokens per request (default 4)"
     )
     p.add_argument("--no-offload", action="store_true", help="run without an offload daemon")
-    p.add_argument(
-        "--on-load-error",
-        choices=["recompute", "fail"],
-        default="recompute",
-        help="a request whose KV load failed: recompute what did not arrive (default) or fail",
-    )
+    add_on_load_error(p)
     p.add_argument(
         "--startup-timeout",
         type=positive_float,
