@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from kvbridge.worker.cli_checks import (
+    add_preset_argument,
     merge_negative_values,
     plain_text,
     positive_int,
@@ -64,7 +65,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from kvbridge.proto.layout import ORDERS
-    from kvbridge.proto.presets import PRESETS
     from kvbridge.proto.version import PROTOCOL_VERSION, SCHEMA_VERSION, __version__
 
     parser = _Parser(
@@ -89,14 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_version)
 
     p = sub.add_parser("layout", help="print a model's KV block byte math")
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="preset",
-        default="llama3-8b",
-        choices=sorted(PRESETS),
-        help="model name (default llama3-8b)",
-    )
+    add_preset_argument(p, "model name", "llama3-8b")
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
     )

@@ -22,6 +22,7 @@ from pathlib import Path
 
 __all__ = [
     "add_on_load_error",
+    "add_preset_argument",
     "fixed_port",
     "int_at_least",
     "merge_negative_values",
@@ -110,6 +111,22 @@ def add_on_load_error(p: argparse.ArgumentParser) -> None:
         choices=LOAD_ERROR_POLICIES,
         default="recompute",
         help="a request whose KV load failed: recompute what did not arrive (default) or fail",
+    )
+
+
+def add_preset_argument(p: argparse.ArgumentParser, what: str, default: str) -> None:
+    """``--model``/``--preset`` (``args.preset``): one of the layout presets, the models
+    kvbridge knows the KV shape of without weights; ``what`` is the help text's start."""
+    from kvbridge.proto.presets import PRESETS
+
+    p.add_argument(
+        "--model",
+        "--preset",
+        dest="preset",
+        default=default,
+        choices=sorted(PRESETS),
+        metavar="NAME",
+        help=f"{what}: {', '.join(sorted(PRESETS))} (default {default})",
     )
 
 

@@ -19,11 +19,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.presets import PRESETS
 from kvbridge.proto.types import BlockHash
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths
 from kvbridge.worker.bench.report import bar_plot, percentile, print_table, progress, write_json
-from kvbridge.worker.cli_checks import non_negative_int, positive_int
+from kvbridge.worker.cli_checks import add_preset_argument, non_negative_int, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -32,14 +31,7 @@ TARGET_PIN_RELEASE_P50_MS = 1.0
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("control", help="latency and RPC/s of the gRPC control plane")
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="preset",
-        default="llama3-8b",
-        choices=sorted(PRESETS),
-        help="model (default llama3-8b)",
-    )
+    add_preset_argument(p, "model", "llama3-8b")
     p.add_argument("--blocks", type=positive_int, default=64, help="blocks per Pin (default 64)")
     p.add_argument(
         "--iterations", type=positive_int, default=2000, help="timed calls per operation"

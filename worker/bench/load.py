@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbridge.proto.layout import KVGroup
-from kvbridge.proto.presets import PRESETS
 from kvbridge.worker.bench.cli_args import add_output_arguments, output_paths, settings_of
 from kvbridge.worker.bench.report import bar_plot, machine_info, print_table, write_json
-from kvbridge.worker.cli_checks import positive_int
+from kvbridge.worker.cli_checks import add_preset_argument, positive_int
 
 __all__ = ["add_parser", "run"]
 
@@ -39,14 +38,7 @@ PROTOCOLS = ("read", "sealed", "verified", "owner")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("load", help="one decode load: sealed (no RPC) vs owner-named (2 RPCs)")
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="preset",
-        default="tiny",
-        choices=sorted(PRESETS),
-        help="layout preset (default tiny)",
-    )
+    add_preset_argument(p, "layout preset", "tiny")
     p.add_argument("--blocks", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     p.add_argument("--requests", type=positive_int, default=200, help="loads per protocol and size")
     p.add_argument(

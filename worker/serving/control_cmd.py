@@ -17,7 +17,12 @@ import socket
 import sys
 from contextlib import ExitStack
 
-from kvbridge.worker.cli_checks import non_negative_int, positive_float, positive_int
+from kvbridge.worker.cli_checks import (
+    add_preset_argument,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from kvbridge.worker.run_loop import Ready, command_main, serve_until_stopped
 from kvbridge.worker.server_auth import (
     add_auth_arguments,
@@ -33,7 +38,6 @@ log = logging.getLogger(__name__)
 
 def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> None:  # type: ignore[type-arg]
     from kvbridge.proto.layout import ORDERS
-    from kvbridge.proto.presets import PRESETS
 
     p = sub.add_parser(
         name,
@@ -41,14 +45,7 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
         description="Start the peer control server (gRPC) for a preset KV layout, with an "
         "empty block pool: checks addresses, tokens, TLS and layout compatibility.",
     )
-    p.add_argument(
-        "--model",
-        "--preset",
-        dest="preset",
-        default="tiny",
-        choices=sorted(PRESETS),
-        help="model whose KV layout the pool has (default tiny)",
-    )
+    add_preset_argument(p, "model whose KV layout the pool has", "tiny")
     p.add_argument(
         "--block-size", type=positive_int, default=16, help="tokens per block (default 16)"
     )
