@@ -1,4 +1,5 @@
-"""The vLLM tests' common start: the ``.venv-vllm`` environment and the tiny models.
+"""The vLLM tests' common start: the vLLM environment (``.venv-vllm``, or the venv
+``$KVBRIDGE_VLLM_VENV`` names), the tiny models and the engine sets the modules share.
 
 Both are made once per test session: checking the environment imports vLLM in a child
 process and writing the model starts that venv's torch, ~10 s of CPU each, which every
@@ -35,8 +36,8 @@ tiny Llama written by the first module that asked (it lives in pytest's session 
 
 
 def venv_or_skip(tmp: Path) -> Path:
-    """Build ``.venv-vllm`` if missing, checked once per session; skip the test without it.
-    Returns its python."""
+    """Build ``.venv-vllm`` if missing (a ``$KVBRIDGE_VLLM_VENV`` venv is only checked),
+    once per session; skip the test without it. Returns its python."""
     if "venv" not in _session and "error" not in _session:
         try:
             _session["venv"] = ensure_venv(log=tmp / "venv.log")

@@ -1,15 +1,18 @@
-"""The vLLM virtual environment (``.venv-vllm`` next to the checkout) and a model for it.
+"""The vLLM virtual environment (``.venv-vllm`` next to the checkout, or
+``$KVBRIDGE_VLLM_VENV``) and a model for it.
 
 vLLM's CPU build pins its own torch, so it lives in a venv of its own; the main
-environment never imports vLLM. :func:`ensure_venv` builds it from a kvbridge
+environment never imports vLLM. :func:`ensure_venv` builds ``.venv-vllm`` from a kvbridge
 source checkout with :data:`RECIPE` (kvbridge installed editable with a plain
-``pip install``: its dependency ranges accept what vLLM installed);
+``pip install``: its dependency ranges accept what vLLM installed); a venv named by
+``$KVBRIDGE_VLLM_VENV`` (one's own vLLM environment) is used as it is, never changed;
 :func:`write_model` writes the seeded tiny Llama (:mod:`.tiny_llama`) with that
 venv's torch and safetensors.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +24,7 @@ __all__ = [
     "RECIPE",
     "ROOT",
     "VENV",
+    "VENV_ENV",
     "VenvError",
     "ensure_venv",
     "write_model",
@@ -28,7 +32,10 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 """The kvbridge checkout (``kvbridge/`` is a real directory of links to the top-level ones)."""
-VENV = ROOT / ".venv-vllm"
+VENV_ENV = "KVBRIDGE_VLLM_VENV"
+"""The environment variable that names a vLLM virtual environment of one's own."""
+VENV = Path(os.environ.get(VENV_ENV) or ROOT / ".venv-vllm").expanduser().absolute()
+"""The vLLM environment the engines run in: ``$KVBRIDGE_VLLM_VENV``, else ``.venv-vllm``."""
 PYTHON = VENV / "bin" / "python"
 
 RECIPE = [
@@ -49,9 +56,16 @@ class VenvError(KVBridgeError):
 
 
 def ensure_venv(log: Path | None = None) -> Path:
-    """Create ``.venv-vllm`` with the recipe unless ``import vllm, kvbridge`` already works."""
+    """Create ``.venv-vllm`` with the recipe unless ``import vllm, kvbridge`` already works;
+    a ``$KVBRIDGE_VLLM_VENV`` venv where it does not is a :class:`VenvError`, left as it is."""
     if PYTHON.exists() and _imports_ok():
         return PYTHON
+    if os.environ.get(VENV_ENV):
+        raise VenvError(
+            f"${VENV_ENV} names {VENV}, where {PYTHON} cannot 'import vllm, "
+            "kvbridge.connector.vllm': install vLLM and kvbridge there (docs/VLLM.md), or "
+            f"unset ${VENV_ENV} to use (and build) {ROOT / '.venv-vllm'}"
+        )
     if not (ROOT / "pyproject.toml").exists():
         raise VenvError(f"{ROOT} is not a kvbridge source checkout: cannot build {VENV}")
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
@@ -72,7 +86,9 @@ def ensure_venv(log: Path | None = None) -> Path:
 
 def _imports_ok() -> bool:
     code = "import vllm, kvbridge.connector.vllm.config, kvbridge.worker.vllm.instance"
-    return subprocess.run([str(PYTHON), "-c", code], capture_output=True).returncode == 0
+    # from the checkout, as the engines run (they find this kvbridge there either way)
+    run = subprocess.run([str(PYTHON), "-c", code], capture_output=True, cwd=ROOT)
+    return run.returncode == 0
 
 
 def write_model(path: Path, seed: int = 0, **shape: int) -> Path:
