@@ -17,7 +17,13 @@ from collections.abc import Iterator
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
+from tests.harness.vllm import (
+    model_or_skip,
+    nixl_pair,
+    pd_one_at_a_time,
+    pd_trio,
+    write_tiny_model,
+)
 
 # five engines of a second model (~3 min): out of the default CI run, like the other long runs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(900)]
@@ -35,13 +41,7 @@ def _pd_one_at_a_time(
     engines: dict[str, harness.Engine], prompts: list[list[int]]
 ) -> list[list[int]]:
     """P/D of ``prompts`` one request at a time (one load per request in the stats)."""
-    got = []
-    for prompt in prompts:
-        pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
-        params = [o["kv_transfer_params"] for o in pre["outputs"]]
-        assert all(p and p.get("remote_engine_id") for p in params), params
-        got += harness.tokens(engines["decode"].generate([prompt], MAX_TOKENS, params))
-    return got
+    return pd_one_at_a_time(engines["prefill"], engines["decode"], prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +65,7 @@ def nixl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model = write_tiny_model("gemma3", tmp / "gemma3")
     port = 21000 + (hash(str(tmp)) % 1000)
     common = {"max_model_len": 512, "wait": False, "startup_timeout_s": 600.0}
-    started = {
-        name: harness.Engine(
-            model,
-            core=core,
-            kv=harness.kv_config("nixl", role),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + core)},
-            log=tmp / f"{name}.log",
-            **common,
-        )
-        for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
-    }
-    with harness.running(started) as engines:
+    with harness.running(nixl_pair(model, tmp, port, **common)) as engines:
         tokens = _pd_one_at_a_time(engines, PROMPTS)
         stats = engines["decode"].call(cmd="stats")
         groups = {n: sorted(e.call(cmd="stats")["kv_cache_groups"]) for n, e in engines.items()}

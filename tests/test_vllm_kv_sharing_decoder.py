@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip, pd_trio, write_tiny_model
+from tests.harness.vllm import (
+    model_or_skip,
+    nixl_pair,
+    pd_one_at_a_time,
+    pd_trio,
+    write_tiny_model,
+)
 
 # five engines of a second model: out of the default CI run, like the other long runs
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.extended, pytest.mark.timeout(1500)]
@@ -47,13 +53,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pd_one_at_a_time(
     engines: dict[str, harness.Engine], prompts: list[list[int]]
 ) -> list[list[int]]:
-    got = []
-    for prompt in prompts:
-        pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
-        params = [o["kv_transfer_params"] for o in pre["outputs"]]
-        assert all(p and p.get("remote_engine_id") for p in params), params
-        got += harness.tokens(engines["decode"].generate([prompt], MAX_TOKENS, params))
-    return got
+    return pd_one_at_a_time(engines["prefill"], engines["decode"], prompts, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +62,7 @@ def nixl(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     groups (its engines are stopped when this returns)."""
     tmp = tmp_path_factory.mktemp("vllm-kv-sharing-decoder-nixl")
     port = 22000 + (hash(str(tmp)) % 1000) * 2
-    started = {
-        name: harness.Engine(
-            model,
-            core=core,
-            kv=harness.kv_config("nixl", role),
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port + core)},
-            log=tmp / f"{name}.log",
-            **COMMON,
-        )
-        for name, core, role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer"))
-    }
-    with harness.running(started) as ready:
+    with harness.running(nixl_pair(model, tmp, port, **COMMON)) as ready:
         tokens = _pd_one_at_a_time(ready, PD)
         stats = ready["decode"].call(cmd="stats")
         groups = {n: x.call(cmd="stats")["kv_cache_groups"] for n, x in ready.items()}

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import daemon_stats, model_or_skip
+from kvbridge.worker.serving import OffloadDaemonProcess
+from tests.harness.vllm import daemon_stats, model_or_skip, offload_pair
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -37,37 +37,22 @@ GEN_TOKENS = 50
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OffloadDaemonProcess]:
-    with start_offload_daemon(tmp_path_factory.mktemp("offload"), 60, "64MiB") as proc:
-        yield proc
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The daemon, the writer and the reader (:func:`offload_pair`) of the tiny Llama."""
+    tmp = tmp_path_factory.mktemp("vllm-offload")
+    port = 19000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
+    yield from offload_pair(tmp, model_or_skip(tmp), port, load_timeout_s=5, max_model_len=None)
 
 
 @pytest.fixture(scope="module")
-def engines(
-    tmp_path_factory: pytest.TempPathFactory, daemon: OffloadDaemonProcess
-) -> Iterator[dict[str, harness.Engine]]:
-    tmp = tmp_path_factory.mktemp("vllm-offload")
-    model = model_or_skip(tmp)
-    port = 19000 + (hash(str(tmp)) % 2000)  # str hash: varies per run, that is the point
-    started = {
-        name: harness.Engine(
-            model,
-            core=core,
-            kv=harness.kv_config(
-                "kvbridge",
-                "kv_both",
-                control_port=port + core,
-                offload_address=daemon.address,
-                lease_ttl_s=20,
-                load_timeout_s=5,
-            ),
-            log=tmp / f"{name}.log",
-            wait=False,
-        )
-        for core, name in enumerate(("writer", "reader"))
-    }
-    with harness.running(started) as engines:
-        yield engines
+def daemon(pair: dict[str, Any]) -> OffloadDaemonProcess:
+    proc: OffloadDaemonProcess = pair["daemon"]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def engines(pair: dict[str, Any]) -> dict[str, harness.Engine]:
+    return {name: pair[name] for name in ("writer", "reader")}
 
 
 def _loads(engine: harness.Engine, before: set[str]) -> list[dict[str, Any]]:

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from kvbridge.worker.serving import OffloadDaemonProcess, start_offload_daemon
-from tests.harness.vllm import daemon_stats, metric, model_or_skip
+from kvbridge.worker.serving import OffloadDaemonProcess
+from tests.harness.vllm import daemon_stats, metric, model_or_skip, offload_pair
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,31 +41,18 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def tp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("vllm-offload-tp")
-    model = model_or_skip(tmp)
     port = 23000 + (hash(str(tmp)) % 1000) * 4  # rank r of an engine serves at port + r
-    with start_offload_daemon(tmp, 60, "64MiB") as daemon:
-        started = {
-            name: harness.Engine(
-                model,
-                core=core,
-                kv=harness.kv_config(
-                    "kvbridge",
-                    "kv_both",
-                    control_port=port + 2 * core,
-                    offload_address=daemon.address,
-                    lease_ttl_s=30,
-                    load_timeout_s=15,
-                ),
-                log=tmp / f"{name}.log",
-                wait=False,
-                log_stats=name == "reader",
-                tp=TP,
-                startup_timeout_s=600.0,  # 3 processes per engine on one shared core
-            )
-            for core, name in enumerate(("writer", "reader"))
-        }
-        with harness.running(started) as engines:
-            yield {**engines, "daemon": daemon, "tmp": tmp}
+    for pair in offload_pair(
+        tmp,
+        model_or_skip(tmp),
+        port,
+        TP,
+        lease_ttl_s=30,
+        load_timeout_s=15,
+        max_model_len=None,
+        log_stats=("reader",),
+    ):
+        yield {**pair, "tmp": tmp}
 
 
 def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writer(

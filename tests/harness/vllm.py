@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,6 +247,17 @@ def handed_over(prefill: Engine, prompts: list[list[int]]) -> list[dict[str, Any
     return params
 
 
+def pd_one_at_a_time(
+    prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """P/D of ``prompts`` one request at a time (one load per request in the stats): the
+    decode's tokens."""
+    got: list[list[int]] = []
+    for prompt in prompts:
+        got += tokens(decode.generate([prompt], max_tokens, handed_over(prefill, [prompt])))
+    return got
+
+
 def pd_by_request(
     prefill: Engine, decode: Engine, prefix: str, prompts: list[list[int]], max_tokens: int
 ) -> tuple[list[list[int]], list[dict[str, float]]]:
@@ -312,25 +323,34 @@ def nixl_tp_runs(
             if decode == "decode":
                 out[pair] = pd_by_request(e[prefill], e[decode], "nixl", batch, max_tokens)
                 continue
-            got: list[list[int]] = []
-            for prompt in batch:
-                params = handed_over(e[prefill], [prompt])
-                got += tokens(e[decode].generate([prompt], max_tokens, params))
+            got = pd_one_at_a_time(e[prefill], e[decode], batch, max_tokens)
             stats = e[decode].call(cmd="stats")
             out[pair] = (got, stats["nixl_bytes"], stats["nixl_failed"])
     return out
 
 
 def offload_pair(
-    tmp: Path, kind: str, port: int, tp: int = 1, **llm_args: Any
+    tmp: Path,
+    model: str | Path,
+    port: int,
+    tp: int = 1,
+    *,
+    lease_ttl_s: float = 20,
+    load_timeout_s: float = 10,
+    max_model_len: int | None = 512,
+    log_stats: Collection[str] | None = None,
+    **llm_args: Any,
 ) -> Iterator[dict[str, Any]]:
-    """An offload daemon and two ``kv_both`` engines of the tiny ``kind`` model
-    (:func:`write_tiny_model`) with ``offload_address`` set: the ``writer`` (core 0, control
-    at ``port``) and the ``reader`` (core 1, at ``port + tp``), at TP=``tp`` (vLLM's stat
-    loggers on at TP > 1); ``llm_args`` go to ``vllm.LLM``. Yields the engines and the
-    ``daemon``."""
+    """An offload daemon and two ``kv_both`` engines with ``offload_address`` set: the
+    ``writer`` (core 0, control at ``port``) and the ``reader`` (core 1, at ``port + tp``),
+    at TP=``tp``. ``model``: a model directory (the tiny Llama of :func:`model_or_skip`) or
+    the kind of tiny model to write (:func:`write_tiny_model`). ``log_stats``: the engines
+    whose vLLM stat loggers are on (default: both at TP > 1); ``llm_args`` go to
+    ``vllm.LLM``. Yields the engines and the ``daemon``."""
     venv_or_skip(tmp)
-    model = write_tiny_model(kind, tmp / kind)
+    if isinstance(model, str):
+        model = write_tiny_model(model, tmp / model)
+    stats = ("writer", "reader") if log_stats is None and tp > 1 else (log_stats or ())
     with start_offload_daemon(tmp, 60, "64MiB") as daemon:
         started = {
             name: Engine(
@@ -341,14 +361,14 @@ def offload_pair(
                     "kv_both",
                     control_port=port + tp * core,
                     offload_address=daemon.address,
-                    lease_ttl_s=20,
-                    load_timeout_s=10,
+                    lease_ttl_s=lease_ttl_s,
+                    load_timeout_s=load_timeout_s,
                 ),
                 log=tmp / f"{name}.log",
                 wait=False,
-                max_model_len=512,
+                max_model_len=max_model_len,
                 startup_timeout_s=600.0,
-                log_stats=tp > 1,
+                log_stats=name in stats,
                 tp=tp,
                 llm_args=llm_args or None,
             )
