@@ -31,7 +31,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess
-from tests.harness.vllm import daemon_stats, metric, offload_pair
+from tests.harness.vllm import daemon_stats, offload_pair, published_growth
 
 pytestmark = [
     pytest.mark.slow,
@@ -163,16 +163,7 @@ def test_hybrid_groups_at_tp2_every_rank_stores_and_loads_its_own(
     loaded_before = daemon_stats(daemon.address)
     got = harness.tokens(reader.generate([follow_up], MAX_TOKENS))
     assert sorted(reader.call(cmd="stats")["kv_cache_groups"]) == HYBRID
-    after = reader.call(cmd="metrics")["text"]
-
-    def grew(name: str) -> float:
-        return metric(after, name) - metric(before, name, before=True)
-
-    for _ in range(3):  # vLLM publishes a step's connector stats with a later step
-        if grew("vllm:kvbridge_num_offloaded_blocks_total") >= 2 * 4:
-            break
-        reader.generate([[1, 2, 3, 4]], 1)
-        after = reader.call(cmd="metrics")["text"]
+    grew = published_growth(reader, before, "vllm:kvbridge_num_offloaded_blocks_total", 2 * 4)
     # a fresh cache: the full group's 3 blocks and the sliding group's block 2, per rank
     assert grew("vllm:kvbridge_num_offloaded_blocks_total") == 2 * 4
     assert grew("vllm:kvbridge_num_failed_blocks_total") == 0

@@ -23,7 +23,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess
-from tests.harness.vllm import daemon_stats, metric, offload_pair
+from tests.harness.vllm import daemon_stats, offload_pair, published_growth
 
 pytestmark = [
     pytest.mark.slow,
@@ -106,16 +106,7 @@ def test_kv_sharing_at_tp2_every_rank_loads_its_own_blocks_from_the_daemon(
     got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
     got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
     assert got == expected
-    after = reader.call(cmd="metrics")["text"]
-
-    def grew(name: str) -> float:
-        return metric(after, name) - metric(before, name, before=True)
-
-    for _ in range(3):  # vLLM publishes a step's connector stats with a later step
-        if grew("vllm:kvbridge_num_offloaded_blocks_total") >= 2 * 2:
-            break
-        reader.generate([[1, 2, 3, 4]], 1)
-        after = reader.call(cmd="metrics")["text"]
+    grew = published_growth(reader, before, "vllm:kvbridge_num_offloaded_blocks_total", 2 * 2)
     # the first prompt's 2 full blocks on each rank (a rank loads at most the 2 planned)
     assert grew("vllm:kvbridge_num_offloaded_blocks_total") == 2 * 2
     assert grew("vllm:kvbridge_xfer_time_seconds_count") == 2

@@ -22,7 +22,7 @@ import pytest
 
 from kvbridge.worker import vllm as harness
 from kvbridge.worker.serving import OffloadDaemonProcess
-from tests.harness.vllm import daemon_stats, metric, model_or_skip, offload_pair
+from tests.harness.vllm import daemon_stats, model_or_skip, offload_pair, published_growth
 
 pytestmark = [
     pytest.mark.slow,
@@ -75,17 +75,8 @@ def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writ
     got = harness.tokens(reader.generate(PROMPTS[:1], MAX_TOKENS))
     got += harness.tokens(reader.generate(PROMPTS[1:], MAX_TOKENS))
     assert got == expected
-    after = reader.call(cmd="metrics")["text"]
-
-    def grew(name: str) -> float:
-        return metric(after, name) - metric(before, name, before=True)
-
-    # vLLM publishes a step's connector stats with a later step: step an idle engine
-    for _ in range(3):
-        if grew("vllm:kvbridge_xfer_time_seconds_count") >= TP * len(PROMPTS):
-            break
-        reader.generate([[1, 2, 3, 4]], 1)
-        after = reader.call(cmd="metrics")["text"]
+    count = "vllm:kvbridge_xfer_time_seconds_count"
+    grew = published_growth(reader, before, count, TP * len(PROMPTS))
     # 3 blocks for the first prompt, then 1 each. A rank loads at most the blocks the plan
     # names, so a sum of TP x the plan means every rank loaded all of them from the daemon
     per_rank = 3 + 1 + 1 + 1
@@ -100,10 +91,10 @@ def test_tp2_reader_loads_every_ranks_blocks_from_the_daemon_and_equals_the_writ
     rank_block = 4 * 32 * 1 * 2 * 64 * 4
     assert loaded["block_bytes"] == rank_block, loaded
     assert loaded["loaded_bytes"] - stored["loaded_bytes"] == TP * per_rank * rank_block
-    count = grew("vllm:kvbridge_xfer_time_seconds_count")
+    loads = grew(count)
     figures = {
-        "rank_loads": count,
-        "avg_load_ms": grew("vllm:kvbridge_xfer_time_seconds_sum") / count * 1e3,
+        "rank_loads": loads,
+        "avg_load_ms": grew("vllm:kvbridge_xfer_time_seconds_sum") / loads * 1e3,
         "blocks_per_rank": per_rank,
         "bytes_per_rank_block": rank_block,
     }

@@ -191,6 +191,25 @@ def metric(text: str, name: str, *, before: bool = False) -> float:
     return values[0]
 
 
+def published_growth(
+    engine: Engine, before: str, name: str, at_least: float
+) -> Callable[[str], float]:
+    """How much each of ``engine``'s metrics grew since the scrape ``before``, read once
+    ``name`` grew by ``at_least``: vLLM publishes a step's connector stats with a later step,
+    so an idle engine is stepped (up to 3 times) until they show."""
+    after = engine.call(cmd="metrics")["text"]
+
+    def grew(metric_name: str) -> float:
+        return metric(after, metric_name) - metric(before, metric_name, before=True)
+
+    for _ in range(3):
+        if grew(name) >= at_least:
+            break
+        engine.generate([[1, 2, 3, 4]], 1)
+        after = engine.call(cmd="metrics")["text"]
+    return grew
+
+
 def tp_trio(
     model: Path, tmp: Path, connector: str, port: int, ttl_s: float = 30, **common: Any
 ) -> dict[str, Engine]:

@@ -146,16 +146,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "authenticated handshake, in that worker's layout",
     )
     p.add_argument(
-        "--block-size", type=positive_int, default=16, help="tokens per block with --model"
+        "--block-size",
+        type=positive_int,
+        default=16,
+        help="tokens per block with --model (default 16)",
     )
     p.add_argument(
-        "--tp-size", type=positive_int, default=1, help="tensor-parallel size with --model"
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel size with --model (default 1)",
     )
     p.add_argument(
         "--seed",
         type=non_negative_int,
         default=0,
-        help="the engine's --seed with a `kvbridge serve` model",
+        help="the engine's --seed with a `kvbridge serve` model (default 0)",
     )
     add_auth_arguments(p, callers="the daemon", dials=False)
     p.add_argument(
@@ -191,8 +197,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help=f"pool order: one of {', '.join(ORDERS)} (default: block-outermost with the "
         "workers' inner order)",
     )
-    p.add_argument("--default-ttl", type=float, default=30.0, help="store/load TTL in s")
-    p.add_argument("--max-ttl", type=float, default=300.0, help="longest store/load TTL in s")
+    p.add_argument(
+        "--default-ttl", type=float, default=30.0, help="store/load TTL in s (default 30)"
+    )
+    p.add_argument(
+        "--max-ttl", type=float, default=300.0, help="longest store/load TTL in s (default 300)"
+    )
     p.add_argument(
         "--disk",
         metavar="PATH",

@@ -74,7 +74,9 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument(
         "--default-ttl", type=positive_float, default=30.0, help="lease TTL in s (default 30)"
     )
-    p.add_argument("--max-ttl", type=positive_float, default=600.0, help="longest lease TTL in s")
+    p.add_argument(
+        "--max-ttl", type=positive_float, default=600.0, help="longest lease TTL in s (default 600)"
+    )
     p.set_defaults(func=run)
 
 

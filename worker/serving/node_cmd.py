@@ -64,7 +64,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--num-blocks", type=positive_int, default=512, help="KV blocks per worker (default 512)"
     )
     p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="weight seed; must match on every node"
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        help="weight seed; must match on every node (default 0)",
     )
     p.add_argument(
         "--share-last",
@@ -216,7 +219,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_security_arguments(p)
     p.add_argument(
-        "--lease-ttl", type=positive_float, default=30.0, help="seconds a pin lives unheartbeaten"
+        "--lease-ttl",
+        type=positive_float,
+        default=30.0,
+        help="seconds a pin lives unheartbeaten (default 30)",
     )
     p.add_argument(
         "--max-lease-ttl",
@@ -225,7 +231,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="longest lease a peer may ask for; longer requests are clamped (default 600 s)",
     )
     p.add_argument(
-        "--load-timeout", type=positive_float, default=10.0, help="deadline of one KV load (s)"
+        "--load-timeout",
+        type=positive_float,
+        default=10.0,
+        help="deadline of one KV load in s (default 10)",
     )
     p.add_argument(
         "--stall-before-read",
