@@ -65,8 +65,8 @@ def _kv_sources(num_layers: int, share_last: int, share_every: int) -> list[int 
         )
     if not 0 <= share_last < num_layers or share_last * 2 > num_layers:
         raise ConfigError(
-            f"share_last={share_last} must leave at least as many owning layers "
-            f"({num_layers - share_last}) as sharing ones"
+            f"share_last={share_last}: the model has {num_layers} layers, and at least as many "
+            f"must own KV as share it: give 1 to {num_layers // 2}"
         )
     if share_every == 1 or share_every < 0:
         raise ConfigError(f"share_every={share_every} must be 0 (off) or >= 2")
