@@ -341,3 +341,21 @@ def test_every_option_of_the_serving_commands_says_what_it_does() -> None:
                 yield f"{name} {action.option_strings[0]}"
 
     assert list(bare(build_parser(), "kvbridge")) == []
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """``kvbridge layout | head``: stdout's reader closed before the command wrote; it ends
+    with the status of a process SIGPIPE ended (141), no error line, no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvbridge.worker.cli", "layout"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=90,
+        )
+    finally:
+        os.close(write_end)
+    assert (out.returncode, out.stderr) == (141, ""), out

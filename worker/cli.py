@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -189,9 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         code: int = args.func(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in a message at exit
     except KeyboardInterrupt:
         return 130
     except (KVBridgeError, OSError, MemoryError, RuntimeError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_reader_gone():
+            return 141  # `kvbridge layout | head`: quiet, as a process SIGPIPE ends
         message = _user_error(exc)
         if message is None:
             raise
@@ -201,6 +205,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{program}: error: {message}", file=sys.stderr)
         return 2
     return code
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it; if so, stdout goes to /dev/null so
+    that nothing more is written there (Python's flush at exit included)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poll.poll(0))
+        if gone:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+        return gone
+    except (AttributeError, ValueError, OSError):
+        return False
 
 
 def _with_flag_names(message: str, parser: argparse.ArgumentParser) -> str:
