@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvbridge.worker import vllm as harness
-from tests.harness.vllm import model_or_skip
+from tests.harness.vllm import model_or_skip, pd_trio
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -39,26 +39,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any
     model = model_or_skip(tmp)
     port = 19000 + (hash(str(tmp)) % 2000)
     env = {"VLLM_LOG_STATS_INTERVAL": "0.001"}  # log at every step with outputs
-    started = {
-        "prefill": harness.Engine(
-            model,
-            core=0,
-            kv=harness.kv_config("kvbridge", "kv_producer", control_port=port, lease_ttl_s=20),
-            log=tmp / "prefill.log",
-            wait=False,
-            log_stats=True,
-            env=env,
-        ),
-        "decode": harness.Engine(
-            model,
-            core=1,
-            kv=harness.kv_config("kvbridge", "kv_consumer", load_timeout_s=5),
-            log=tmp / "decode.log",
-            wait=False,
-            log_stats=True,
-            env=env,
-        ),
-    }
+    started = pd_trio(model, tmp, port, plain=False, wait=False, log_stats=True, env=env)
     with harness.running(started) as engines:
         yield {**engines, "port": port}, tmp
 

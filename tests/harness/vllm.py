@@ -73,11 +73,13 @@ def write_tiny_model(kind: str, path: Path, seed: int = 0) -> Path:
     return path
 
 
-def pd_trio(model: Path, tmp: Path, port: int, **common: Any) -> dict[str, Engine]:
-    """A prefill (core 0, control ``port``), a decode (core 1) and a plain engine (core 1)
-    of ``model``, started without waiting (pass them to :func:`running`); ``common`` goes
-    to every :class:`Engine`."""
-    return {
+def pd_trio(
+    model: Path, tmp: Path, port: int, plain: bool = True, **common: Any
+) -> dict[str, Engine]:
+    """A kvbridge prefill (core 0, control ``port``), a decode (core 1) and, with ``plain``,
+    a plain engine (core 1) of ``model``, started without waiting (pass them to
+    :func:`running`); ``common`` goes to every :class:`Engine`."""
+    engines = {
         "prefill": Engine(
             model,
             core=0,
@@ -92,8 +94,10 @@ def pd_trio(model: Path, tmp: Path, port: int, **common: Any) -> dict[str, Engin
             log=tmp / "decode.log",
             **common,
         ),
-        "plain": Engine(model, core=1, log=tmp / "plain.log", **common),
     }
+    if plain:
+        engines["plain"] = Engine(model, core=1, log=tmp / "plain.log", **common)
+    return engines
 
 
 class Engines(dict[str, Engine]):
