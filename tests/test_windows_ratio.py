@@ -18,10 +18,10 @@ import pytest
 import torch
 import xxhash
 
+from kvbridge.connector import KVTransferParams
 from kvbridge.connector.control.seal import content_tag, seal_digest
 from kvbridge.connector.daemon_share import daemon_blocks, skip_offloaded
 from kvbridge.connector.handover import group_name
-from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
 from kvbridge.connector.windows import AttentionGroups, block_ratios
@@ -35,10 +35,10 @@ from kvbridge.proto import (
     KVLayout,
     LayerSpec,
     ModelSpec,
+    Region,
     RequestId,
 )
 from kvbridge.proto.layout import PageShape
-from kvbridge.proto.specs import Region
 
 BS = 32
 WINDOW = 32
