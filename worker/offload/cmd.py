@@ -133,7 +133,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     add_listen_arguments(p, "OffloadStore gRPC port")
     p.add_argument(
-        "--metrics-port", type=port, help="serve Prometheus metrics on this port (/metrics)"
+        "--metrics-port",
+        type=port,
+        help="serve Prometheus metrics on this port (/metrics; default: off)",
     )
     p.add_argument(
         "--model",

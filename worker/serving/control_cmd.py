@@ -52,7 +52,11 @@ def add_parser(sub: argparse._SubParsersAction, name: str = "serve-control") -> 
     p.add_argument(
         "--num-blocks", type=positive_int, default=1024, help="blocks per group (default 1024)"
     )
-    p.add_argument("--order", default="block-nhd", help=f"physical order: {', '.join(ORDERS)}")
+    p.add_argument(
+        "--order",
+        default="block-nhd",
+        help=f"physical order: {', '.join(ORDERS)} (default block-nhd)",
+    )
     p.add_argument(
         "--tp-rank", type=non_negative_int, default=0, help="this rank, below --tp-size (default 0)"
     )
