@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.transport.base import LocalMemory, Transport
+    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
     from kvbridge.proto.layout import KVLayout
 
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
@@ -96,9 +96,21 @@ class RemoteLoader:
         """Releases after a failed load and disconnects run here, off the request's path."""
         self._hashers = ThreadPoolExecutor(1, thread_name_prefix="kvb-hash")
         """A thread that may hash a share of a load's blocks beside the checking thread."""
+        self._proven: list[tuple[PeerLink, str, int, int]] = []
+        """Leases of inline loads proven since :meth:`send_releases` last ran: given back
+        after the load was reported, not on its timed path (engine's thread only)."""
+
+    def send_releases(self) -> None:
+        """Give back the leases of the inline loads proven since the last call (engine's
+        thread: the next step's ``start_load_kv``, after it posted that step's READs, so a
+        release's notification never precedes a block READ of the same step)."""
+        proven, self._proven = self._proven, []
+        for link, lease_id, reader, readers in proven:
+            self._seal_reader.release(link, lease_id, reader, readers)
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
+        self.send_releases()  # best effort: one left unsent expires
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
         self._hashers.shutdown(wait=True)
         self._links.close()
@@ -180,9 +192,8 @@ class RemoteLoader:
         held, reads = inline.held, inline.reads
         assert held is not None and reads is not None
         for peer, ok in zip(peers, held, strict=True):
-            if ok:  # proven ours: give it back (one whose seal did not hold expires)
-                self._seal_reader.release(peer.seal_link, load.lease_id, *self._reader(load))  # type: ignore[arg-type]
-        job.mark("release")
+            if ok:  # proven ours: given back next step (one whose seal did not hold expires)
+                self._proven.append((peer.seal_link, load.lease_id, *self._reader(load)))  # type: ignore[arg-type]
         if len(peers) > 1:
             ranks = self._ranks(load)
             checked = inline.checked if job.expected is not None else None
