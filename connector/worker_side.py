@@ -168,14 +168,6 @@ class KVBridgeWorker(WorkerConnector):
                 state.jobs[load.request_id] = (load, self._pool.submit(self._load, load))
         for store in metadata.stores:
             self._state.stores[store.request_id] = self._pool.submit(self._store, store)
-        self.send_releases()
-
-    def send_releases(self) -> None:
-        """Give back the leases of loads reported since the last step (their release is not
-        on the load's timed path); :meth:`start_load_kv` calls it after posting its READs,
-        an engine that skips that call on a step without loads calls it instead."""
-        if self._remote is not None:
-            self._remote.send_releases()
 
     @property
     def seal_layout(self) -> KVLayout | None:
@@ -193,6 +185,8 @@ class KVBridgeWorker(WorkerConnector):
     ) -> tuple[set[RequestId], set[RequestId]]:
         done: set[RequestId] = set()
         remote, spin_until = self._remote, time.perf_counter() + SPIN_S
+        if remote is not None:  # leases of loads reported before: off their timed path
+            remote.send_releases(loads_in_flight=bool(self._state.inline))
         for rid, (load, inline) in list(self._state.inline.items()):
             assert remote is not None
             try:

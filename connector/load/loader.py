@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvbridge.connector.control.types import PeerInfo
-    from kvbridge.connector.transport.base import LocalMemory, PeerLink, Transport
+    from kvbridge.connector.transport.base import LocalMemory, Transport
     from kvbridge.proto.layout import KVLayout
 
 __all__ = ["RELEASE_TIMEOUT_S", "RemoteLoader"]
@@ -96,17 +96,11 @@ class RemoteLoader:
         """Releases after a failed load and disconnects run here, off the request's path."""
         self._hashers = ThreadPoolExecutor(1, thread_name_prefix="kvb-hash")
         """A thread that may hash a share of a load's blocks beside the checking thread."""
-        self._proven: list[tuple[PeerLink, str, int, int]] = []
-        """Leases of inline loads proven since :meth:`send_releases` last ran: given back
-        after the load was reported, not on its timed path (engine's thread only)."""
 
-    def send_releases(self) -> None:
-        """Give back the leases of the inline loads proven since the last call (engine's
-        thread: the next step's ``start_load_kv``, after it posted that step's READs, so a
-        release's notification never precedes a block READ of the same step)."""
-        proven, self._proven = self._proven, []
-        for link, lease_id, reader, readers in proven:
-            self._seal_reader.release(link, lease_id, reader, readers)
+    def send_releases(self, *, loads_in_flight: bool = False) -> None:
+        """Give back the leases of inline loads proven before (engine's thread, at the
+        start of ``get_finished``): :meth:`SealReader.send_deferred`."""
+        self._seal_reader.send_deferred(loads_in_flight=loads_in_flight)
 
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
@@ -192,8 +186,8 @@ class RemoteLoader:
         held, reads = inline.held, inline.reads
         assert held is not None and reads is not None
         for peer, ok in zip(peers, held, strict=True):
-            if ok:  # proven ours: given back next step (one whose seal did not hold expires)
-                self._proven.append((peer.seal_link, load.lease_id, *self._reader(load)))  # type: ignore[arg-type]
+            if ok:  # proven ours: given back later (one whose seal did not hold expires)
+                self._seal_reader.defer_release(peer.seal_link, load.lease_id, *self._reader(load))  # type: ignore[arg-type]
         if len(peers) > 1:
             ranks = self._ranks(load)
             checked = inline.checked if job.expected is not None else None

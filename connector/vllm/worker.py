@@ -172,8 +172,6 @@ class VllmWorker:
             self._hold(order)
         if (step.loads or step.stores) and self.loader is not None:
             self.loader.start_load_kv(step)
-        elif self.loader is not None:  # leases of loads reported last step go back now
-            self.loader.send_releases()
 
     def _hold(self, order: HoldOrder) -> None:
         if self.leases is None:  # not a producer: the scheduler never orders holds
