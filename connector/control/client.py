@@ -357,9 +357,11 @@ class DigestsCall:
         try:
             resp = self._call.result(timeout=left if timeout is None else min(timeout, left))
         except grpc.RpcError as err:
-            again = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-            left = self._deadline - time.monotonic()
-            if err.code() in again and left > 0:  # busy: asked again with backoff
+            busy = err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            left = self._deadline - time.monotonic() - (BUSY_BACKOFF_S if busy else 0.0)
+            if (busy or err.code() is grpc.StatusCode.UNAVAILABLE) and left > 0:
+                if busy:  # the owner's wait slots are full: ask again shortly
+                    time.sleep(BUSY_BACKOFF_S)
                 return self._client.digests(self._lease, timeout_s=left)
             raise error_from_rpc(f"Digests {self._client.address}", err) from None
         except grpc.FutureCancelledError:
