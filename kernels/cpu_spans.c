@@ -19,10 +19,19 @@
  * while bytes move.
  *
  * Threads: the (block, pair) units are handed out in chunks of at least chunk_bytes (default
- * CHUNK_BYTES) from one
- * atomic counter to ``threads`` threads (the calling one included, which starts at once): a
- * helper that starts late, or shares its core with another process or with torch's spinning
- * OpenMP workers, takes fewer chunks instead of holding up the call with a fixed half.
+ * CHUNK_BYTES) from one atomic counter to ``threads`` threads (the calling one included,
+ * which starts at once): a helper that starts late, or shares its core with another
+ * process, takes fewer chunks instead of holding up the call with a fixed half.
+ * The helpers are the calling thread's OpenMP team, in the libgomp torch has loaded (found
+ * with dlopen(RTLD_NOLOAD): this module never loads one), entered by GOMP_parallel, the call
+ * `#pragma omp parallel` compiles to. Those are the threads torch's own CPU ops use: made
+ * once, kept, and after each parallel region spinning for several milliseconds before they
+ * sleep (GOMP_SPINCOUNT). Helpers of our own would share a core with that spinning worker
+ * for most of a copy that follows a torch op (half speed for the helper); the worker takes
+ * the call's work at once instead. libgomp's teams do not survive fork() (a child's first
+ * parallel region waits for threads that are gone), so a forked child, and a process
+ * without libgomp (torch built with another OpenMP, or none), start ``threads - 1``
+ * pthreads per call instead (the GIL is released throughout).
  *
  * Stores: with ``stream`` nonzero (the caller sets it for copies much bigger than a cache,
  * runs of at least 64 bytes) the destination is written with non-temporal stores on x86-64,
@@ -41,6 +50,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -228,7 +238,7 @@ static void copy_units(const job_t *j, int64_t first, int64_t last)
     copy_units_plain(j, first, last);
 }
 
-static void *work(void *arg)
+static void work(void *arg)
 {
     job_t *j = (job_t *)arg;
     for (;;) {
@@ -241,7 +251,44 @@ static void *work(void *arg)
     if (j->stream)
         _mm_sfence(); /* streamed stores are weakly ordered: done before the join sees them */
 #endif
+}
+
+static void *pthread_work(void *arg)
+{
+    work(arg);
     return NULL;
+}
+
+/* GOMP_parallel(fn, data, num_threads, flags): fn(data) on a team of num_threads, the caller
+ * being thread 0; returns when every member has returned (libgomp's ABI since GCC 4.9) */
+typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_t gomp_parallel; /* NULL: no libgomp loaded, or a forked child */
+
+static void forget_gomp(void) /* in a child after fork() */
+{
+    gomp_parallel = NULL;
+}
+
+/* Copy the job on `threads` threads (the caller included); the GIL is released. */
+static void run_job(job_t *job, long long threads)
+{
+    if (threads <= 1) {
+        work(job);
+        return;
+    }
+    gomp_parallel_t team = gomp_parallel;
+    if (team != NULL) {
+        team(work, job, (unsigned)threads, 0);
+        return;
+    }
+    pthread_t helpers[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (long long t = 1; t < threads; t++) /* one that fails to start leaves more to claim */
+        started[t] = pthread_create(&helpers[t], NULL, pthread_work, job) == 0;
+    work(job);
+    for (long long t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(helpers[t], NULL);
 }
 
 static PyObject *copy_spans(PyObject *self, PyObject *args)
@@ -286,22 +333,24 @@ static PyObject *copy_spans(PyObject *self, PyObject *args)
     int64_t chunks = (units + job.chunk - 1) / job.chunk;
     if (threads > chunks)
         threads = chunks;
-    pthread_t helpers[MAX_THREADS];
-    int started[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
-    for (long long t = 1; t < threads; t++) /* one that fails to start leaves more to claim */
-        started[t] = pthread_create(&helpers[t], NULL, work, &job) == 0;
-    work(&job);
-    for (long long t = 1; t < threads; t++)
-        if (started[t])
-            pthread_join(helpers[t], NULL);
+    run_job(&job, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *helper_threads(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(gomp_parallel != NULL ? "openmp" : "pthreads");
 }
 
 static PyMethodDef methods[] = {
     {"copy_spans", copy_spans, METH_VARARGS,
      "Copy run_bytes-byte runs of every (block, view pair); see cpu_spans.c."},
+    {"helper_threads", helper_threads, METH_NOARGS,
+     "'openmp' (the calling thread's libgomp team) or 'pthreads' (made per call)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -316,5 +365,11 @@ PyMODINIT_FUNC PyInit__cpu_spans(void)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
+    /* only a libgomp already loaded (torch's); the handle is kept, so it stays loaded */
+    void *gomp = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (gomp != NULL)
+        gomp_parallel = (gomp_parallel_t)dlsym(gomp, "GOMP_parallel");
+    if (pthread_atfork(NULL, NULL, forget_gomp) != 0)
+        gomp_parallel = NULL;
     return PyModule_Create(&module);
 }
