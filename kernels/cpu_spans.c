@@ -118,64 +118,42 @@ INLINE void copy_plain(char *d, const char *s, size_t n, const char *next)
     } while (0)
 
 #ifdef HAVE_STREAM
-/* non-temporal stores from d's first 16-byte boundary on; the unaligned head and the tail
- * under 16 bytes with memcpy (a call even for 0 bytes: skipped in the aligned case) */
-INLINE void copy_sse2(char *d, const char *s, size_t n, const char *next)
-{
-    size_t head = (size_t)(-(uintptr_t)d & 15), o;
-    if (head > n)
-        head = n;
-    if (head)
-        memcpy(d, s, head);
-    for (o = head; o + 64 <= n; o += 64) {
-        PREFETCH_AHEAD(s, o, n, next);
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-        _mm_stream_si128((__m128i *)(d + o), a);
-        _mm_stream_si128((__m128i *)(d + o + 16), b);
-        _mm_stream_si128((__m128i *)(d + o + 32), c);
-        _mm_stream_si128((__m128i *)(d + o + 48), e);
+/* The streamed copy of one run with W-byte vectors (VEC, LOAD, STORE): non-temporal stores
+ * from d's first W-byte boundary on, 64 bytes (a line) per step, the source touched ahead;
+ * the unaligned head and the tail under W bytes with memcpy (skipped when empty). The usual
+ * short run (e.g. a 256-byte head: whole lines, aligned, nothing ahead) takes the first loop
+ * alone. One form for every width: the inner loop of 64 / W vectors is unrolled whole. */
+#define COPY_STREAMED(NAME, ATTR, VEC, LOAD, STORE, W)                                      \
+    ATTR INLINE void NAME(char *d, const char *s, size_t n, const char *next)               \
+    {                                                                                        \
+        if (next == NULL && (n & 63) == 0 && ((uintptr_t)d & (W - 1)) == 0) {                \
+            for (size_t o = 0; o < n; o += 64)                                               \
+                for (size_t k = 0; k < 64; k += W)                                           \
+                    STORE((VEC *)(d + o + k), LOAD((const VEC *)(s + o + k)));               \
+            return;                                                                          \
+        }                                                                                    \
+        size_t head = (size_t)(-(uintptr_t)d & (W - 1)), o;                                  \
+        if (head > n)                                                                        \
+            head = n;                                                                        \
+        if (head)                                                                            \
+            memcpy(d, s, head);                                                              \
+        for (o = head; o + 64 <= n; o += 64) {                                               \
+            PREFETCH_AHEAD(s, o, n, next);                                                   \
+            for (size_t k = 0; k < 64; k += W)                                               \
+                STORE((VEC *)(d + o + k), LOAD((const VEC *)(s + o + k)));                   \
+        }                                                                                    \
+        for (; o + W <= n; o += W)                                                           \
+            STORE((VEC *)(d + o), LOAD((const VEC *)(s + o)));                               \
+        if (o < n)                                                                           \
+            memcpy(d + o, s + o, n - o);                                                     \
     }
-    for (; o + 16 <= n; o += 16)
-        _mm_stream_si128((__m128i *)(d + o), _mm_loadu_si128((const __m128i *)(s + o)));
-    if (o < n)
-        memcpy(d + o, s + o, n - o);
-}
 
+/* SSE2 (part of x86-64 itself): 16-byte stores */
+COPY_STREAMED(copy_sse2, , __m128i, _mm_loadu_si128, _mm_stream_si128, 16)
 #ifdef HAVE_AVX2
-/* the same with 32-byte stores from d's first 32-byte boundary */
-__attribute__((target("avx2"))) INLINE void copy_avx2(char *d, const char *s, size_t n,
-                                                      const char *next)
-{
-    if (next == NULL && (n & 63) == 0 && ((uintptr_t)d & 31) == 0) {
-        /* the usual short run (e.g. a 256-byte head): whole lines, aligned, nothing ahead */
-        for (size_t o = 0; o < n; o += 64) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
-            __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
-            _mm256_stream_si256((__m256i *)(d + o), a);
-            _mm256_stream_si256((__m256i *)(d + o + 32), b);
-        }
-        return;
-    }
-    size_t head = (size_t)(-(uintptr_t)d & 31), o;
-    if (head > n)
-        head = n;
-    if (head)
-        memcpy(d, s, head);
-    for (o = head; o + 64 <= n; o += 64) {
-        PREFETCH_AHEAD(s, o, n, next);
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
-        _mm256_stream_si256((__m256i *)(d + o), a);
-        _mm256_stream_si256((__m256i *)(d + o + 32), b);
-    }
-    for (; o + 32 <= n; o += 32)
-        _mm256_stream_si256((__m256i *)(d + o), _mm256_loadu_si256((const __m256i *)(s + o)));
-    if (o < n)
-        memcpy(d + o, s + o, n - o);
-}
+/* AVX2 (chosen at run time): 32-byte stores */
+COPY_STREAMED(copy_avx2, __attribute__((target("avx2"))), __m256i, _mm256_loadu_si256,
+              _mm256_stream_si256, 32)
 #endif
 #endif
 
