@@ -28,10 +28,12 @@
  * once, kept, and after each parallel region spinning for several milliseconds before they
  * sleep (GOMP_SPINCOUNT). Helpers of our own would share a core with that spinning worker
  * for most of a copy that follows a torch op (half speed for the helper); the worker takes
- * the call's work at once instead. libgomp's teams do not survive fork() (a child's first
- * parallel region waits for threads that are gone), so a forked child, and a process
- * without libgomp (torch built with another OpenMP, or none), start ``threads - 1``
- * pthreads per call instead (the GIL is released throughout).
+ * the call's work at once instead. A team belongs to the thread that made it and does not
+ * survive fork(): in the child, the thread that forked may hold its parent's team, whose
+ * threads are gone (its first parallel region would wait for them forever; torch's own ops
+ * hang there), so that thread, and a process without libgomp (torch built with another
+ * OpenMP, or none), start ``threads - 1`` pthreads per call instead; threads made in the
+ * child get teams of their own. The GIL is released throughout.
  *
  * Stores: with ``stream`` nonzero (the caller sets it for copies much bigger than a cache,
  * runs of at least 64 bytes) the destination is written with non-temporal stores on x86-64,
@@ -240,11 +242,22 @@ static void *pthread_work(void *arg)
 /* GOMP_parallel(fn, data, num_threads, flags): fn(data) on a team of num_threads, the caller
  * being thread 0; returns when every member has returned (libgomp's ABI since GCC 4.9) */
 typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
-static gomp_parallel_t gomp_parallel; /* NULL: no libgomp loaded, or a forked child */
+static gomp_parallel_t gomp_parallel; /* NULL: no libgomp loaded */
+static int forked;                    /* this process is a child of fork() ... */
+static pthread_t fork_thread;         /* ... made by this thread, the child's first one */
 
-static void forget_gomp(void) /* in a child after fork() */
+static void after_fork_in_child(void)
 {
-    gomp_parallel = NULL;
+    forked = 1;
+    fork_thread = pthread_self();
+}
+
+/* GOMP_parallel if the calling thread may enter its team, else NULL */
+static gomp_parallel_t team_of_caller(void)
+{
+    if (forked && pthread_equal(pthread_self(), fork_thread))
+        return NULL; /* it may hold the parent's team, whose threads are gone */
+    return gomp_parallel;
 }
 
 /* Copy the job on `threads` threads (the caller included); the GIL is released. */
@@ -254,7 +267,7 @@ static void run_job(job_t *job, long long threads)
         work(job);
         return;
     }
-    gomp_parallel_t team = gomp_parallel;
+    gomp_parallel_t team = team_of_caller();
     if (team != NULL) {
         team(work, job, (unsigned)threads, 0);
         return;
@@ -321,14 +334,14 @@ static PyObject *helper_threads(PyObject *self, PyObject *args)
 {
     (void)self;
     (void)args;
-    return PyUnicode_FromString(gomp_parallel != NULL ? "openmp" : "pthreads");
+    return PyUnicode_FromString(team_of_caller() != NULL ? "openmp" : "pthreads");
 }
 
 static PyMethodDef methods[] = {
     {"copy_spans", copy_spans, METH_VARARGS,
      "Copy run_bytes-byte runs of every (block, view pair); see cpu_spans.c."},
     {"helper_threads", helper_threads, METH_NOARGS,
-     "'openmp' (the calling thread's libgomp team) or 'pthreads' (made per call)."},
+     "For the calling thread: 'openmp' (its libgomp team) or 'pthreads' (made per call)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -347,7 +360,7 @@ PyMODINIT_FUNC PyInit__cpu_spans(void)
     void *gomp = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (gomp != NULL)
         gomp_parallel = (gomp_parallel_t)dlsym(gomp, "GOMP_parallel");
-    if (pthread_atfork(NULL, NULL, forget_gomp) != 0)
-        gomp_parallel = NULL;
+    if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0)
+        gomp_parallel = NULL; /* no way to tell a child's first thread: no teams at all */
     return PyModule_Create(&module);
 }

@@ -12,8 +12,8 @@ all blocks of all layers, no temporary, no view or ``TensorIterator`` per
 block, split between ``torch.get_num_threads()`` threads (the GIL is
 released), which claim the work in chunks as they get to run: the calling
 thread's OpenMP team in the libgomp torch loaded (the threads torch's own
-ops use, kept between calls), or, in a forked child or without libgomp,
-pthreads made per call (:func:`helper_threads`). Copies of at
+ops use, kept between calls), or, without libgomp and on the thread that
+forked (in the child), pthreads made per call (:func:`helper_threads`). Copies of at
 least :data:`STREAM_BYTES` in runs of at least :data:`STREAM_MIN_RUN` bytes
 write the destination with non-temporal (streaming) stores on x86-64 (AVX2
 where the CPU has it): a plain store first reads each destination line, runs
@@ -89,9 +89,10 @@ def available() -> bool:
 
 
 def helper_threads() -> str | None:
-    """Where a call's helper threads come from: ``"openmp"`` (the calling thread's team in
-    torch's libgomp), ``"pthreads"`` (made per call: a forked child, or no libgomp), or
-    ``None`` where the span copy is not built."""
+    """Where the calling thread's calls get their helper threads: ``"openmp"`` (its team in
+    torch's libgomp), ``"pthreads"`` (made per call: no libgomp, or the thread that forked,
+    in the child, which may hold its parent's team), or ``None`` where the span copy is not
+    built."""
     native = native_module()
     return None if native is None else str(native.helper_threads())
 

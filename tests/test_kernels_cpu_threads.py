@@ -127,9 +127,10 @@ def test_two_python_threads_copy_at_once_exactly_and_leave_no_threads() -> None:
         assert_cache_equals(dst, want, dl)
 
 
-def test_a_forked_child_copies_on_its_own_threads_exactly() -> None:
-    # libgomp's teams do not survive fork (a child's first parallel region waits for the
-    # parent's threads); the parent has used its team, the child must still copy, exactly
+def test_a_forked_child_copies_exactly_on_the_forking_thread_and_on_new_threads() -> None:
+    # libgomp's teams do not survive fork (the forking thread's first parallel region in the
+    # child waits for its parent's threads); the parent has used its team on this thread:
+    # in the child this thread copies on pthreads, a thread made there on a team of its own
     sl, dl = _layout("layer-nhd"), _layout("layer-hnd")
     src, dst = random_cache(sl, 30), random_cache(dl, 31)
     pairs = [(6, 1), (0, 3), (4, 7)]
@@ -145,7 +146,21 @@ def test_a_forked_child_copies_on_its_own_threads_exactly() -> None:
                 for _ in range(20):
                     convert_blocks(src, sl, dst, dl, pairs)
                 same = all(np.array_equal(bits(dst[k]).numpy(), w) for k, w in want.items())
-                code = 0 if same else 3
+                code = 3 if not same else 4
+                kinds: list[str] = []
+                other = random_cache(dl, 31)  # dst as it was before the copy
+
+                def copy_on_a_new_thread() -> None:
+                    kinds.append(_native().helper_threads())
+                    for _ in range(20):
+                        convert_blocks(src, sl, other, dl, pairs)
+
+                worker = threading.Thread(target=copy_on_a_new_thread)
+                worker.start()
+                worker.join()
+                same = all(np.array_equal(bits(other[k]).numpy(), w) for k, w in want.items())
+                if kinds == [kind] and same:
+                    code = 0
         finally:
             os._exit(code)
     end = time.monotonic() + 60
@@ -158,7 +173,8 @@ def test_a_forked_child_copies_on_its_own_threads_exactly() -> None:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         pytest.fail("the forked child's copy hung")
-    assert os.waitstatus_to_exitcode(status) == 0, "1: team kept, 2: raised, 3: wrong bytes"
+    code = os.waitstatus_to_exitcode(status)
+    assert code == 0, "1: parent's team kept, 2: raised, 3: wrong bytes, 4: new thread's copy"
     assert _native().helper_threads() == kind  # the parent keeps its team
     convert_blocks(src, sl, dst, dl, pairs)
     assert_cache_equals(dst, {k: torch.from_numpy(w) for k, w in want.items()}, dl)
