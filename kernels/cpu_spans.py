@@ -94,7 +94,10 @@ def helper_threads() -> str | None:
     in the child, which may hold its parent's team), or ``None`` where the span copy is not
     built."""
     native = native_module()
-    return None if native is None else str(native.helper_threads())
+    if native is None:
+        return None
+    kind = getattr(native, "helper_threads", None)  # absent from builds before the teams
+    return "pthreads" if kind is None else str(kind())
 
 
 @functools.lru_cache(maxsize=64)
