@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     helpers = {"openmp": "the calling thread's OpenMP team", "pthreads": "pthreads per call"}
     if available():
-        how = helpers.get(helper_threads() or "", helper_threads())
+        how = helpers.get(helper_threads() or "", helper_threads()) if threads > 1 else "no helper"
         path_name = f"compiled span copy, up to {threads} thread(s) ({how}, claiming 1 MiB parts)"
     else:
         path_name = f"torch ops (span copy not built), {threads} torch thread(s)"
