@@ -49,7 +49,12 @@ from kvbridge.connector.events import BlockRemoved, BlockStored
 from kvbridge.connector.offload.lookup import OffloadLookup
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
-from kvbridge.connector.vllm.kinds import check_vllm_model, layer_groups, vllm_groups
+from kvbridge.connector.vllm.kinds import (
+    check_vllm_model,
+    layer_groups,
+    layer_pages,
+    vllm_groups,
+)
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens
@@ -228,13 +233,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        shares = self._shares()
         views, interior = logical_views(
             kv_caches,
             num_kv_heads=self._num_kv_heads,
             head_size=self._head_size,
             block_size=self._block_size,
+            pages=layer_pages(self._kv_cache_config, kv_caches, shares),
         )
-        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, self._shares())
+        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, shares)
         self.worker.register(views, "" if interior is None else packed_suffix(interior), groups)
 
     def _shares(self) -> dict[str, str]:

@@ -22,6 +22,7 @@ __all__ = [
     "check_model_kind",
     "check_vllm_model",
     "layer_groups",
+    "layer_pages",
     "plan_groups",
     "vllm_group_kinds",
     "vllm_groups",
@@ -187,3 +188,27 @@ def layer_groups(
     if missing:
         raise LayoutError(f"vLLM put layers {missing} in none of its KV cache groups")
     return out
+
+
+def layer_pages(
+    kv_cache_config: Any, layers: Iterable[str], shares: Mapping[str, str] | None = None
+) -> dict[str, tuple[int, int, int]] | None:
+    """Each layer's page shape ``(KV heads of this rank, head size, block size)`` from its
+    KV cache group's spec, when vLLM keeps several groups (a hybrid model's groups may
+    differ in head size and block size); None for one group (every layer has the model's
+    shape), and for groups of one shape. ``shares`` as for :func:`layer_groups`: a
+    KV-sharing layer has its target's."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) <= 1:
+        return None
+    kinds = vllm_group_kinds(kv_cache_config)
+    if len({kind.shape for kind in kinds}) == 1:
+        return None
+    out = {
+        layer: (kind.shape[0], kind.shape[1], kind.shape[3])
+        for kind, group in zip(kinds, kv_cache_config.kv_cache_groups, strict=True)
+        for layer in group.layer_names
+    }
+    for layer, target in (shares or {}).items():
+        if layer not in out and target in out:
+            out[layer] = out[target]
+    return {layer: out[layer] for layer in layers if layer in out}
