@@ -275,3 +275,38 @@ def test_a_disk_tier_of_a_uniform_layout_keeps_its_fingerprint() -> None:
     )
     assert fingerprint(lay) == hashlib.sha256(text.encode()).digest()
     assert fingerprint(wide()) != fingerprint(lay)
+
+
+def test_an_offload_session_through_a_rearrange_staging_cache_is_refused_at_the_handshake() -> None:
+    """The staging cache converts every group's blocks as ``self``-shaped pages: right for
+    a group of ``self``'s shape only, so a worker with a group of its own shape and a pool
+    in another inner order get no session (offload off, recompute), with the fix named."""
+    from kvbridge.connector.control.types import PeerInfo, Role, mode_to_pb, peer_to_pb
+    from kvbridge.connector.offload.session import handshake
+    from kvbridge.connector.offload.types import OffloadClientConfig
+    from kvbridge.connector.transport.base import LocalMemory
+    from kvbridge.proto import IncompatibleLayoutError, TransferMode
+    from kvbridge.proto import offload_pb2 as pb
+    from kvbridge.proto.types import EngineId
+
+    def session(local: KVLayout, pool: KVLayout, mode: TransferMode) -> None:
+        daemon = PeerInfo(EngineId("daemon"), Role.OFFLOAD, pool, b"md")
+        answer = pb.OffloadHandshakeResponse(
+            peer=peer_to_pb(daemon), mode=mode_to_pb(mode), instance="i", session="s"
+        )
+        transport = SimpleNamespace(metadata=lambda: b"mine", name="w")
+        handshake(
+            lambda *a: answer,
+            OffloadClientConfig(),
+            transport,  # type: ignore[arg-type]
+            LocalMemory(1, local.bind(local.allocate()), "cpu"),
+            caches={},
+        )
+
+    two = PageShape(64, 2, 64)  # 2 heads: HND and NHD differ
+    pool = wide(two, heads=2, order="block-nhd").with_num_blocks(self=4)
+    shaped = r"groups of their own page shape \(\['g1'\]\)"
+    with pytest.raises(IncompatibleLayoutError, match=shaped):
+        session(wide(two, heads=2, order="layer-hnd"), pool, TransferMode.REARRANGE)
+    with pytest.raises(IncompatibleLayoutError, match=r"--order"):
+        session(wide(two, heads=2, order="block-hnd"), pool, TransferMode.REARRANGE)
