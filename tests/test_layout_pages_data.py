@@ -282,12 +282,11 @@ def test_an_offload_session_through_a_rearrange_staging_cache_is_refused_at_the_
     a group of ``self``'s shape only, so a worker with a group of its own shape and a pool
     in another inner order get no session (offload off, recompute), with the fix named."""
     from kvbridge.connector.control.types import PeerInfo, Role, mode_to_pb, peer_to_pb
+    from kvbridge.connector.offload import OffloadClientConfig
     from kvbridge.connector.offload.session import handshake
-    from kvbridge.connector.offload.types import OffloadClientConfig
-    from kvbridge.connector.transport.base import LocalMemory
-    from kvbridge.proto import IncompatibleLayoutError, TransferMode
+    from kvbridge.connector.transport import LocalMemory
+    from kvbridge.proto import EngineId, IncompatibleLayoutError, TransferMode
     from kvbridge.proto import offload_pb2 as pb
-    from kvbridge.proto.types import EngineId
 
     def session(local: KVLayout, pool: KVLayout, mode: TransferMode) -> None:
         daemon = PeerInfo(EngineId("daemon"), Role.OFFLOAD, pool, b"md")

@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 
+from kvbridge.connector import KVTransferParams
 from kvbridge.connector.control.seal import content_tag, seal_digest
 from kvbridge.connector.daemon_share import daemon_blocks, skip_offloaded
 from kvbridge.connector.handover import group_name
-from kvbridge.connector.params import KVTransferParams
 from kvbridge.connector.vllm.config import VllmConnectorConfig
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
 from kvbridge.connector.windows import AttentionGroups, block_ratios
@@ -34,10 +35,10 @@ from kvbridge.proto import (
     KVLayout,
     LayerSpec,
     ModelSpec,
+    Region,
     RequestId,
 )
 from kvbridge.proto.layout import PageShape
-from kvbridge.proto.specs import Region
 
 BS = 32
 WINDOW = 32
@@ -166,6 +167,12 @@ def test_decode_loads_each_groups_blocks_and_expects_the_leases_seal() -> None:
     names = _self_names(decode)
     same_place = {**order.hashes(), "g0": tuple(group_name("g0", n) for n in names[:2])}
     assert load.seal != seal_digest(order.blocks(), same_place)
+    # nor the seal of another name for the partial 64-token block, or of one block fewer
+    g0 = order.hashes()["g0"]
+    other_tail = {**order.hashes(), "g0": (g0[0], group_name("g0", names[1]))}
+    assert load.seal != seal_digest(order.blocks(), other_tail)
+    fewer = {**order.blocks(), "g0": order.blocks()["g0"][:1]}
+    assert load.seal != seal_digest(fewer, {**order.hashes(), "g0": g0[:1]})
 
 
 def test_a_local_hit_of_one_64_token_block_loads_the_rest_at_their_lease_offsets() -> None:
@@ -238,6 +245,20 @@ def test_a_store_takes_the_full_64_token_blocks_under_their_names() -> None:
     assert list(store.hashes) == [*names, group_name("g0", names[3])]
 
 
+def test_a_store_never_takes_a_64_token_block_its_self_blocks_only_half_fill() -> None:
+    daemon = Daemon()
+    sched = _scheduler("kv_both", window=64, daemon=daemon)  # keeps both sliding blocks
+    computed = list(range(1, 101))  # 100 tokens: 3 full self blocks
+    delay_free, _ = sched.request_finished(
+        RequestId("w"), PROMPT, None, ([30, 31], [20, 21, 22, 23]), True, computed
+    )
+    (store,) = sched.build_step()[0].stores
+    names = sched.hasher.hash_blocks(computed)
+    assert delay_free and len(names) == 3
+    assert list(store.block_ids) == [20, 21, 22, 30]
+    assert list(store.hashes) == [*names, group_name("g0", names[1])]
+
+
 def test_an_offload_hit_ends_on_a_64_token_boundary() -> None:
     daemon = Daemon()
     sched, _ = _store(daemon)
@@ -283,13 +304,26 @@ def test_a_decode_takes_the_daemons_64_token_blocks_and_the_rest_from_prefill() 
     assert rest.local_ids == {"self": (52,), "g0": (42,)}
     assert rest.remote_ids == {"self": (22,), "g0": (31,)}
     assert rest.lease_offset("g0") == 1 and rest.first_block == 2
-    # the daemon's sliding block 1 would be a partial block: never asked for, never taken
-    daemon.names.add(group_name("g0", names[2]))
+
+
+def test_a_decode_never_takes_a_partial_64_token_block_from_the_daemon() -> None:
+    prompt = list(range(1, 101))  # 100 tokens: self blocks 0..3 (3 full), sliding 0..1
+    prefill = _scheduler("kv_producer")
+    _, params = prefill.request_finished(
+        RID, prompt, {"do_remote_decode": True}, ([0, 31], [20, 21, 22, 23]), True
+    )
+    assert params is not None and params["block_ids"]["g0"] == [31]  # window from token 69
+    daemon = Daemon()
     decode = _scheduler("kv_consumer", daemon=daemon)
-    decode.num_matched(RID, PROMPT, params, 0)
-    decode.after_alloc(RID, PROMPT, ([41, 42], [50, 51, 52]), len(PROMPT))
+    names = _self_names(decode, prompt)
+    # the daemon serves self blocks 0..2; sliding block 1 covers self blocks 2 and 3 (the
+    # tail), so it is not the daemon's to give, even under the name it would have
+    daemon.names.update([*names[:3], group_name("g0", names[2])])
+    assert decode.num_matched(RID, prompt, params, 0) == (len(prompt), True)
+    decode.after_alloc(RID, prompt, ([0, 42], [50, 51, 52, 53]), len(prompt))
     (load,) = decode.build_step()[0].loads
-    assert load.offload_groups == {"g0": (group_name("g0", names[1]),)}
+    assert load.offload_hashes == names[:3] and load.offload_groups == {}
+    assert load.local_ids["g0"] == (42,) and load.remote_ids["g0"] == (31,)
 
 
 def test_the_fingerprint_takes_group_shapes_only_where_they_differ() -> None:
@@ -326,9 +360,15 @@ def test_digests_and_their_tag_over_groups_of_different_block_counts() -> None:
     mine = block_digests(lay, KVGroup.SELF, [0, 1, 2], key)
     theirs = block_digests(lay, "g0", [0, 1], key)
     assert len(set(mine + theirs)) == 5
+    # each g0 digest covers exactly its 64-token page: 64 x 1 x 128 floats, K and V
+    g0 = mems[lay.regions_of("g0").start]
+    page = 2 * 64 * 128
+    assert g0.numel() == 2 * page
+    for b in (0, 1):
+        raw = g0[b * page : (b + 1) * page].numpy().tobytes()
+        assert theirs[b] == xxhash.xxh3_128_digest(raw, seed=key)
     tag = content_tag("ab" * 16, b"s" * 32, key, ALGO_XXH3, {"self": mine, "g0": theirs})
     # a float in the last quarter of g0's block 1 changes that block's digest only
-    g0 = mems[lay.regions_of("g0").start]
     g0[g0.numel() - 5] += 1.0
     after = block_digests(lay, "g0", [0, 1], key)
     assert after[0] == theirs[0] and after[1] != theirs[1]
