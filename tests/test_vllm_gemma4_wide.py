@@ -82,3 +82,31 @@ def test_pd_equals_one_plain_engine_and_moves_each_groups_blocks_in_its_own_shap
     # the decode's own prefix cache holds SHARED's first 64 tokens (vLLM's hybrid hits land
     # on the 64-token LCM): the rest of each group moves
     assert 0 < loads[1]["moved"] <= 5 and loads[1]["bytes"] <= MAX_RATIO * NIXL_BYTES, loads
+
+
+def test_a_load_failing_its_digests_recomputes_and_the_decode_goes_on(
+    engines: dict[str, harness.Engine],
+) -> None:
+    """Params whose digest key is not the hand-over's: every block of both groups fails
+    its check, vLLM recomputes the request (failures go per request with several groups)
+    and gets the plain engine's tokens; the next request loads as before."""
+    prompt = [4, *range(200, 290), 7]
+    expected = harness.tokens(engines["plain"].generate([prompt], MAX_TOKENS))
+    pre = engines["prefill"].generate([prompt], 1, [{"do_remote_decode": True}])
+    params = [o["kv_transfer_params"] for o in pre["outputs"]]
+    params[0]["digest_key"] ^= 1
+    decode = engines["decode"]
+    before = set(decode.call(cmd="stats")["loads"])
+    assert harness.tokens(decode.generate([prompt], MAX_TOKENS, params)) == expected
+    stats = decode.call(cmd="stats")
+    (bad,) = [v for k, v in stats["loads"].items() if k not in before]
+    print(f"load with a wrong digest key: {bad}")
+    assert bad["digest_mismatches"] > 0 or bad["error"], bad
+    fresh = [6, *range(300, 390), 7]
+    (want,) = harness.tokens(engines["plain"].generate([fresh], MAX_TOKENS))
+    assert _pd(engines, fresh) == want
+    (good,) = [v for v in decode.call(cmd="stats")["loads"].values()][-1:]
+    assert not good["error"] and good["verified"] and good["moved"] == 5, good
+    for name in ("prefill", "decode"):
+        held = engines[name].call(cmd="drain", timeout_s=60)
+        assert held["blocks_in_use"] == 0 and held["requests"] == 0, (name, held)

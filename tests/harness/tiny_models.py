@@ -7,6 +7,7 @@
   (greedy output still depends on the first token of a 92-token prompt).
 - ``gemma4-wide``: ``gemma4`` with a larger head size (128) for the full-attention layers,
   as Gemma-4 has: vLLM gives the sliding group twice as long blocks (equal page bytes).
+- ``gemma4-wide-kv2``: ``gemma4-wide`` with 2 KV heads, so that TP=2 splits them.
 - ``gemma4-pad``: ``gemma4`` with a full-attention head size of 96, whose page the sliding
   group's does not divide: vLLM pads the sliding pages; only started (kvbridge refuses
   padded pages).
@@ -149,6 +150,10 @@ def _write_gemma4_wide(path: Path, seed: int) -> None:
     )
 
 
+def _write_gemma4_wide_kv2(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, global_head_dim=128, num_key_value_heads=2)
+
+
 def _write_gemma4_pad(path: Path, seed: int) -> None:
     """:func:`_write_gemma4` with a full-attention head size of 96: 24 KiB pages beside the
     sliding group's 16 KiB, which do not divide them, so vLLM pads the sliding pages
@@ -182,6 +187,7 @@ WRITERS = {
     "gemma4": _write_gemma4,
     "gemma4-wide": _write_gemma4_wide,
     "gemma4-pad": _write_gemma4_pad,
+    "gemma4-wide-kv2": _write_gemma4_wide_kv2,
     "gemma4-kv2": _write_gemma4_kv2,
     "gemma4-full": _write_gemma4_full,
     "gemma4-full-kv2": _write_gemma4_full_kv2,
