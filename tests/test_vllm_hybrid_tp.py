@@ -1,7 +1,7 @@
 """Model kinds at TP=2 and heterogeneous TP inside real vLLM (CPU), P/D through
 KVBridgeConnector against a TP=1 engine and against NixlConnector on the same prompts.
 
-Three tiny models with 2 KV heads, so that TP=2 gives each rank one
+Four tiny models with 2 KV heads, so that TP=2 gives each rank one
 (:mod:`tests.harness.tiny_models`), one module run each:
 
 - ``gemma4-kv2``: Gemma-4-style, sliding, full, sliding, full attention (window 32
