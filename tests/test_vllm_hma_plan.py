@@ -25,6 +25,7 @@ from kvbridge.connector.vllm.kinds import (
     group_pages,
     layer_groups,
     plan_groups,
+    vllm_group_kinds,
     vllm_groups,
 )
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
@@ -306,3 +307,28 @@ def test_vllm_groups_names_them_by_vllms_index_and_the_full_group_is_self() -> N
     assert vllm_groups(config, "M") == (("g0", "self"), {"g0": 32})
     one = SimpleNamespace(kv_cache_groups=config.kv_cache_groups[1:])
     assert vllm_groups(one, "M") == (("self",), {})
+
+
+def test_vllms_padded_pages_are_seen_in_its_spec_and_refused() -> None:
+    def spec(name: str, window: int | None, size: int, padded: int | None) -> Any:
+        out = type(name, (), {})()
+        out.sliding_window, out.num_kv_heads, out.head_size = window, 1, size
+        out.dtype, out.block_size = "torch.float32", 32
+        out.page_size_padded, out.real_page_size_bytes = padded, 2 * 32 * size * 4
+        return out
+
+    groups = [
+        SimpleNamespace(layer_names=["l0"], kv_cache_spec=spec("SlidingWindowSpec", 32, 64, None)),
+        SimpleNamespace(
+            layer_names=["l1"], kv_cache_spec=spec("FullAttentionSpec", None, 96, None)
+        ),
+    ]
+    config = SimpleNamespace(kv_cache_groups=groups)
+    assert [k.padded for k in vllm_group_kinds(config)] == [False, False]
+    groups[0].kv_cache_spec = spec("SlidingWindowSpec", 32, 64, 2 * 32 * 96 * 4)
+    assert [k.padded for k in vllm_group_kinds(config)] == [True, False]
+    with pytest.raises(ConfigError, match=r"group 0 \(SlidingWindowSpec\) has padded pages"):
+        vllm_groups(config, "Gemma4ForCausalLM")
+    # a padding equal to the page itself pads nothing
+    groups[0].kv_cache_spec = spec("SlidingWindowSpec", 32, 64, 2 * 32 * 64 * 4)
+    assert not vllm_group_kinds(config)[0].padded
