@@ -297,7 +297,13 @@ def run(args: argparse.Namespace) -> int:
         f"verification costs {100 * min(saving):.0f}-{100 * max(saving):.0f}% of load "
         "bandwidth (verified vs unverified, same run)"
     )
-    settings = {**settings_of(args), "verify": "both: load_gbps verified, load_unverified_gbps not"}
+    from kvbridge.connector.offload import moves
+
+    settings = {
+        **settings_of(args),
+        "verify": "both: load_gbps verified, load_unverified_gbps not",
+        "max_piece_mib": moves.MAX_PIECE_BYTES / MiB,
+    }
     json_path, png_path = output_paths(args.out)
     disk_rows = _disk_rows(args, cases, png_path)
     path = write_json(json_path, {"settings": settings, "rows": rows, "disk_rows": disk_rows})
