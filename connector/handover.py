@@ -75,7 +75,9 @@ def tail_name(
 def group_name(group: str, name: BlockHash) -> BlockHash:
     """The name of a further attention group's block (a hybrid model's ``g<i>``) at the
     prompt position whose ``self`` block is named ``name``: the same tokens, another group's
-    KV, so another name (a lease never confuses the two groups' blocks)."""
+    KV, so another name (a lease never confuses the two groups' blocks). A group block that
+    covers several ``self`` blocks takes the name of the last of them
+    (:meth:`kvbridge.connector.windows.AttentionGroups.names`)."""
     return BlockHash(
         hashlib.sha256(b"kvbridge-group-v1\0" + group.encode() + b"\0" + name).digest()
     )

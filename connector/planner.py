@@ -56,9 +56,9 @@ from kvbridge.connector.base import (
     StepMetadata,
 )
 from kvbridge.connector.config import ConnectorConfig
-from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import LeaseIssuer, tail_name
 from kvbridge.connector.params import KVTransferParams
+from kvbridge.connector.prompt_names import load_cross, load_seal, prompt_names
 from kvbridge.connector.windows import AttentionGroups, Groups
 from kvbridge.kernels.digest import new_key
 from kvbridge.proto.errors import KVBridgeError, WireError
@@ -231,7 +231,7 @@ class KVBridgePlanner(SchedulerConnector):
         offsets = self.groups.plan_load(
             block_ids, params, names, first, (local, remote, hashes, digests if verify else None)
         )
-        if self._load_cross(request, block_ids, params):
+        if load_cross(request, block_ids, params):
             local[KVGroup.CROSS] = tuple(block_ids[KVGroup.CROSS])
             remote[KVGroup.CROSS] = params.block_ids[KVGroup.CROSS]
             hashes[KVGroup.CROSS] = params.block_hashes[KVGroup.CROSS]
@@ -252,7 +252,7 @@ class KVBridgePlanner(SchedulerConnector):
                 ),
                 remote_request_id=params.request_id,
                 first_block=first,
-                seal=self._seal(request, params, names),
+                seal=load_seal(request, params, names),
                 remote_tp_size=params.tp_size,
                 digest_key=params.digest_key if verify else None,
                 digests=digests,
@@ -263,42 +263,8 @@ class KVBridgePlanner(SchedulerConnector):
             )
         )
 
-    @staticmethod
-    def _seal(request: RequestView, params: KVTransferParams, names: Sequence[BlockHash]) -> bytes:
-        """The seal prefill's lease carries if its claimed ids hold this prompt's blocks
-        (``names``: the prompt's names of the leased ``self`` blocks)."""
-        groups = {KVGroup.SELF: names}
-        groups.update(AttentionGroups.names_of(params))  # checked to be this prompt's names
-        if KVGroup.CROSS in params.block_ids:
-            groups[KVGroup.CROSS] = tuple(request.block_hashes.get(KVGroup.CROSS, ()))
-        return seal_digest(params.block_ids, groups)
-
     def _names(self, request: RequestView, num_tokens: int) -> tuple[BlockHash, ...]:
-        """Names of the first ``num_tokens`` prompt tokens' blocks, a partial last one included
-        (the names a lease over exactly those blocks carries)."""
-        full = num_tokens // self.block_size
-        names = tuple(request.block_hashes.get(KVGroup.SELF, ())[:full])
-        if num_tokens % self.block_size == 0:
-            return names
-        tail = request.prompt_token_ids[full * self.block_size : num_tokens]
-        return (*names, tail_name(names, tail, request.encoder_hash))
-
-    @staticmethod
-    def _load_cross(
-        request: RequestView,
-        block_ids: Mapping[KVGroup, Sequence[BlockId]],
-        params: KVTransferParams,
-    ) -> bool:
-        """Whether to load prefill's cross blocks: the engine needs them and they are the
-        blocks of this request's encoder input."""
-        wanted = tuple(block_ids.get(KVGroup.CROSS, ()))
-        theirs = params.block_hashes.get(KVGroup.CROSS, ())
-        mine = tuple(request.block_hashes.get(KVGroup.CROSS, ()))
-        if wanted and (theirs != mine or len(theirs) != len(wanted)):
-            why = "prefill's cross blocks are not this encoder input's; computing them here"
-            log.info("request %s: %s", request.request_id, why)
-            return False
-        return bool(wanted)
+        return prompt_names(request, num_tokens, self.block_size)
 
     def build_connector_meta(self) -> StepMetadata:
         loads, self._loads = tuple(self._loads), []

@@ -29,21 +29,42 @@ decode keeps, before the end of the daemon's ``self`` hit (:meth:`AttentionGroup
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.params import KVTransferParams
-from kvbridge.proto.errors import WireError
+from kvbridge.proto.errors import ConfigError, WireError
 from kvbridge.proto.layout import KVGroup
 from kvbridge.proto.specs import is_attention_group
 from kvbridge.proto.types import BlockHash, BlockId
 
-__all__ = ["MAX_GROUP_LOOKUPS", "AttentionGroups", "Groups"]
+__all__ = ["MAX_GROUP_LOOKUPS", "AttentionGroups", "Groups", "block_ratios"]
 
 MAX_GROUP_LOOKUPS = 8
 """Lookups one offload plan may ask the daemon for the attention groups' blocks (each miss
 inside a window lowers the candidate prefix to the missing block); past it: no hit."""
+
+
+def block_ratios(block_size: int, block_sizes: Mapping[KVGroup, int]) -> dict[KVGroup, int]:
+    """Each further group's block size in tokens (``block_sizes``) over ``self``'s
+    (``block_size``), for :class:`AttentionGroups` ``ratios``: only the groups where it is
+    not 1. ConfigError, naming the group, for a block size that is no whole multiple of
+    ``self``'s (kvbridge names a group's block after the ``self`` blocks it covers)."""
+    out: dict[KVGroup, int] = {}
+    for g, size in block_sizes.items():
+        if g == KVGroup.SELF or size == block_size:
+            continue
+        if size < block_size or size % block_size:
+            raise ConfigError(
+                f"KV cache group {g!r} has {size}-token blocks, which is not a whole multiple "
+                f"of the {block_size}-token blocks of kvbridge's 'self' group (the first "
+                "full-attention group): kvbridge moves a group only if each of its blocks "
+                "covers whole 'self' blocks; start the model without --kv-transfer-config"
+            )
+        out[g] = size // block_size
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +75,50 @@ class AttentionGroups:
     windows: Mapping[KVGroup, int | None] = field(default_factory=dict)
     null_block: BlockId | None = None
     """The id the engine puts where a group holds no block (vLLM: 0, its null block)."""
+    ratios: Mapping[KVGroup, int] = field(default_factory=dict)
+    """A group's block size over ``self``'s where it is not 1 (:func:`block_ratios`)."""
+
+    def __post_init__(self) -> None:
+        for g, r in self.ratios.items():
+            if g not in self.windows or not isinstance(r, int) or r < 1:
+                raise ConfigError(
+                    f"AttentionGroups.ratios: {g!r} -> {r!r}; give an integer >= 1 for a "
+                    "group of windows only"
+                )
 
     def __bool__(self) -> bool:
         return bool(self.windows)
 
+    def ratio(self, group: KVGroup) -> int:
+        """How many ``self`` blocks one block of ``group`` covers."""
+        return self.ratios.get(group, 1)
+
+    @property
+    def lcm(self) -> int:
+        """The ``self`` blocks of the shortest prefix that ends on a block boundary of every
+        group (vLLM's ``scheduler_block_size`` over ``self``'s block size)."""
+        return math.lcm(1, *self.ratios.values())
+
     def start(self, group: KVGroup, num_tokens: int) -> int:
         """The first block of ``group`` an engine keeps once ``num_tokens`` are computed."""
         window = self.windows.get(group)
-        return max(0, num_tokens - window + 1) // self.block_size if window else 0
+        size = self.block_size * self.ratio(group)
+        return max(0, num_tokens - window + 1) // size if window else 0
+
+    def count(self, group: KVGroup, blocks: int) -> int:
+        """How many blocks of ``group`` hold the tokens of ``blocks`` ``self`` blocks (the
+        last one partial where ``blocks`` is no multiple of its ratio)."""
+        return -(-blocks // self.ratio(group))
+
+    def names(
+        self, group: KVGroup, names: Sequence[BlockHash], lo: int = 0, stop: int | None = None
+    ) -> tuple[BlockHash, ...]:
+        """The names of ``group``'s blocks ``lo`` to ``stop`` (default: its last) over the
+        tokens of the ``self`` blocks named ``names`` (a partial tail included): block ``j``
+        is :func:`group_name` of the last of ``names`` it covers."""
+        r, last = self.ratio(group), len(names) - 1
+        stop = self.count(group, len(names)) if stop is None else stop
+        return tuple(group_name(group, names[min(j * r + r - 1, last)]) for j in range(lo, stop))
 
     def hand_over(
         self,
@@ -76,13 +133,12 @@ class AttentionGroups:
         when a group lacks one of its blocks (no hand-over: decode recomputes)."""
         for g in [g for g in ids if is_attention_group(g) and g not in self.windows]:
             del ids[g]
-        end = len(names)
         for g in self.windows:
-            lo = self.start(g, num_tokens)
+            lo, end = self.start(g, num_tokens), self.count(g, len(names))
             group = ids.get(g, [])[lo:end]
             if len(group) != end - lo or self.null_block in group:
                 return False
-            ids[g], hashes[g] = group, [group_name(g, n) for n in names[lo:end]]
+            ids[g], hashes[g] = group, list(self.names(g, names, lo, end))
         return True
 
     def check(self, params: KVTransferParams, names: Sequence[BlockHash]) -> None:
@@ -90,13 +146,18 @@ class AttentionGroups:
         needs, under this prompt's names (``names``: its blocks' names, tail included)."""
         for g in self.windows:
             ids = params.block_ids.get(g, ())
-            lo = len(names) - len(ids)
+            end = self.count(g, len(names))
+            lo = end - len(ids)
+            if lo < 0:  # more than the prompt has (only where a block covers several)
+                raise WireError(
+                    f"prefill handed over {len(ids)} {g!r} blocks; the prompt has {end}"
+                )
             if not ids or lo > self.start(g, params.num_tokens):
                 raise WireError(
                     f"prefill handed over {len(ids)} {g!r} blocks; decode's window needs "
-                    f"{len(names) - self.start(g, params.num_tokens)}"
+                    f"{end - self.start(g, params.num_tokens)}"
                 )
-            if params.block_hashes.get(g, ()) != tuple(group_name(g, n) for n in names[lo:]):
+            if params.block_hashes.get(g, ()) != self.names(g, names, lo, end):
                 raise WireError(f"prefill's {g!r} block names do not match this prompt")
 
     def plan_load(
@@ -110,15 +171,16 @@ class AttentionGroups:
         """Decode: put each group's local and remote ids, names and (``into[3]`` not None)
         digests into ``into``: its blocks from ``first`` (the local prefix hit) or its window
         start on, skipping the engine's null blocks (checked by :meth:`check` before).
-        Returns where each group's first loaded block sits in the owner's lease."""
+        Returns where each group's first loaded block sits in the owner's lease. Positions
+        are the group's own (``first`` counts ``self`` blocks)."""
         local, remote, hashes, digests = into
         offsets = {}
-        end = len(names)
         for g in self.windows:
             theirs = params.block_ids[g]
+            end = self.count(g, len(names))
             lo = end - len(theirs)
             mine = list(block_ids.get(g, ()))
-            start = max(first, lo)
+            start = max(first // self.ratio(g), lo)
             while start < end and start < len(mine) and mine[start] == self.null_block:
                 start += 1  # the engine keeps no block there: it does not attend to it
             if start >= end:
@@ -128,7 +190,7 @@ class AttentionGroups:
             offsets[g] = offset = max(0, start - lo)
             local[g] = tuple(mine[start:end])
             remote[g] = theirs[offset:]
-            hashes[g] = tuple(group_name(g, n) for n in names[start:end])
+            hashes[g] = self.names(g, names, start, end)
             if digests is not None:
                 digests[g] = params.digests.get(g, ())[offset:]
         return offsets
@@ -138,17 +200,18 @@ class AttentionGroups:
         block_ids: Mapping[KVGroup, Sequence[BlockId]],
         names: Sequence[BlockHash],
     ) -> tuple[list[BlockId], list[BlockHash]]:
-        """Offload: each group's blocks at the full-block positions ``names`` name (the
+        """Offload: each group's full blocks over the ``self`` blocks ``names`` name (the
         ``self`` blocks stored), under the group's names; never the engine's null block
         (a window's dropped positions)."""
         ids: list[BlockId] = []
         hashes: list[BlockHash] = []
         for g in self.windows:
             mine = block_ids.get(g, ())
-            for pos, name in enumerate(names[: len(mine)]):
+            full = min(len(mine), len(names) // self.ratio(g))
+            for pos, name in enumerate(self.names(g, names, 0, full)):
                 if mine[pos] != self.null_block:
                     ids.append(mine[pos])
-                    hashes.append(group_name(g, name))
+                    hashes.append(name)
         return ids, hashes
 
     def offload_hit(
@@ -165,19 +228,22 @@ class AttentionGroups:
         blocks from ``first``; ``lookup``: the daemon's leading hits of a list of names.
         A group's blocks of the window at ``P`` tokens must all be in the daemon; a missing
         one at position ``m`` rules out every ``P > m`` (their windows reach back to it),
-        so the next candidate is ``m``. At most :data:`MAX_GROUP_LOOKUPS` lookups."""
-        p = first + hits
+        so the next candidate is ``m``. At most :data:`MAX_GROUP_LOOKUPS` lookups. ``P`` is
+        a multiple of :attr:`lcm` (no group gets part of a block)."""
+        step = self.lcm
+        p = (first + hits) // step * step
         asked = 0
         while p > first:
             for g in self.windows:
-                lo = max(first, self.start(g, p * self.block_size))
-                want = [group_name(g, n) for n in names[lo:p]]
+                r = self.ratio(g)
+                lo = max(first // r, self.start(g, p * self.block_size))
+                want = self.names(g, names, lo, p // r)
                 if asked == MAX_GROUP_LOOKUPS:
                     return first
                 asked += 1
                 got = max(0, min(len(want), lookup(want)))
                 if got < len(want):
-                    p = lo + got
+                    p = (lo + got) * r // step * step
                     break
             else:
                 return p
@@ -192,16 +258,19 @@ class AttentionGroups:
     ) -> tuple[_Ids, _Names]:
         """Offload: each group's local blocks to load for a hit of ``end`` blocks after the
         engine's own ``first``, and their names: the window at ``end`` blocks' tokens, from
-        ``first`` on, without the engine's null blocks (it attends to none there)."""
+        ``first`` on, without the engine's null blocks (it attends to none there). ``end``
+        is a multiple of every group's ratio (:meth:`offload_hit`)."""
         ids: _Ids = {}
         hashes: _Names = {}
         for g in self.windows:
-            mine = block_ids.get(g, ())
-            lo = max(first, self.start(g, end * self.block_size))
-            pos = [p for p in range(lo, min(end, len(mine))) if mine[p] != self.null_block]
+            mine, r = block_ids.get(g, ()), self.ratio(g)
+            lo = max(first // r, self.start(g, end * self.block_size))
+            stop = min(end // r, len(mine))
+            named = self.names(g, names, lo, max(lo, stop))
+            pos = [p for p in range(lo, stop) if mine[p] != self.null_block]
             if pos:
                 ids[g] = tuple(mine[p] for p in pos)
-                hashes[g] = tuple(group_name(g, names[p]) for p in pos)
+                hashes[g] = tuple(named[p - lo] for p in pos)
         return ids, hashes
 
     def decode_hits(
@@ -217,18 +286,20 @@ class AttentionGroups:
         the positions ``(lo, stop)`` of its blocks the daemon holds too, a leading run from
         its window start at ``num_tokens`` (or ``first``) on, before ``end``. The daemon
         serves a sliding group's blocks only where they are the window the decode keeps;
-        prefill hands over the rest. One lookup per group."""
+        prefill hands over the rest. One lookup per group. Positions are the group's own:
+        its full blocks before ``end``."""
         spans = {}
         for g in self.windows:
-            lo = max(first, self.start(g, num_tokens))
-            want = [group_name(g, n) for n in names[lo:end]]
+            r = self.ratio(g)
+            lo = max(first // r, self.start(g, num_tokens))
+            want = self.names(g, names, lo, max(lo, end // r))
             got = max(0, min(len(want), lookup(want))) if want else 0
             if got:
                 spans[g] = (lo, lo + got)
         return spans
 
-    @staticmethod
     def daemon_share(
+        self,
         plan: tuple[_Ids, _Names],
         params: KVTransferParams,
         offsets: Mapping[KVGroup, int],
@@ -244,7 +315,8 @@ class AttentionGroups:
         for g, (lo, stop) in spans.items():
             if g not in local:
                 continue
-            start = end - len(params.block_ids[g]) + offsets[g]  # the load's first position
+            # the load's first position, in the group's blocks
+            start = self.count(g, end) - len(params.block_ids[g]) + offsets[g]
             n = min(stop, start + len(local[g])) - start
             if lo <= start and n > 0:
                 share[g] = tuple(hashes[g][:n])

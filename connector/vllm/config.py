@@ -78,6 +78,7 @@ from kvbridge.connector.server_options import check_port, check_tls_pair
 from kvbridge.proto import codec
 from kvbridge.proto.errors import ConfigError
 from kvbridge.proto.hashing import HASH_ALGORITHMS, BlockHasher, HashConfig
+from kvbridge.proto.specs import PageShape
 
 if TYPE_CHECKING:
     from kvbridge.connector.offload.lookup import OffloadLookup
@@ -242,10 +243,20 @@ class VllmConnectorConfig:
         )
 
     def hasher(
-        self, *, dtype: str, num_layers: int, num_kv_heads: int, head_size: int, block_size: int
+        self,
+        *,
+        dtype: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        block_size: int,
+        pages: Mapping[str, PageShape] | None = None,
     ) -> BlockHasher:
-        """The block hasher, rooted in what both sides know before any KV tensor exists."""
-        identity = {
+        """The block hasher, rooted in what both sides know before any KV tensor exists.
+        ``pages``: KV cache groups' page shapes by kvbridge's group name; only those that
+        differ from ``self``'s (``block_size``, ``num_kv_heads``, ``head_size``) enter the
+        fingerprint, so a model whose groups all have one shape keeps its names."""
+        identity: dict[str, Any] = {
             "model": self.model_id,
             "dtype": dtype,
             "layers": num_layers,
@@ -253,6 +264,12 @@ class VllmConnectorConfig:
             "head_size": head_size,
             "block_size": block_size,
         }
+        own = PageShape(block_size, num_kv_heads, head_size)
+        other = {str(g): p for g, p in (pages or {}).items() if p != own}
+        if other:
+            identity["pages"] = {
+                g: [p.block_size, p.num_kv_heads, p.head_size] for g, p in sorted(other.items())
+            }
         fingerprint = hashlib.sha256(codec.pack("VllmModel", identity)).digest()
         return BlockHasher(fingerprint, block_size, self.hash)
 

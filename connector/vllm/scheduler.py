@@ -35,7 +35,7 @@ from kvbridge.connector.base import RequestView, StepMetadata
 from kvbridge.connector.config import ConnectorConfig
 from kvbridge.connector.control.leases import GroupBlocks, GroupHashes
 from kvbridge.connector.planner import KVBridgePlanner, LeaseIssuer
-from kvbridge.connector.windows import AttentionGroups
+from kvbridge.connector.windows import AttentionGroups, block_ratios
 from kvbridge.proto.errors import KVBridgeError
 from kvbridge.proto.hashing import BlockHasher
 from kvbridge.proto.layout import KVGroup
@@ -219,12 +219,16 @@ class VllmScheduler:
         tp_size: int = 1,
         groups: Sequence[KVGroup] = (KVGroup.SELF,),
         windows: Mapping[KVGroup, int | None] | None = None,
+        block_sizes: Mapping[KVGroup, int] | None = None,
     ) -> None:
+        """``block_sizes``: each group's block size in tokens where it is not
+        ``block_size`` (``self``'s); ConfigError where it is no whole multiple of it."""
         self.hasher = hasher
         self.groups = tuple(groups)
         """kvbridge's name of each of vLLM's KV cache groups, by vLLM's group index."""
         self.holds = HoldIssuer(config.lease_ttl_s)
-        attention = AttentionGroups(block_size, dict(windows or {}), VLLM_NULL_BLOCK)
+        ratios = block_ratios(block_size, block_sizes or {})
+        attention = AttentionGroups(block_size, dict(windows or {}), VLLM_NULL_BLOCK, ratios)
         self.planner = KVBridgePlanner(config, block_size, tp_size, attention)
         self.planner.attach(self.holds, offload_lookup)
 
