@@ -185,6 +185,8 @@ class KVBridgeWorker(WorkerConnector):
     ) -> tuple[set[RequestId], set[RequestId]]:
         done: set[RequestId] = set()
         remote, spin_until = self._remote, time.perf_counter() + SPIN_S
+        if remote is not None:  # leases of loads reported before: off their timed path
+            remote.send_releases(loads_in_flight=bool(self._state.inline))
         for rid, (load, inline) in list(self._state.inline.items()):
             assert remote is not None
             try:

@@ -359,7 +359,8 @@ def test_a_token_holder_flooding_digests_parks_at_most_its_share_of_server_threa
     """Each Digests call for an unknown lease used to hold a server thread for the whole
     wait: a token holder asking for a few made-up leases at once stalled every control call.
     Now a caller waits only while it holds one of its per-peer wait slots (and all callers
-    only half the threads); the rest are answered NOT_FOUND at once."""
+    only half the threads); the rest are answered busy (RESOURCE_EXHAUSTED) at once (a
+    reader asks again within its deadline: tests/test_control_digests_wait.py)."""
     layout = preset_layout("tiny", num_blocks=16)
     table = LateDigests(FakeOwner(layout))
     tokens = TokenSet(["mallory", "alice", "bob"])
@@ -367,13 +368,18 @@ def test_a_token_holder_flooding_digests_parks_at_most_its_share_of_server_threa
     server = serve(peer(layout, "prefill-0", Role.PREFILL), table, config)
     clients = {t: ControlClient(server.address, token=t, timeout_s=20) for t in tokens.accepted}
     answered: list[str] = []
+    codes: list[str] = []
     lock = threading.Lock()
 
     def ask(who: str) -> None:
-        with contextlib.suppress(LeaseError):
-            clients[who].digests(LeaseId(secrets.token_hex(16)))
+        code = "OK"
+        try:
+            clients[who].digests(LeaseId(secrets.token_hex(16)), busy_retry=False)
+        except ControlPlaneError as exc:  # LeaseError is one too
+            code = exc.code
         with lock:
             answered.append(who)
+            codes.append(code)
 
     def settle(waited: int, done: int) -> None:
         deadline = time.monotonic() + 20
@@ -396,6 +402,7 @@ def test_a_token_holder_flooding_digests_parks_at_most_its_share_of_server_threa
         # could not wait, and every other call was answered at once
         assert answered.count("mallory") == 10 and answered.count("alice") == 1
         assert answered.count("bob") == 1 and server.handlers.digest_waits.waiting() == 4
+        assert codes == ["RESOURCE_EXHAUSTED"] * 12  # busy, not NOT_FOUND: the lease may come
         # the other half of the threads still serves everyone
         assert clients["bob"].health(timeout_s=10).engine_id == "prefill-0"
     finally:

@@ -20,7 +20,7 @@ from kvbridge.connector.control.seal import (
     probe_slots,
     seal_digest,
 )
-from kvbridge.connector.control.seal_reader import SealReader
+from kvbridge.connector.control.seal_reader import RELEASE_DEFER_S, SealReader
 from kvbridge.kernels import ALGO_DEVICE, ALGO_XXH3, new_key
 from kvbridge.proto import BlockHash, BlockId, KVGroup
 
@@ -223,3 +223,28 @@ def test_a_release_leaves_one_flush_read_per_link_in_flight_and_reaps_it_once_ov
     assert fake.handles[0].released == 1 and len(reader._free) == free
     reader.release(link, LEASE)  # type: ignore[arg-type]
     assert fake.reads == 2  # the next release flushes again
+
+
+def test_a_deferred_release_waits_for_the_loads_in_flight_but_not_forever() -> None:
+    """A proven inline load's release goes out after the load was reported (off its timed
+    path); while other loads are in flight it is held back (its notification would make
+    their seal READs wait for the owner), but at most RELEASE_DEFER_S; none is lost."""
+    table = SealTable(64)
+    fake = _Flushable(table)
+    reader = SealReader(fake, 1)  # type: ignore[arg-type]
+    fake.reader = reader
+    link = SimpleNamespace(remote_layout=table.layout, link_id=7)
+    reader.defer_release(link, LEASE)  # type: ignore[arg-type]
+    assert fake.sent == []  # nothing on the load's own path
+    reader.send_deferred(loads_in_flight=True)
+    assert fake.sent == []  # others in flight: held back
+    reader.send_deferred(loads_in_flight=False)
+    assert len(fake.sent) == 1 and fake.reads == 1  # the notification and its flush READ
+    reader.send_deferred()
+    assert len(fake.sent) == 1  # sent once
+    other = "d" * 32
+    reader.defer_release(link, other)  # type: ignore[arg-type]
+    reader.defer_release(link, LEASE)  # type: ignore[arg-type]
+    time.sleep(RELEASE_DEFER_S * 1.5)
+    reader.send_deferred(loads_in_flight=True)  # held back long enough: sent anyway
+    assert len(fake.sent) == 3 and other.encode() in fake.sent[1]

@@ -43,9 +43,20 @@ from kvbridge.proto.layout import KVGroup, parse_group
 from kvbridge.proto.negotiate import Negotiation, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId, LeaseId, RequestId
 
-__all__ = ["ControlClient", "DigestsCall", "HandshakeResult"]
+__all__ = [
+    "BUSY_BACKOFF_MAX_S",
+    "BUSY_BACKOFF_S",
+    "ControlClient",
+    "DigestsCall",
+    "HandshakeResult",
+]
 
 Resp = TypeVar("Resp")
+
+BUSY_BACKOFF_S = 0.002
+"""First pause before a ``Digests`` call answered busy (RESOURCE_EXHAUSTED) is asked again."""
+BUSY_BACKOFF_MAX_S = 0.05
+"""The pauses double up to this; the retries stop at the call's deadline."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +182,16 @@ class ControlClient(Closing):
         resp: pb.ReleaseResponse = self._call("Release", req, timeout_s, retry=True)
         return bool(resp.released)
 
-    def digests(self, lease_id: LeaseId, *, timeout_s: float | None = None) -> HandOverDigests:
+    def digests(
+        self, lease_id: LeaseId, *, timeout_s: float | None = None, busy_retry: bool = True
+    ) -> HandOverDigests:
         """The block digests the owner recorded for hand-over lease ``lease_id``; LeaseError
-        (NOT_FOUND) if it recorded none."""
+        (NOT_FOUND) if it recorded none. A busy owner (``RESOURCE_EXHAUSTED``: its wait
+        slots are full) is asked again after a short backoff until the deadline, unless
+        ``busy_retry`` is False."""
         req = pb.DigestsRequest(lease_id=lease_id)
-        return self._digests_from(self._call("Digests", req, timeout_s, retry=True))
+        resp = self._call("Digests", req, timeout_s, retry=True, busy_retry=busy_retry)
+        return self._digests_from(resp)
 
     def digests_call(self, lease_id: LeaseId, *, timeout_s: float | None = None) -> DigestsCall:
         """:meth:`digests`, sent now without waiting: gRPC's own thread takes the answer, no
@@ -216,17 +232,35 @@ class ControlClient(Closing):
 
     # ---------------------------------------------------------------- helpers
 
-    def _call(self, method: str, request: Any, timeout_s: float | None, *, retry: bool) -> Any:
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        timeout_s: float | None,
+        *,
+        retry: bool,
+        busy_retry: bool = False,
+    ) -> Any:
+        """One call within its deadline; ``retry``: again on UNAVAILABLE (``retries``
+        times); ``busy_retry``: again on RESOURCE_EXHAUSTED as often as the deadline
+        allows, after :data:`BUSY_BACKOFF_S` doubling up to :data:`BUSY_BACKOFF_MAX_S`."""
         if self._closed:
             raise ControlPlaneError(f"{method}: the client is closed", code="CANCELLED")
         fn: Callable[..., Any] = getattr(self._stub, method)
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         attempt = 0
+        busy = 0
         while True:
             remaining = deadline - time.monotonic()
             try:
                 return fn(request, timeout=max(remaining, 0.001), metadata=self._metadata)
             except grpc.RpcError as err:
+                if busy_retry and err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    pause = min(BUSY_BACKOFF_S * 2**busy, BUSY_BACKOFF_MAX_S)
+                    if time.monotonic() + pause < deadline:
+                        busy += 1
+                        time.sleep(pause)
+                        continue
                 backoff = self.retry_backoff_s * 2**attempt
                 if (
                     retry
@@ -304,8 +338,8 @@ def _digest_groups(got: Iterable[pb.GroupHashes]) -> dict[KVGroup, tuple[bytes, 
 
 class DigestsCall:
     """A Digests RPC in flight (:meth:`ControlClient.digests_call`). ``result`` waits for
-    it; one that failed as ``UNAVAILABLE`` is asked again as :meth:`ControlClient.digests`
-    asks (retried) within the same deadline."""
+    it; one that failed as ``UNAVAILABLE`` or busy (``RESOURCE_EXHAUSTED``) is asked again
+    as :meth:`ControlClient.digests` asks (retried) within the same deadline."""
 
     def __init__(
         self, client: ControlClient, lease_id: LeaseId, call: Any, deadline: float
@@ -323,7 +357,11 @@ class DigestsCall:
         try:
             resp = self._call.result(timeout=left if timeout is None else min(timeout, left))
         except grpc.RpcError as err:
-            if err.code() is grpc.StatusCode.UNAVAILABLE and left > 0:
+            busy = err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            left = self._deadline - time.monotonic() - (BUSY_BACKOFF_S if busy else 0.0)
+            if (busy or err.code() is grpc.StatusCode.UNAVAILABLE) and left > 0:
+                if busy:  # the owner's wait slots are full: ask again shortly
+                    time.sleep(BUSY_BACKOFF_S)
                 return self._client.digests(self._lease, timeout_s=left)
             raise error_from_rpc(f"Digests {self._client.address}", err) from None
         except grpc.FutureCancelledError:

@@ -40,6 +40,9 @@ __all__ = ["SealCheck", "SealReader"]
 
 log = logging.getLogger(__name__)
 
+RELEASE_DEFER_S = 0.02
+"""How long a deferred release (:meth:`SealReader.defer_release`) may wait for the loads
+in flight to finish."""
 FLUSH_SLOTS = 16
 """Scratch slots beyond the seal checks' for the flush READs of :meth:`SealReader.release`
 (one per link at a time, at most this many at once)."""
@@ -62,6 +65,32 @@ class SealReader:
         self._lock = threading.Lock()
         self._flushes: dict[int, tuple[TransferHandle, BlockId]] = {}
         """The flush READ in flight after a release notification, per link (:meth:`release`)."""
+        self._deferred: list[tuple[PeerLink, str, int, int]] = []
+        self._deferred_since = 0.0
+
+    def defer_release(
+        self, link: PeerLink, lease_id: str, reader: int = 0, readers: int = 1
+    ) -> None:
+        """:meth:`release`, sent by a later :meth:`send_deferred`: after the load was reported,
+        off its timed path."""
+        with self._lock:
+            if not self._deferred:
+                self._deferred_since = time.monotonic()
+            self._deferred.append((link, lease_id, reader, readers))
+
+    def send_deferred(self, *, loads_in_flight: bool = False) -> None:
+        """Send the deferred releases; held back while ``loads_in_flight`` (up to
+        :data:`RELEASE_DEFER_S`): a notification makes the next transfer on its endpoint
+        wait for the owner's progress (UCX's flush after an active message), which would
+        delay those loads' seal READs."""
+        with self._lock:
+            if not self._deferred or (
+                loads_in_flight and time.monotonic() - self._deferred_since < RELEASE_DEFER_S
+            ):
+                return
+            deferred, self._deferred = self._deferred, []
+        for link, lease_id, reader, readers in deferred:
+            self.release(link, lease_id, reader, readers)
 
     def connect(self, peer_name: str, metadata: bytes, seal: KVLayout) -> PeerLink:
         """A link from the scratch slots to a peer's seal table."""

@@ -60,7 +60,8 @@ _MAX_MS = (1 << 63) - 1
 
 DIGESTS_WAIT_S = 0.5
 """How long a Digests call waits for an owner that has made the lease but not yet recorded
-its digests (after that: NOT_FOUND, and the reader recomputes)."""
+its digests (after that: NOT_FOUND, and the reader recomputes). Calls over the wait caps are
+answered RESOURCE_EXHAUSTED (busy) and asked again by the client within its deadline."""
 
 HandshakeHook = Callable[[PeerInfo, Negotiation], None]
 """Called after a compatible handshake with the caller's info, e.g. to add it as a NIXL peer.
@@ -152,13 +153,25 @@ class ControlHandlers:
         digests after making the lease (vLLM's worker) is waited for up to
         ``DIGESTS_WAIT_S``, but only by a bounded number of calls at once, in all and per
         caller ``peer`` (:class:`WaitSlots`): a call over the caps answers at once, so
-        asking for unknown leases cannot hold the server's threads."""
+        asking for unknown leases cannot hold the server's threads. Over the caps, a lease
+        not made yet is answered ``RESOURCE_EXHAUSTED`` (busy: its digests may be coming,
+        the client asks again within its deadline); a lease made without digests, or one
+        waited for in vain, ``NOT_FOUND``."""
         lease_id = check_lease_id(request.lease_id)
         got = self.leases.digests(lease_id)
         if got is None:
             with self.digest_waits.slot(peer) as may_wait:
                 if may_wait:
                     got = self.leases.digests(lease_id, wait_s=DIGESTS_WAIT_S)
+                elif self.leases.get(lease_id) is None:
+                    raise ControlPlaneError(
+                        f"busy: lease {lease_id} is not made yet and the Digests wait slots are "
+                        f"full ({self.digest_waits.total} in all, {self.digest_waits.per_peer} "
+                        "per caller); ask again",
+                        code="RESOURCE_EXHAUSTED",
+                    )
+                else:  # made since the first look: its digests are recorded with it
+                    got = self.leases.digests(lease_id)
         if got is None:
             raise lease_not_found(f"no digests recorded for lease {lease_id}")
         return pb.DigestsResponse(

@@ -37,7 +37,8 @@ class ControlServerConfig:
     max_digest_waits: int | None = None
     """Most ``Digests`` calls that wait at once for a lease the owner has not made yet (each
     holds a server thread up to ``DIGESTS_WAIT_S``); None: half of ``max_workers`` (at
-    least 1), so the other half always serves. Calls over the cap answer at once."""
+    least 1), so the other half always serves. Calls over the cap answer busy at once
+    (RESOURCE_EXHAUSTED; the client asks again within its deadline)."""
     max_digest_waits_per_peer: int = 2
     """Of those, most from one peer (authenticated identity)."""
     limits: ControlLimits = field(default_factory=ControlLimits)

@@ -50,6 +50,12 @@ INLINE_LOADS = 64
 HELPED_BLOCKS = 16
 """Blocks from which an inline load's check lets a second thread hash a share: below, the
 engine's thread hashes them all (a few µs each) rather than wake one."""
+HELPER_HASHES = False
+"""Whether an inline load's check lets a second thread hash a share at all. Off:
+python-xxhash keeps the interpreter lock while it hashes (two threads hash no faster than
+one), so the helper only adds lock hand-offs: in ``bench vllm --models 4L`` (load 2-3, two
+back-to-back pairs) the long rows' check took 1.60-1.61 ms with it and 0.98 ms without
+(18-block short rows 0.39-0.47 vs 0.31-0.33). Turn on with a digest that releases the lock."""
 SPIN_S = 1e-4
 """How long one ``get_finished`` may poll READs in flight back to back (for all its loads
 together): one that lands within it is seen now rather than a step later."""
@@ -186,7 +192,7 @@ def start_inline(
             job.expected = fetch_from_ranks(linked, load, timeout)
         elif job.expected is not None:
             blocks = sum(len(ids) for ids in job.local.values())
-            helper = hashers if blocks >= HELPED_BLOCKS else None
+            helper = hashers if HELPER_HASHES and blocks >= HELPED_BLOCKS else None
             job.expected = expect_from(job.expected, load, linked[0], layout, helper, timeout)
             if job.expected is None:
                 return None

@@ -97,8 +97,14 @@ class RemoteLoader:
         self._hashers = ThreadPoolExecutor(1, thread_name_prefix="kvb-hash")
         """A thread that may hash a share of a load's blocks beside the checking thread."""
 
+    def send_releases(self, *, loads_in_flight: bool = False) -> None:
+        """Give back the leases of inline loads proven before (engine's thread, at the
+        start of ``get_finished``): :meth:`SealReader.send_deferred`."""
+        self._seal_reader.send_deferred(loads_in_flight=loads_in_flight)
+
     def close(self) -> None:
         """Drop every link and client and unregister the staging and scratch memory."""
+        self.send_releases()  # best effort: one left unsent expires
         self._releases.shutdown(wait=True)  # each is short (RELEASE_TIMEOUT_S)
         self._hashers.shutdown(wait=True)
         self._links.close()
@@ -180,9 +186,8 @@ class RemoteLoader:
         held, reads = inline.held, inline.reads
         assert held is not None and reads is not None
         for peer, ok in zip(peers, held, strict=True):
-            if ok:  # proven ours: give it back (one whose seal did not hold expires)
-                self._seal_reader.release(peer.seal_link, load.lease_id, *self._reader(load))  # type: ignore[arg-type]
-        job.mark("release")
+            if ok:  # proven ours: given back later (one whose seal did not hold expires)
+                self._seal_reader.defer_release(peer.seal_link, load.lease_id, *self._reader(load))  # type: ignore[arg-type]
         if len(peers) > 1:
             ranks = self._ranks(load)
             checked = inline.checked if job.expected is not None else None

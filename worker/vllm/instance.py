@@ -302,7 +302,11 @@ def main() -> None:
     args = parser.parse_args()
     inst = Instance(args)
     _reply({"ready": True, "startup_s": inst.startup_s})
+    step_now = False
     while True:
+        if step_now:  # outside the try: a failing step must not answer a command twice
+            step_now = False
+            inst.pump()
         ready, _, _ = select.select([sys.stdin], [], [], 0.002)
         if not ready:
             inst.pump()
@@ -327,6 +331,11 @@ def main() -> None:
                 _reply({"error": f"unknown command {cmd['cmd']!r}"})
             else:
                 _reply(handler(cmd))
+                # a server's engine core steps again as soon as a step's outputs are out
+                # (the step that tells the workers which requests finished, where a kvbridge
+                # prefill leases and seals their blocks), not at the next poll of the
+                # command pipe up to 2 ms later
+                step_now = cmd["cmd"] == "generate"
         except Exception as exc:  # report, keep serving: the driver decides
             _reply({"error": f"{type(exc).__name__}: {exc}"})
 
