@@ -19,10 +19,21 @@
  * while bytes move.
  *
  * Threads: the (block, pair) units are handed out in chunks of at least chunk_bytes (default
- * CHUNK_BYTES) from one
- * atomic counter to ``threads`` threads (the calling one included, which starts at once): a
- * helper that starts late, or shares its core with another process or with torch's spinning
- * OpenMP workers, takes fewer chunks instead of holding up the call with a fixed half.
+ * CHUNK_BYTES) from one atomic counter to ``threads`` threads (the calling one included,
+ * which starts at once): a helper that starts late, or shares its core with another
+ * process, takes fewer chunks instead of holding up the call with a fixed half.
+ * The helpers are the calling thread's OpenMP team, in the libgomp torch has loaded (found
+ * with dlopen(RTLD_NOLOAD): this module never loads one), entered by GOMP_parallel, the call
+ * `#pragma omp parallel` compiles to. Those are the threads torch's own CPU ops use: made
+ * once, kept, and after each parallel region spinning for several milliseconds before they
+ * sleep (GOMP_SPINCOUNT). Helpers of our own would share a core with that spinning worker
+ * for most of a copy that follows a torch op (half speed for the helper); the worker takes
+ * the call's work at once instead. A team belongs to the thread that made it and does not
+ * survive fork(): in the child, the thread that forked may hold its parent's team, whose
+ * threads are gone (its first parallel region would wait for them forever; torch's own ops
+ * hang there), so that thread, and a process without libgomp (torch built with another
+ * OpenMP, or none), start ``threads - 1`` pthreads per call instead; threads made in the
+ * child get teams of their own. The GIL is released throughout.
  *
  * Stores: with ``stream`` nonzero (the caller sets it for copies much bigger than a cache,
  * runs of at least 64 bytes) the destination is written with non-temporal stores on x86-64,
@@ -41,6 +52,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
@@ -108,64 +120,42 @@ INLINE void copy_plain(char *d, const char *s, size_t n, const char *next)
     } while (0)
 
 #ifdef HAVE_STREAM
-/* non-temporal stores from d's first 16-byte boundary on; the unaligned head and the tail
- * under 16 bytes with memcpy (a call even for 0 bytes: skipped in the aligned case) */
-INLINE void copy_sse2(char *d, const char *s, size_t n, const char *next)
-{
-    size_t head = (size_t)(-(uintptr_t)d & 15), o;
-    if (head > n)
-        head = n;
-    if (head)
-        memcpy(d, s, head);
-    for (o = head; o + 64 <= n; o += 64) {
-        PREFETCH_AHEAD(s, o, n, next);
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-        _mm_stream_si128((__m128i *)(d + o), a);
-        _mm_stream_si128((__m128i *)(d + o + 16), b);
-        _mm_stream_si128((__m128i *)(d + o + 32), c);
-        _mm_stream_si128((__m128i *)(d + o + 48), e);
+/* The streamed copy of one run with W-byte vectors (VEC, LOAD, STORE): non-temporal stores
+ * from d's first W-byte boundary on, 64 bytes (a line) per step, the source touched ahead;
+ * the unaligned head and the tail under W bytes with memcpy (skipped when empty). The usual
+ * short run (e.g. a 256-byte head: whole lines, aligned, nothing ahead) takes the first loop
+ * alone. One form for every width: the inner loop of 64 / W vectors is unrolled whole. */
+#define COPY_STREAMED(NAME, ATTR, VEC, LOAD, STORE, W)                                      \
+    ATTR INLINE void NAME(char *d, const char *s, size_t n, const char *next)               \
+    {                                                                                        \
+        if (next == NULL && (n & 63) == 0 && ((uintptr_t)d & (W - 1)) == 0) {                \
+            for (size_t o = 0; o < n; o += 64)                                               \
+                for (size_t k = 0; k < 64; k += W)                                           \
+                    STORE((VEC *)(d + o + k), LOAD((const VEC *)(s + o + k)));               \
+            return;                                                                          \
+        }                                                                                    \
+        size_t head = (size_t)(-(uintptr_t)d & (W - 1)), o;                                  \
+        if (head > n)                                                                        \
+            head = n;                                                                        \
+        if (head)                                                                            \
+            memcpy(d, s, head);                                                              \
+        for (o = head; o + 64 <= n; o += 64) {                                               \
+            PREFETCH_AHEAD(s, o, n, next);                                                   \
+            for (size_t k = 0; k < 64; k += W)                                               \
+                STORE((VEC *)(d + o + k), LOAD((const VEC *)(s + o + k)));                   \
+        }                                                                                    \
+        for (; o + W <= n; o += W)                                                           \
+            STORE((VEC *)(d + o), LOAD((const VEC *)(s + o)));                               \
+        if (o < n)                                                                           \
+            memcpy(d + o, s + o, n - o);                                                     \
     }
-    for (; o + 16 <= n; o += 16)
-        _mm_stream_si128((__m128i *)(d + o), _mm_loadu_si128((const __m128i *)(s + o)));
-    if (o < n)
-        memcpy(d + o, s + o, n - o);
-}
 
+/* SSE2 (part of x86-64 itself): 16-byte stores */
+COPY_STREAMED(copy_sse2, , __m128i, _mm_loadu_si128, _mm_stream_si128, 16)
 #ifdef HAVE_AVX2
-/* the same with 32-byte stores from d's first 32-byte boundary */
-__attribute__((target("avx2"))) INLINE void copy_avx2(char *d, const char *s, size_t n,
-                                                      const char *next)
-{
-    if (next == NULL && (n & 63) == 0 && ((uintptr_t)d & 31) == 0) {
-        /* the usual short run (e.g. a 256-byte head): whole lines, aligned, nothing ahead */
-        for (size_t o = 0; o < n; o += 64) {
-            __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
-            __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
-            _mm256_stream_si256((__m256i *)(d + o), a);
-            _mm256_stream_si256((__m256i *)(d + o + 32), b);
-        }
-        return;
-    }
-    size_t head = (size_t)(-(uintptr_t)d & 31), o;
-    if (head > n)
-        head = n;
-    if (head)
-        memcpy(d, s, head);
-    for (o = head; o + 64 <= n; o += 64) {
-        PREFETCH_AHEAD(s, o, n, next);
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
-        _mm256_stream_si256((__m256i *)(d + o), a);
-        _mm256_stream_si256((__m256i *)(d + o + 32), b);
-    }
-    for (; o + 32 <= n; o += 32)
-        _mm256_stream_si256((__m256i *)(d + o), _mm256_loadu_si256((const __m256i *)(s + o)));
-    if (o < n)
-        memcpy(d + o, s + o, n - o);
-}
+/* AVX2 (chosen at run time): 32-byte stores */
+COPY_STREAMED(copy_avx2, __attribute__((target("avx2"))), __m256i, _mm256_loadu_si256,
+              _mm256_stream_si256, 32)
 #endif
 #endif
 
@@ -228,7 +218,7 @@ static void copy_units(const job_t *j, int64_t first, int64_t last)
     copy_units_plain(j, first, last);
 }
 
-static void *work(void *arg)
+static void work(void *arg)
 {
     job_t *j = (job_t *)arg;
     for (;;) {
@@ -241,7 +231,55 @@ static void *work(void *arg)
     if (j->stream)
         _mm_sfence(); /* streamed stores are weakly ordered: done before the join sees them */
 #endif
+}
+
+static void *pthread_work(void *arg)
+{
+    work(arg);
     return NULL;
+}
+
+/* GOMP_parallel(fn, data, num_threads, flags): fn(data) on a team of num_threads, the caller
+ * being thread 0; returns when every member has returned (libgomp's ABI since GCC 4.9) */
+typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_t gomp_parallel; /* NULL: no libgomp loaded */
+static int forked;                    /* this process is a child of fork() ... */
+static pthread_t fork_thread;         /* ... made by this thread, the child's first one */
+
+static void after_fork_in_child(void)
+{
+    forked = 1;
+    fork_thread = pthread_self();
+}
+
+/* GOMP_parallel if the calling thread may enter its team, else NULL */
+static gomp_parallel_t team_of_caller(void)
+{
+    if (forked && pthread_equal(pthread_self(), fork_thread))
+        return NULL; /* it may hold the parent's team, whose threads are gone */
+    return gomp_parallel;
+}
+
+/* Copy the job on `threads` threads (the caller included); the GIL is released. */
+static void run_job(job_t *job, long long threads)
+{
+    if (threads <= 1) {
+        work(job);
+        return;
+    }
+    gomp_parallel_t team = team_of_caller();
+    if (team != NULL) {
+        team(work, job, (unsigned)threads, 0);
+        return;
+    }
+    pthread_t helpers[MAX_THREADS];
+    int started[MAX_THREADS];
+    for (long long t = 1; t < threads; t++) /* one that fails to start leaves more to claim */
+        started[t] = pthread_create(&helpers[t], NULL, pthread_work, job) == 0;
+    work(job);
+    for (long long t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(helpers[t], NULL);
 }
 
 static PyObject *copy_spans(PyObject *self, PyObject *args)
@@ -286,22 +324,24 @@ static PyObject *copy_spans(PyObject *self, PyObject *args)
     int64_t chunks = (units + job.chunk - 1) / job.chunk;
     if (threads > chunks)
         threads = chunks;
-    pthread_t helpers[MAX_THREADS];
-    int started[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
-    for (long long t = 1; t < threads; t++) /* one that fails to start leaves more to claim */
-        started[t] = pthread_create(&helpers[t], NULL, work, &job) == 0;
-    work(&job);
-    for (long long t = 1; t < threads; t++)
-        if (started[t])
-            pthread_join(helpers[t], NULL);
+    run_job(&job, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *helper_threads(PyObject *self, PyObject *args)
+{
+    (void)self;
+    (void)args;
+    return PyUnicode_FromString(team_of_caller() != NULL ? "openmp" : "pthreads");
 }
 
 static PyMethodDef methods[] = {
     {"copy_spans", copy_spans, METH_VARARGS,
      "Copy run_bytes-byte runs of every (block, view pair); see cpu_spans.c."},
+    {"helper_threads", helper_threads, METH_NOARGS,
+     "For the calling thread: 'openmp' (its libgomp team) or 'pthreads' (made per call)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -316,5 +356,11 @@ PyMODINIT_FUNC PyInit__cpu_spans(void)
     __builtin_cpu_init();
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
+    /* only a libgomp already loaded (torch's); the handle is kept, so it stays loaded */
+    void *gomp = dlopen("libgomp.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (gomp != NULL)
+        gomp_parallel = (gomp_parallel_t)dlsym(gomp, "GOMP_parallel");
+    if (pthread_atfork(NULL, NULL, after_fork_in_child) != 0)
+        gomp_parallel = NULL; /* no way to tell a child's first thread: no teams at all */
     return PyModule_Create(&module);
 }

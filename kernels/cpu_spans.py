@@ -10,7 +10,10 @@ per view shape from the views' own strides; ``cpu_spans.c`` then copies,
 for every (block, view pair), every run with ``memcpy``: one C call for
 all blocks of all layers, no temporary, no view or ``TensorIterator`` per
 block, split between ``torch.get_num_threads()`` threads (the GIL is
-released), which claim the work in chunks as they get to run. Copies of at
+released), which claim the work in chunks as they get to run: the calling
+thread's OpenMP team in the libgomp torch loaded (the threads torch's own
+ops use, kept between calls), or, without libgomp and on the thread that
+forked (in the child), pthreads made per call (:func:`helper_threads`). Copies of at
 least :data:`STREAM_BYTES` in runs of at least :data:`STREAM_MIN_RUN` bytes
 write the destination with non-temporal (streaming) stores on x86-64 (AVX2
 where the CPU has it): a plain store first reads each destination line, runs
@@ -50,6 +53,7 @@ __all__ = [
     "Plan",
     "available",
     "copy_pairs",
+    "helper_threads",
     "native_module",
     "plan_pairs",
     "run_plan",
@@ -82,6 +86,18 @@ def native_module() -> ModuleType | None:
 def available() -> bool:
     """Whether the compiled span copy is installed (else the torch path runs)."""
     return native_module() is not None
+
+
+def helper_threads() -> str | None:
+    """Where the calling thread's calls get their helper threads: ``"openmp"`` (its team in
+    torch's libgomp), ``"pthreads"`` (made per call: no libgomp, or the thread that forked,
+    in the child, which may hold its parent's team), or ``None`` where the span copy is not
+    built."""
+    native = native_module()
+    if native is None:
+        return None
+    kind = getattr(native, "helper_threads", None)  # absent from builds before the teams
+    return "pthreads" if kind is None else str(kind())
 
 
 @functools.lru_cache(maxsize=64)

@@ -236,11 +236,14 @@ def head_digest_parts(layout: KVLayout) -> int:
     """How many head digests a writer of ``layout`` records per block for readers of a
     bigger TP size (each reads a run of every page's heads): its heads per rank, when its
     pages can be read in head slices (vLLM's packed head-major pages, one span each) and
-    hold more than one head; else 0 (no such reader can exist)."""
+    hold more than one head; else 0 (no such reader can exist). Every group's pages are
+    digested with the one count, so groups of other heads per rank (a hybrid model's
+    groups of their own page shape) get none: such a reader recomputes."""
     from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
 
     sliceable = layout.model.name.endswith(HEAD_MAJOR_SUFFIX) and layout.order[2] == "KV"
-    return layout.num_heads if sliceable and layout.num_heads > 1 else 0
+    heads = {layout.sizes(g.name)["H"] for g in layout.groups}
+    return heads.pop() if sliceable and len(heads) == 1 and layout.num_heads > 1 else 0
 
 
 def page_slice_digests(
@@ -269,7 +272,7 @@ def page_slice_digests(
         raise LayoutError("page_slice_digests needs a bound layout (registered regions)")
     if parts < 1:
         raise LayoutError(f"a page is cut into at least 1 slice, not {parts}")
-    page = 2 * layout.span_bytes
+    page = 2 * layout.group_span_bytes(group)  # the group's own page shape
     if page % parts:
         raise LayoutError(f"a page of {page} bytes does not split into {parts} slices")
     step = page // parts

@@ -168,7 +168,7 @@ def reference_block_digests(
     checking a GPU writer's digests after a READ into host memory)."""
     if not layout.regions:
         raise LayoutError("block_digests needs a bound layout (registered regions)")
-    chunk = chunk_bytes_of(layout.span_bytes)
+    chunk = chunk_bytes_of(layout.group_span_bytes(group))
     streams = [
         [_cpu_bytes(layout.regions[s.region], s) for s in layout.block_spans(group, b)]
         for b in block_ids
@@ -236,7 +236,7 @@ def device_digest_sums(
     devices = {layout.regions[i].device for i in layout.regions_of(group)}
     if len(devices) != 1:
         raise LayoutError(f"device digest: group {group!r} spans devices {sorted(devices)}")
-    chunk = chunk_bytes_of(layout.span_bytes)
+    chunk = chunk_bytes_of(layout.group_span_bytes(group))
     rows = _pieces(layout, group, block_ids, chunk)
     import cupy
 

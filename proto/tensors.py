@@ -23,6 +23,7 @@ from kvbridge.proto.specs import (
     KVGroup,
     LayerSpec,
     ModelSpec,
+    PageShape,
     Region,
     group_rank,
     parse_group,
@@ -177,17 +178,22 @@ def from_tensors(
     layers: list[LayerSpec] = []
     owner_at: dict[tuple[int, KVGroup], str] = {}
     num_blocks: dict[KVGroup, int] = {}
+    page_of: dict[KVGroup, tuple[int, int, int]] = {}
     order: tuple[str, ...] | None = None
     for name, t in kv_caches.items():
         group = parse_group(groups_of.get(name, KVGroup.SELF))
-        if t.dim() != 5 or t.shape[0] != 2 or t.shape[2] != block_size:
+        if t.dim() != 5 or t.shape[0] != 2:
             raise LayoutError(
-                f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size), "
+                f"layer {name!r}: expected shape (2, num_blocks, block_size, heads, head_size), "
                 f"got {tuple(t.shape)}"
             )
-        if t.dtype != first.dtype or t.shape[3:] != first.shape[3:] or t.device != first.device:
+        if t.dtype != first.dtype or t.device != first.device:
+            raise LayoutError(f"layer {name!r}: dtype/device differ from other layers")
+        page = (t.shape[2], t.shape[3], t.shape[4])
+        if page_of.setdefault(group, page) != page:
             raise LayoutError(
-                f"layer {name!r}: dtype/heads/head_size/device differ from other layers"
+                f"layer {name!r}: {_page_words(page)}, other layers of group {group!r} "
+                f"{_page_words(page_of[group])}"
             )
         if num_blocks.setdefault(group, t.shape[1]) != t.shape[1]:
             raise LayoutError(
@@ -213,19 +219,28 @@ def from_tensors(
     per_group = {g: sum(1 for x in layers if x.group == g) for g in group_names}
     if len(set(per_group.values())) != 1:
         raise LayoutError(f"groups have different layer counts {per_group}")
+    own = page_of[KVGroup.SELF]
+    if own[0] != block_size:
+        name = next(x.name for x in layers if x.group == KVGroup.SELF)
+        raise LayoutError(
+            f"layer {name!r}: expected shape (2, num_blocks, {block_size}, heads, head_size) "
+            f"(group 'self', the layout's block size), got {tuple(kv_caches[name].shape)}"
+        )
     # Where does L go? Uniform layer step inside one allocation -> by stride; else outermost.
     full_order = _place_layer_dim(kv_caches, layers, order, elem)
     model = ModelSpec(
         name=model_name,
         dtype=dtype,
         num_layers=per_group[KVGroup.SELF],
-        num_kv_heads=first.shape[3] * tp_size,
-        head_size=first.shape[4],
+        num_kv_heads=own[1] * tp_size,
+        head_size=own[2],
     )
     layout = cls(
         model=model,
         block_size=block_size,
-        groups=tuple(GroupSpec(g, num_blocks[g]) for g in group_names),
+        groups=tuple(
+            GroupSpec(g, num_blocks[g], _page(page_of[g], own, tp_size)) for g in group_names
+        ),
         layers=tuple(layers),
         order=full_order,
         tp_rank=tp_rank,
@@ -235,6 +250,16 @@ def from_tensors(
         layout = replace(layout, one_region=True)
     _check_dense(layout, kv_caches)
     return layout.with_regions(_regions(layout, kv_caches))
+
+
+def _page_words(page: tuple[int, int, int]) -> str:
+    return f"{page[0]}-token blocks of {page[1]} KV heads x {page[2]}"
+
+
+def _page(page: tuple[int, int, int], own: tuple[int, int, int], tp_size: int) -> PageShape | None:
+    """A group's :class:`PageShape` from its tensors' ``(N, H, C)`` (H: this rank's heads),
+    None where it is ``self``'s (the layout's own)."""
+    return None if page == own else PageShape(page[0], page[1] * tp_size, page[2])
 
 
 def _one_allocation(layout: LayoutCore, kv_caches: Mapping[str, torch.Tensor]) -> bool:

@@ -20,9 +20,24 @@ from kvbridge.connector import KVTransferParams
 from kvbridge.connector.control.seal import seal_digest
 from kvbridge.connector.handover import group_name
 from kvbridge.connector.vllm.config import VllmConnectorConfig
-from kvbridge.connector.vllm.kinds import GroupKind, layer_groups, plan_groups, vllm_groups
+from kvbridge.connector.vllm.kinds import (
+    GroupKind,
+    group_pages,
+    layer_groups,
+    plan_groups,
+    vllm_group_kinds,
+    vllm_groups,
+)
 from kvbridge.connector.vllm.scheduler import VllmScheduler, from_json_params
-from kvbridge.proto import BlockId, ConfigError, KVLayout, LayoutError, RequestId, WireError
+from kvbridge.proto import (
+    BlockId,
+    ConfigError,
+    KVLayout,
+    LayoutError,
+    RequestId,
+    WireError,
+)
+from kvbridge.proto.layout import PageShape
 
 BS = 4
 WINDOW = 6  # tokens: after 18 tokens vLLM keeps tokens 13.. of the window (blocks 3 and 4)
@@ -179,6 +194,60 @@ def test_groups_of_other_page_shapes_are_refused_and_the_full_group_is_main() ->
         plan_groups([sliding, longer], "M")
 
 
+def test_groups_of_another_shape_at_equal_page_bytes_and_whole_block_ratios_are_moved() -> None:
+    """Gemma-4: the full group's head size is twice the sliding group's, whose blocks vLLM
+    made twice as long (equal page bytes)."""
+    full = GroupKind("FullAttentionSpec", None, (1, 128, "float32", 32))
+    sliding = GroupKind("SlidingWindowSpec", 32, (1, 64, "float32", 64))
+    assert plan_groups([sliding, full], "Gemma4") == (1, {0: 32})
+    assert plan_groups([full, GroupKind("SlidingWindowSpec", 8, (1, 32, "float32", 128))], "M")
+    refusals = [
+        # padded pages (vLLM reads them through a strided view), by name
+        (GroupKind("SlidingWindowSpec", 32, (1, 64, "float32", 64), padded=True), "padded pages"),
+        # other page bytes
+        (GroupKind("SlidingWindowSpec", 32, (1, 64, "float32", 32)), "at equal page bytes"),
+        (GroupKind("SlidingWindowSpec", 32, (1, 64, "bfloat16", 64)), "at equal page bytes"),
+        # blocks that are no whole multiple of the main group's (a full group of larger
+        # blocks than a sliding one included)
+        (GroupKind("SlidingWindowSpec", 32, (1, 256, "float32", 16)), "whole multiple"),
+    ]
+    for other, words in refusals:
+        with pytest.raises(ConfigError, match=rf"group 0 \(SlidingWindowSpec\).*{words}"):
+            plan_groups([other, full], "Gemma4")
+    wide_full = GroupKind("FullAttentionSpec", None, (1, 64, "float32", 64))
+    narrow = GroupKind("SlidingWindowSpec", 32, (1, 128, "float32", 32))
+    with pytest.raises(ConfigError, match="whole multiple"):
+        plan_groups([narrow, wide_full], "M")
+
+
+def test_group_pages_give_every_groups_shape_only_where_one_differs() -> None:
+    def spec(name: str, window: int | None, heads: int, size: int, block: int) -> Any:
+        out = type(name, (), {})()
+        out.sliding_window, out.num_kv_heads, out.head_size = window, heads, size
+        out.dtype, out.block_size = "torch.float32", block
+        return out
+
+    config = SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(
+                layer_names=["l0"], kv_cache_spec=spec("SlidingWindowSpec", 32, 1, 64, 64)
+            ),
+            SimpleNamespace(
+                layer_names=["l1"], kv_cache_spec=spec("FullAttentionSpec", None, 1, 128, 32)
+            ),
+        ]
+    )
+    names, windows = vllm_groups(config, "Gemma4")
+    assert names == ("g0", "self") and windows == {"g0": 32}
+    # 2 KV heads over TP=2: one per rank; the shapes name the whole model's heads
+    assert group_pages(config, names, 1, 2) == {
+        "g0": PageShape(64, 2, 64),
+        "self": PageShape(32, 2, 128),
+    }
+    config.kv_cache_groups[0].kv_cache_spec = spec("SlidingWindowSpec", 32, 1, 128, 32)
+    assert group_pages(config, names, 1, 1) == {}
+
+
 def test_groups_that_share_their_pages_are_described_each_with_its_own_layers() -> None:
     pages = torch.zeros(2, 6, BS, 2, 8)  # one tensor: both groups' layer pages
     layout = KVLayout.from_tensors(
@@ -238,3 +307,28 @@ def test_vllm_groups_names_them_by_vllms_index_and_the_full_group_is_self() -> N
     assert vllm_groups(config, "M") == (("g0", "self"), {"g0": 32})
     one = SimpleNamespace(kv_cache_groups=config.kv_cache_groups[1:])
     assert vllm_groups(one, "M") == (("self",), {})
+
+
+def test_vllms_padded_pages_are_seen_in_its_spec_and_refused() -> None:
+    def spec(name: str, window: int | None, size: int, padded: int | None) -> Any:
+        out = type(name, (), {})()
+        out.sliding_window, out.num_kv_heads, out.head_size = window, 1, size
+        out.dtype, out.block_size = "torch.float32", 32
+        out.page_size_padded, out.real_page_size_bytes = padded, 2 * 32 * size * 4
+        return out
+
+    groups = [
+        SimpleNamespace(layer_names=["l0"], kv_cache_spec=spec("SlidingWindowSpec", 32, 64, None)),
+        SimpleNamespace(
+            layer_names=["l1"], kv_cache_spec=spec("FullAttentionSpec", None, 96, None)
+        ),
+    ]
+    config = SimpleNamespace(kv_cache_groups=groups)
+    assert [k.padded for k in vllm_group_kinds(config)] == [False, False]
+    groups[0].kv_cache_spec = spec("SlidingWindowSpec", 32, 64, 2 * 32 * 96 * 4)
+    assert [k.padded for k in vllm_group_kinds(config)] == [True, False]
+    with pytest.raises(ConfigError, match=r"group 0 \(SlidingWindowSpec\) has padded pages"):
+        vllm_groups(config, "Gemma4ForCausalLM")
+    # a padding equal to the page itself pads nothing
+    groups[0].kv_cache_spec = spec("SlidingWindowSpec", 32, 64, 2 * 32 * 64 * 4)
+    assert not vllm_group_kinds(config)[0].padded

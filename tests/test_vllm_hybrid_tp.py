@@ -1,7 +1,7 @@
 """Model kinds at TP=2 and heterogeneous TP inside real vLLM (CPU), P/D through
 KVBridgeConnector against a TP=1 engine and against NixlConnector on the same prompts.
 
-Three tiny models with 2 KV heads, so that TP=2 gives each rank one
+Four tiny models with 2 KV heads, so that TP=2 gives each rank one
 (:mod:`tests.harness.tiny_models`), one module run each:
 
 - ``gemma4-kv2``: Gemma-4-style, sliding, full, sliding, full attention (window 32
@@ -9,7 +9,10 @@ Three tiny models with 2 KV heads, so that TP=2 gives each rank one
 - ``gemma3``: Gemma-3-style, one sliding-window layer (window 32) and one full-attention
   layer;
 - ``gemma4-full-kv2``: a KV-sharing decoder, full attention only, the last two of four
-  layers sharing the first two's KV (one KV cache group).
+  layers sharing the first two's KV (one KV cache group);
+- ``gemma4-wide-kv2``: ``gemma4-kv2`` with a head size of 128 for full attention: the
+  groups' pages differ in shape (the sliding group has 64-token blocks of head size 64),
+  so a head of a block is 32 KiB in either group.
 
 vLLM keeps its KV cache groups (full attention, sliding window) on every engine; each rank
 of a decode reads its own head of the full group's prompt blocks and of the sliding group's
@@ -73,17 +76,20 @@ class Kind:
     third, the full group's last block and the sliding group's last block."""
     pages: int
     """KV-owning layers' pages in a block of a group (a sharing layer has no memory)."""
+    head_page: int = HEAD_PAGE
+    """One layer's page of one KV head of a block."""
 
     @property
     def head_block(self) -> int:
         """The bytes of one KV head of one block: what a TP=2 rank moves per block."""
-        return self.pages * HEAD_PAGE
+        return self.pages * self.head_page
 
 
 KINDS = [
     Kind("gemma4-kv2", HYBRID, [5, 5, 2], 1),
     Kind("gemma3", HYBRID, [5, 5, 2], 1),
     Kind("gemma4-full-kv2", ["FullAttentionSpec"], [3, 3, 1], 2),
+    Kind("gemma4-wide-kv2", HYBRID, [5, 5, 2], 1, 2 * HEAD_PAGE),
 ]
 
 

@@ -1,5 +1,5 @@
 """Model kinds inside real vLLM (CPU): encoder-decoder and Mamba models, and hybrid models whose
-KV cache groups differ in page shape, are refused by name.
+KV cache groups have padded pages, are refused by name.
 
 vLLM 0.32's scheduler runs no KV connector with an encoder-decoder model. Before the
 connector checked the model kind, a Whisper-style model with KVBridgeConnector failed
@@ -86,19 +86,21 @@ def test_real_vllm_refuses_mamba_with_kvbridge_by_name(tmp_path: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.extended  # the rule is tests/test_vllm_hma_plan.py's; this start costs ~75 s
 @pytest.mark.timeout(600)
-def test_real_vllm_refuses_hybrid_groups_of_other_page_shapes_by_name(tmp_path: Path) -> None:
-    """vLLM keeps its hybrid KV cache groups with kvbridge (``SupportsHMA``); Gemma-4's
-    larger head size for full attention makes the groups' pages differ in shape, which
-    kvbridge cannot move as one layout: refused when the connector is made, naming the
-    groups."""
+def test_real_vllm_refuses_hybrid_groups_of_padded_pages_by_name(tmp_path: Path) -> None:
+    """vLLM keeps its hybrid KV cache groups with kvbridge (``SupportsHMA``). Groups of
+    another page shape at equal page bytes are moved (``tests/test_vllm_gemma4_wide.py``);
+    where a group's page does not divide the largest, vLLM pads it (read through a strided
+    view), which kvbridge cannot move as dense pages: refused when the connector is made,
+    naming the group."""
     model_or_skip(tmp_path)  # the venv
-    model = write_tiny_model("gemma4-wide", tmp_path / "gemma4-wide")
+    model = write_tiny_model("gemma4-pad", tmp_path / "gemma4-pad")
     kv = harness.kv_config("kvbridge", "kv_consumer")
     with pytest.raises(LaunchError):
         harness.Engine(model, core=1, kv=kv, log=tmp_path / "g4.log", max_model_len=256).close()
     log = (tmp_path / "g4.log").read_text()
     assert "cannot serve Gemma4ForCausalLM: its KV cache group" in log, log[-3000:]
-    assert "kvbridge moves groups of one page shape only" in log, log[-3000:]
+    assert "has padded pages of 1 KV heads x 64" in log, log[-3000:]
+    assert "kvbridge moves dense pages only" in log, log[-3000:]
 
 
 NIXL_PROMPT = [5, *range(10, 100), 7]  # 92 tokens: 2 full blocks + 28

@@ -196,7 +196,7 @@ class Expected:
             assert self.head_slice is not None and self.pending is not None
             part, k = self.head_slice
             got = self.pending.result()
-            parts = layout.num_heads  # one digest per head of this reader's pages
+            parts = layout.sizes(group)["H"]  # one digest per head of this group's pages
             flat = list(got.head_groups.get(group, ()))
             algos = {ALGO_XXH3}
             rows = []

@@ -98,6 +98,16 @@ def handshake(
         )
     if daemon.role is not Role.OFFLOAD or not resp.instance or not resp.session:
         raise WireError(f"{config.address} is not an offload daemon")
+    if rearrange and not local.layout.uniform_pages:
+        # the staging cache converts every group's blocks as self-shaped pages: right for
+        # groups of self's page shape only
+        shaped = [str(g.name) for g in local.layout.groups if g.page is not None]
+        raise IncompatibleLayoutError(
+            f"offload daemon {config.address} keeps the pool in order "
+            f"{' '.join(daemon.layout.order)}, ours is {' '.join(local.layout.order)}, and "
+            f"kvbridge does not yet convert groups of their own page shape ({shaped}) between "
+            "orders; start the daemon with this worker's order (--order)"
+        )
     staging = None
     target = local
     if rearrange:
@@ -122,10 +132,12 @@ def handshake(
 
 def check_shared_pages(layout: KVLayout) -> None:
     """ConfigError unless every attention group (``g<i>``) of ``layout`` sees the very pages
-    of ``self``: the same regions, block count and strides (vLLM's hybrid KV cache groups
-    with equal page sizes: tensor ``i`` holds layer ``i`` of every group). Then a group's
+    of ``self``: the same regions and block count, pages of the same bytes at the same
+    places (vLLM's hybrid KV cache groups with equal page sizes: tensor ``i`` holds layer
+    ``i`` of every group, each group viewing the page in its own shape). Then a group's
     block ``b`` is the bytes of ``self``'s block ``b``, and the offload daemon's
-    ``self``-shaped slots hold every group's blocks, each under its group's name."""
+    ``self``-sized slots hold every group's blocks, each under its group's name. A page of
+    other bytes (vLLM's padded pages) is refused by name."""
     if not layout.regions:
         return  # not bound to memory: nothing to move yet
 
@@ -135,15 +147,27 @@ def check_shared_pages(layout: KVLayout) -> None:
             for r in map(layout.regions.__getitem__, layout.regions_of(group))
         )
 
+    def places(group: KVGroup) -> tuple[int, ...]:
+        """Where a block's spans lie (the outer strides) and how long they are."""
+        st = layout.strides(group)
+        return (st["B"], st["L"], st["KV"], layout.group_span_bytes(group))
+
     mine = pages(GROUP)
     for g in layout.groups:
         if not is_attention_group(g.name):
             continue
         theirs = pages(g.name)
+        if layout.block_bytes(g.name) != layout.block_bytes(GROUP):
+            raise ConfigError(
+                f"offload_address: KV cache group {g.name!r} has blocks of "
+                f"{layout.block_bytes(g.name)} bytes, group 'self' of "
+                f"{layout.block_bytes(GROUP)}, and the offload daemon keeps one block size; "
+                "run without offload_address"
+            )
         if (
             theirs != mine
             or g.num_blocks != layout.group(GROUP).num_blocks
-            or layout.strides(g.name) != layout.strides(GROUP)
+            or places(g.name) != places(GROUP)
         ):
             raise ConfigError(
                 f"offload_address: KV cache group {g.name!r} does not share the pages of "

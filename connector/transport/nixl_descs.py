@@ -99,7 +99,7 @@ def _span_starts(
         base = np.uint64(regions[0].addr) + np.arange(nlayers, dtype=np.uint64) * np.uint64(st["L"])
     kv = np.array([0, st["KV"]], dtype=np.uint64)
     starts = (base[:, None] + kv[None, :]).reshape(-1)
-    return starts, layout.span_bytes, st["B"], nblocks, dev
+    return starts, layout.group_span_bytes(group), st["B"], nblocks, dev
 
 
 def descriptor_table(layout: KVLayout, group: KVGroup, per_span: bool) -> npt.NDArray[np.uint64]:
@@ -156,7 +156,7 @@ def slice_table(layout: KVLayout, group: KVGroup, part: int, parts: int) -> npt.
         raise LayoutError(f"a page of order {' '.join(layout.order)} is not one span")
     if not 0 <= part < parts:
         raise LayoutError(f"slice {part} is outside {parts} slices")
-    page = 2 * layout.span_bytes
+    page = 2 * layout.group_span_bytes(group)  # the group's own page shape
     if page % parts:
         raise LayoutError(f"a page of {page} bytes does not split into {parts} slices")
     starts, _, stride, nblocks, dev = _span_starts(layout, group, True)

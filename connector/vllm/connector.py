@@ -49,13 +49,20 @@ from kvbridge.connector.events import BlockRemoved, BlockStored
 from kvbridge.connector.offload.lookup import OffloadLookup
 from kvbridge.connector.vllm.config import VllmConnectorConfig, required_layout
 from kvbridge.connector.vllm.events import OffloadEventRelay
-from kvbridge.connector.vllm.kinds import check_vllm_model, layer_groups, vllm_groups
+from kvbridge.connector.vllm.kinds import (
+    check_vllm_model,
+    group_pages,
+    layer_groups,
+    layer_pages,
+    vllm_groups,
+)
 from kvbridge.connector.vllm.logs import follow_vllm_logging
 from kvbridge.connector.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.connector.vllm.scheduler import HoldOrder, VllmScheduler, kv_tokens
 from kvbridge.connector.vllm.views import logical_views, packed_suffix
 from kvbridge.connector.vllm.worker import VllmWorker, WorkerSettings
 from kvbridge.proto.errors import ConfigError
+from kvbridge.proto.specs import KVGroup
 from kvbridge.proto.types import RequestId
 
 if TYPE_CHECKING:
@@ -181,6 +188,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM keeps its hybrid KV cache manager on (SupportsHMA): a KV cache group kind
         # kvbridge cannot move is refused here, at startup
         self._groups, windows = vllm_groups(kv_cache_config, _architecture(model))
+        # groups of their own page shape (Gemma-4's): self's block and head size are its
+        # group's, the others' pages enter the names' fingerprint
+        heads = (self._num_kv_heads, model.get_total_num_kv_heads())
+        pages = group_pages(kv_cache_config, self._groups, *heads)
+        if pages:
+            self._block_size = pages[KVGroup.SELF].block_size
+            self._head_size = pages[KVGroup.SELF].head_size
         self._kv_cache_config = kv_cache_config
         self._scheduler: VllmScheduler | None = None
         self._worker: VllmWorker | None = None
@@ -193,6 +207,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 num_kv_heads=model.get_total_num_kv_heads(),
                 head_size=self._head_size,
                 block_size=self._block_size,
+                pages={str(g): p for g, p in pages.items()},
             )
             self._lookup = self._cfg.offload_lookup(tp_size)
             self._relay = _offload_relay(self._cfg, vllm_config)
@@ -204,6 +219,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size,
                 groups=self._groups,
                 windows=windows,
+                block_sizes={g: p.block_size for g, p in pages.items()},
             )
         else:
             _share_the_gil_sooner()
@@ -228,13 +244,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        shares = self._shares()
         views, interior = logical_views(
             kv_caches,
             num_kv_heads=self._num_kv_heads,
             head_size=self._head_size,
             block_size=self._block_size,
+            pages=layer_pages(self._kv_cache_config, kv_caches, shares),
         )
-        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, self._shares())
+        groups = layer_groups(self._kv_cache_config, self._groups, kv_caches, shares)
         self.worker.register(views, "" if interior is None else packed_suffix(interior), groups)
 
     def _shares(self) -> dict[str, str]:

@@ -28,7 +28,11 @@ import torch
 
 from kvbridge.proto.errors import LayoutError
 
-__all__ = ["PACKED_SUFFIX", "logical_views", "packed_suffix"]
+__all__ = ["PACKED_SUFFIX", "PageOf", "logical_views", "packed_suffix"]
+
+PageOf = tuple[int, int, int]
+"""A layer's page shape as vLLM's KV cache spec gives it: ``(KV heads of this rank, head
+size, block size in tokens)``."""
 
 PACKED_SUFFIX = "|vllm-packed-kv"
 """Appended to the layout's model name when K and V are packed in vLLM's head-major
@@ -41,9 +45,18 @@ def packed_suffix(interior: str) -> str:
 
 
 def logical_views(
-    kv_caches: Mapping[str, torch.Tensor], *, num_kv_heads: int, head_size: int, block_size: int
+    kv_caches: Mapping[str, torch.Tensor],
+    *,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    pages: Mapping[str, PageOf] | None = None,
 ) -> tuple[dict[str, torch.Tensor], str | None]:
     """vLLM's per-layer KV tensors as views of logical shape ``(2, B, N, H, C)``.
+
+    Each layer has ``num_kv_heads`` heads of ``head_size`` in blocks of ``block_size``
+    tokens, unless ``pages`` gives the layer its own (its KV cache group's spec: vLLM's
+    hybrid groups of Gemma-4 differ in head size and block size, at equal page bytes).
 
     Returns the views and, for packed K|V, the page interior (``"HNC"`` or
     ``"NHC"``; None for split K/V). Views are built from the tensors' real
@@ -53,21 +66,23 @@ def logical_views(
     """
     out: dict[str, torch.Tensor] = {}
     interiors: set[str] = set()
-    split = (block_size, num_kv_heads, head_size)
-    packed = (num_kv_heads, block_size, 2 * head_size)
+    default = (num_kv_heads, head_size, block_size)
     for name, t in kv_caches.items():
+        heads, size, tokens = (pages or {}).get(name, default)
+        split = (tokens, heads, size)
+        packed = (heads, tokens, 2 * size)
         if t.dim() == 5 and t.shape[0] == 2 and tuple(t.shape[2:]) == split:
             out[name] = t  # FlashAttention: (2, B, N, H, C)
         elif t.dim() == 5 and t.shape[1] == 2 and tuple(t.shape[2:]) == split:
             out[name] = t.permute(1, 0, 2, 3, 4)  # FlashInfer: (B, 2, N, H, C)
         elif t.dim() == 4 and tuple(t.shape[1:]) == packed and (kind := _interior(t)):
             interiors.add(kind)
-            out[name] = _halves(t, block_size, num_kv_heads, head_size)
+            out[name] = _halves(t, tokens, heads, size)
         else:
             raise LayoutError(
                 f"layer {name!r}: vLLM KV tensor of shape {tuple(t.shape)} and strides "
-                f"{t.stride()} is not a layout kvbridge knows (block_size {block_size}, "
-                f"{num_kv_heads} KV heads of {head_size}): it takes (B, H, N, 2*C) pages whose "
+                f"{t.stride()} is not a layout kvbridge knows (block_size {tokens}, "
+                f"{heads} KV heads of {size}): it takes (B, H, N, 2*C) pages whose "
                 "H N 2C or N H 2C interior is dense (vLLM layouts LBHNC, BLHNC, LBNHC, BLNHC), "
                 "(2, B, N, H, C) or (B, 2, N, H, C)"
             )

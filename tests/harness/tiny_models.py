@@ -6,7 +6,11 @@
   (``num_kv_shared_layers``), made by ``transformers`` with its own random initialisation
   (greedy output still depends on the first token of a 92-token prompt).
 - ``gemma4-wide``: ``gemma4`` with a larger head size (128) for the full-attention layers,
-  as Gemma-4 has: only started (kvbridge refuses KV cache groups of different page shapes).
+  as Gemma-4 has: vLLM gives the sliding group twice as long blocks (equal page bytes).
+- ``gemma4-wide-kv2``: ``gemma4-wide`` with 2 KV heads, so that TP=2 splits them.
+- ``gemma4-pad``: ``gemma4`` with a full-attention head size of 96, whose page the sliding
+  group's does not divide: vLLM pads the sliding pages; only started (kvbridge refuses
+  padded pages).
 - ``gemma4-kv2``: ``gemma4`` with 2 KV heads, so that TP=2 splits them (one per rank)
   instead of replicating one.
 - ``gemma4-full``: ``gemma4`` with full attention in every layer: a plain decoder whose
@@ -136,7 +140,7 @@ def _write_gemma4_deep(path: Path, seed: int) -> None:
 def _write_gemma4_wide(path: Path, seed: int) -> None:
     """:func:`_write_gemma4` with Gemma-4's larger head size for the full-attention layers
     (``global_head_dim`` 128, 64 elsewhere): vLLM's KV cache groups then differ in page
-    shape, which kvbridge refuses at startup."""
+    shape (the sliding group gets 64-token blocks)."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
@@ -144,6 +148,17 @@ def _write_gemma4_wide(path: Path, seed: int) -> None:
     Gemma4ForCausalLM(Gemma4TextConfig(**{**GEMMA4, "global_head_dim": 128})).save_pretrained(
         str(path)
     )
+
+
+def _write_gemma4_wide_kv2(path: Path, seed: int) -> None:
+    _write_gemma4(path, seed, global_head_dim=128, num_key_value_heads=2)
+
+
+def _write_gemma4_pad(path: Path, seed: int) -> None:
+    """:func:`_write_gemma4` with a full-attention head size of 96: 24 KiB pages beside the
+    sliding group's 16 KiB, which do not divide them, so vLLM pads the sliding pages
+    (``page_size_padded``) instead of giving the group longer blocks."""
+    _write_gemma4(path, seed, global_head_dim=96)
 
 
 MAMBA: dict[str, Any] = {
@@ -171,6 +186,8 @@ WRITERS = {
     "gemma3": write_gemma3,
     "gemma4": _write_gemma4,
     "gemma4-wide": _write_gemma4_wide,
+    "gemma4-pad": _write_gemma4_pad,
+    "gemma4-wide-kv2": _write_gemma4_wide_kv2,
     "gemma4-kv2": _write_gemma4_kv2,
     "gemma4-full": _write_gemma4_full,
     "gemma4-full-kv2": _write_gemma4_full_kv2,

@@ -56,9 +56,17 @@ class Peer:
     def op_setup(
         self, preset: str, num_blocks: int, order: str, seed: int, device: str = "cpu"
     ) -> dict[str, Any]:
+        layout = preset_layout(preset, num_blocks=num_blocks, order=order)
+        return self._setup(layout, seed, device)
+
+    def op_setup_layout(self, layout: bytes, seed: int, device: str = "cpu") -> dict[str, Any]:
+        """:meth:`op_setup` for a layout given in its wire form (e.g. one whose groups have
+        pages of their own shape)."""
+        return self._setup(KVLayout.from_bytes(layout), seed, device)
+
+    def _setup(self, layout: KVLayout, seed: int, device: str) -> dict[str, Any]:
         from kvbridge.connector.transport.nixl_descs import mem_type
 
-        layout = preset_layout(preset, num_blocks=num_blocks, order=order)
         kv = layout.allocate(device)
         fill(layout, kv, seed)
         memory = self.transport.register(layout, kv)
@@ -117,7 +125,7 @@ class Peer:
         return {"blocks": [block_bytes(memory.layout, kv, group, b) for b in ids]}
 
     def op_digests(
-        self, mem: int, ids: list[int], key: int, algo: str | None = None
+        self, mem: int, ids: list[int], key: int, algo: str | None = None, group: str = "self"
     ) -> dict[str, Any]:
         """Block digests of a memory: on the device for CUDA memory (kvbridge.kernels)."""
         from kvbridge.kernels import block_digests, digest_algo
@@ -126,9 +134,21 @@ class Peer:
         if layout.regions[0].device.startswith("cuda"):
             torch.cuda.synchronize()
         return {
-            "algo": algo or digest_algo(layout, "self"),
-            "digests": block_digests(layout, "self", ids, key, algo=algo),
+            "algo": algo or digest_algo(layout, group),
+            "digests": block_digests(layout, group, ids, key, algo=algo),
         }
+
+    def op_poke(self, mem: int, group: str, block_id: int, offset: int) -> dict[str, Any]:
+        """Flip one byte at ``offset`` of block ``block_id``'s spans (in span order)."""
+        layout = self.memories[mem][0].layout
+        for span in layout.block_spans(group, block_id):
+            if offset < span.length:
+                addr = layout.regions[span.region].addr + span.offset + offset
+                byte = ctypes.c_uint8.from_address(addr)
+                byte.value ^= 0xFF
+                return {}
+            offset -= span.length
+        raise ValueError(f"offset past block {block_id} of {group!r}")
 
     def op_notify(self, link: int, message: bytes) -> dict[str, Any]:
         self.transport.send_notification(self.links[link], message)

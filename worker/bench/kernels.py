@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvbridge.kernels.cpu_spans import available
+    from kvbridge.kernels.cpu_spans import available, helper_threads
     from kvbridge.worker.bench.kernel_cases import TARGET, cases, measure
 
     clock = time.perf_counter
@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     columns += ["vs", "ratio", "best ratio", "meets"]
     print_table(rows, columns)
     threads = torch.get_num_threads()
+    helpers = {"openmp": "the calling thread's OpenMP team", "pthreads": "pthreads per call"}
     if available():
-        path_name = f"compiled span copy, up to {threads} thread(s) (pthreads claiming 1 MiB parts)"
+        how = helpers.get(helper_threads() or "", helper_threads()) if threads > 1 else "no helper"
+        path_name = f"compiled span copy, up to {threads} thread(s) ({how}, claiming 1 MiB parts)"
     else:
         path_name = f"torch ops (span copy not built), {threads} torch thread(s)"
     print(
@@ -101,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     settings["threads"] = threads
     settings["cpu_path"] = "span copy" if available() else "torch"
     settings["threads_kvbridge"] = threads  # at most: a call of under `threads` MiB uses fewer
+    settings["helper_threads"] = helper_threads()  # openmp (torch's libgomp) / pthreads / None
     settings["threads_baseline"] = threads
     json_path, png_path = output_paths(args.out)
     path = write_json(json_path, {"settings": settings, "rows": rows})

@@ -208,6 +208,9 @@ def fingerprint(layout: KVLayout) -> bytes:
         f"{m.name}|{m.dtype}|{m.num_layers}|{m.num_kv_heads}|{m.head_size}|{layout.block_size}|"
         f"{layout.tp_size}|{' '.join(layout.order)}|{layout.block_bytes(GROUP)}"
     )
+    # groups of their own page shape (a hybrid model's), only where there are any: a uniform
+    # layout's tier keeps the fingerprint it was saved under
+    text += "".join(f"|{g.name}:{g.page.describe()}" for g in layout.groups if g.page is not None)
     return hashlib.sha256(text.encode()).digest()
 
 
