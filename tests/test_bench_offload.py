@@ -31,6 +31,11 @@ def test_bench_offload_reports_verified_and_unverified_loads_of_one_run(tmp_path
         row["load_gbps"] / row["load_unverified_gbps"]
     )
     assert "verified" in report["settings"]["verify"]
+    # CPU of raw NIXL over ours: the digest is CPU work, so a verified load costs more
+    for key in ("store_cpu_vs_raw", "load_cpu_vs_raw", "load_unverified_cpu_vs_raw"):
+        assert 0 < row[key] < 10, (key, row[key])
+    assert "CPU: raw's over ours" in done.stdout
+    assert report["settings"]["max_piece_mib"] == 64
     assert out.with_suffix(".png").stat().st_size > 0
     assert "verification costs" in done.stdout
 

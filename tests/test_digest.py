@@ -176,3 +176,48 @@ def test_a_helper_thread_hashes_a_share_of_the_blocks_and_changes_no_digest() ->
     assert block_digests(bound, "self", range(8), key, helper=helper) == alone
     with ThreadPoolExecutor(1) as helper, pytest.raises(ValueError, match="digest key"):
         block_digests(bound, "self", range(8), -1, helper=helper)
+
+
+def test_xxh3_digests_are_plain_seeded_xxh3_128_of_the_spans_bytes_in_order() -> None:
+    """The algorithm named ``xxh3-128`` is exactly ``xxhash.xxh3_128(seed=key)`` over the
+    spans' bytes concatenated: odd sizes (around XXH3's 16/128/240-byte and 1 KiB stripe
+    and 64-byte block edges), many spans, adjacent spans (merged into one call) and gaps,
+    zero-length spans, two regions; and for blocks of both outer orders."""
+    import ctypes
+
+    import xxhash
+
+    from kvbridge.proto import Region
+
+    gen = torch.Generator().manual_seed(7)
+    bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (70001, 9001)]
+    regions = [Region(t.data_ptr(), t.numel()) for t in bufs]
+    raw = [ctypes.string_at(t.data_ptr(), t.numel()) for t in bufs]
+    key = new_key()
+    sizes = [0, 1, 15, 16, 17, 127, 128, 129, 239, 240, 241, 1023, 1024, 1025, 4097, 65537]
+    for size in sizes:  # one span of each size, at an odd offset
+        want = xxhash.xxh3_128(raw[0][3 : 3 + size], seed=key).digest()
+        assert span_digest(regions, [Span(0, 3, size)], key) == want, size
+    spans, expected = [], b""
+    offset = 1
+    for i, size in enumerate(sizes * 3):  # many spans: adjacent runs, gaps, both regions
+        region = i % 5 == 4 and size < len(raw[1])
+        off = (offset if not region else 11 * i) % (len(raw[region]) - size)
+        spans.append(Span(int(region), off, size))
+        expected += raw[region][off : off + size]
+        offset = off + size + (0 if i % 3 else 7)  # two of three adjacent to the previous
+    assert len(expected) > 100_000
+    assert span_digest(regions, spans, key) == xxhash.xxh3_128(expected, seed=key).digest()
+
+    for order in ("block-nhd", "layer-nhd"):
+        layout, caches = _filled(order, seed=3)
+        bound = layout.bind(caches)
+        keys = [new_key() for _ in range(8)]
+        got = keyed_block_digests(bound, "self", range(8), keys, "xxh3-128")
+        for b in range(8):
+            data = b"".join(
+                ctypes.string_at(bound.regions[s.region].addr + s.offset, s.length)
+                for s in bound.block_spans("self", b)
+            )
+            assert got[b] == xxhash.xxh3_128(data, seed=keys[b]).digest(), (order, b)
+        assert block_digests(bound, "self", [5], keys[5]) == [got[5]]

@@ -11,15 +11,19 @@ Through a staging cache when the worker's inner order differs from the pool's
 Digesting costs about a fifth of a READ's time on the CPU, so a transfer of more than
 :data:`PIPELINE_BYTES` goes in pieces that overlap the digests: from
 :data:`FIRST_PIECE_BYTES`, doubling up to :data:`MAX_PIECE_BYTES` (each piece costs NIXL
-about 0.1 ms, so few and big ones; the small first piece is all of a store's digest that
-is not overlapped), and a load's in reverse (its small last piece is all of its check that
-is not overlapped). The mover's
+about 0.1-0.2 ms of CPU, so few and big ones; the small first piece is all of a store's
+digest that is not overlapped), and a load's in reverse (its small last piece is all of its
+check that is not overlapped). The overlap hides the digest only where a core is otherwise
+idle: the digest is CPU work (a pass over the bytes from memory; a READ's landed bytes are
+not in the cache), so on a machine with no idle core it adds its time whatever the order
+(docs/DESIGN-NOTES.md, "What the digest costs"). The mover's
 one helper thread runs all the pieces' transfers back to back, one job per store or load
 (NIXL's ``transfer()`` copies on CMA inside the call and releases the GIL meanwhile),
 while the calling thread digests: a store's helper WRITEs piece *k* as soon as the caller
 has digested it (so no byte leaves before its digest is taken), and the caller runs at
-most :data:`AHEAD_PIECES` pieces ahead of the WRITEs, so that a WRITE reads bytes its
-digest just pulled into the cache; a verified load's caller checks piece *k* as soon
+most :data:`AHEAD_PIECES` pieces ahead of the WRITEs (a bound on the work done ahead of a
+WRITE that may fail; a WRITE of bytes just digested costs no less CPU than a cold one,
+measured from 2 to 16 MiB pieces); a verified load's caller checks piece *k* as soon
 as its READ landed while the helper already reads the next ones. Neither side waits for
 the other's round trip per piece. A store's caller hands the digests on (``on_digests``:
 the client posts CommitStore then) before the last WRITEs complete.
@@ -56,8 +60,9 @@ PIPELINE_BYTES = 8 << 20
 """A transfer of more bytes goes in pieces that overlap its digests (see the module doc)."""
 FIRST_PIECE_BYTES = 2 << 20
 """The first piece of a store (the last of a load) in pieces; later ones double..."""
-MAX_PIECE_BYTES = 16 << 20
-"""...up to this size."""
+MAX_PIECE_BYTES = 64 << 20
+"""...up to this size (64 MiB: 8 pieces for 256 MiB instead of 19 at 16 MiB, 1-3 ms less CPU
+per 256 MiB; a piece's check still takes a quarter of the next piece's READ)."""
 AHEAD_PIECES = 2
 """A store's caller digests at most this many pieces not yet written (the one being written
 included)."""

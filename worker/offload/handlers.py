@@ -49,6 +49,7 @@ from kvbridge.proto.layout import KVLayout
 from kvbridge.proto.negotiate import TransferMode, negotiate
 from kvbridge.proto.types import BlockHash, BlockId, EngineId
 from kvbridge.worker.offload.config import GROUP, OffloadConfig, pool_layout
+from kvbridge.worker.offload.hugepages import allocate_pool
 from kvbridge.worker.offload.pool import Digest, HostPool, OffloadStats, pool_key
 from kvbridge.worker.offload.tiered import open_tiered, saved_layout
 from kvbridge.worker.offload.writers import Sessions, check_agent_name, route_notifications
@@ -287,7 +288,7 @@ class OffloadHandlers:
 
     def _create(self, template: KVLayout) -> None:
         layout = pool_layout(template, self.config)
-        caches = layout.allocate()
+        caches = allocate_pool(layout)  # on huge pages: a CMA transfer pins far fewer pages
         memory = self.transport.register(layout, caches)
         info = PeerInfo(
             engine_id=EngineId(self._agent_name()),
