@@ -138,8 +138,9 @@ def block_digests(
     algorithm: ``ALGO_DEVICE`` over CPU memory runs its CPU reference; XXH3 over CUDA
     memory is refused (it would need a host copy).
 
-    ``helper``: a thread pool that may take a share of the XXH3 blocks (the hash releases
-    the interpreter lock, so two threads hash two blocks at once on two cores); see
+    ``helper``: a thread pool that may take a share of the XXH3 blocks (python-xxhash
+    releases the interpreter lock for an input over 64 KiB, so two threads hash two blocks
+    of large spans at once on two cores; small spans hash holding it); see
     :func:`_shared`. Without it, or with a busy one, this thread hashes every block.
     """
     algo = digest_algo(layout, group) if algo is None else algo
