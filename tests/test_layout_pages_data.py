@@ -27,17 +27,15 @@ from kvbridge.kernels import (
 )
 from kvbridge.proto import (
     ConfigError,
-    GroupSpec,
     KVGroup,
     KVLayout,
-    LayerSpec,
     LayoutError,
-    ModelSpec,
     attention_group,
 )
 from kvbridge.proto.layout import PageShape
 from kvbridge.proto.negotiate import HEAD_MAJOR_SUFFIX
 from kvbridge.worker.offload.tiered import fingerprint
+from tests.harness.wide_layouts import wide_layout
 
 SELF, G1 = KVGroup.SELF, attention_group(1)
 NB = 6
@@ -56,17 +54,7 @@ def wide(
     name: str = "gemma4-wide",
 ) -> KVLayout:
     """Two layers per group (``self``: full attention, ``g1``: sliding)."""
-    return KVLayout(
-        model=ModelSpec(name, "float32", 2, heads, 128),
-        block_size=32,
-        groups=(GroupSpec(SELF, NB), GroupSpec(G1, NB, page)),
-        layers=(
-            LayerSpec("layers.0", G1),
-            LayerSpec("layers.1", SELF),
-            LayerSpec("layers.2", G1),
-            LayerSpec("layers.3", SELF),
-        ),
-    ).with_order(order)
+    return wide_layout(page, num_blocks=NB, heads=heads, order=order, name=name)
 
 
 def vllm_pages(pad: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbridge.proto import GroupSpec, KVGroup, KVLayout, LayerSpec, ModelSpec, attention_group
+from kvbridge.proto import KVGroup, KVLayout, attention_group
 from kvbridge.proto.layout import PageShape
 from tests.harness.peer import PeerProc, start_peers
 from tests.harness.transport_contract import assert_clean_close
+from tests.harness.wide_layouts import wide_layout
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +28,7 @@ PAGES = {
 
 
 def layout(page: PageShape, order: str) -> KVLayout:
-    return KVLayout(
-        model=ModelSpec("gemma4-wide", "float32", 2, 2, 128),
-        block_size=32,
-        groups=(GroupSpec(SELF, NB), GroupSpec(G1, NB, page)),
-        layers=(
-            LayerSpec("layers.0", G1),
-            LayerSpec("layers.1", SELF),
-            LayerSpec("layers.2", G1),
-            LayerSpec("layers.3", SELF),
-        ),
-    ).with_order(order)
+    return wide_layout(page, num_blocks=NB, heads=2, order=order)
 
 
 @pytest.fixture(scope="module")
