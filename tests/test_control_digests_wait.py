@@ -55,6 +55,14 @@ def make_lease(c: Cluster, lease_id: LeaseId, salt: int, digests: bool = True) -
     )
 
 
+def wait_for_waiters(c: Cluster, n: int) -> None:
+    """Until ``n`` Digests calls hold wait slots on the server (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while c.server.handlers.digest_waits.waiting() < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
 def test_more_concurrent_digests_than_wait_slots_all_get_late_digests(cluster: Cluster) -> None:
     """Five loads from one decode ask at once (the per-caller cap is 2); the owner makes the
     lease SLOW later. Every call gets the digests (before: three were NOT_FOUND at once)."""
@@ -90,10 +98,7 @@ def test_over_the_cap_the_answer_is_busy_not_not_found(cluster: Cluster) -> None
     client = cluster.client()
     lease = LeaseId(secrets.token_hex(16))
     waiting = [client.digests_call(lease, timeout_s=5.0) for _ in range(2)]
-    deadline = time.monotonic() + 5
-    while cluster.server.handlers.digest_waits.waiting() < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for_waiters(cluster, 2)
     with pytest.raises(ControlPlaneError, match=r"busy: .* ask again") as info:
         client.digests(lease, timeout_s=5.0, busy_retry=False)
     assert info.value.code == "RESOURCE_EXHAUSTED" and not isinstance(info.value, LeaseError)
@@ -138,10 +143,7 @@ def test_busy_retries_stop_at_the_deadline(cluster: Cluster) -> None:
     lease = LeaseId(secrets.token_hex(16))
     # each holder call waits DIGESTS_WAIT_S; keep both slots taken for longer than 0.4 s
     holding = [holder.digests_call(lease, timeout_s=5.0) for _ in range(2)]
-    deadline = time.monotonic() + 5
-    while cluster.server.handlers.digest_waits.waiting() < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_for_waiters(cluster, 2)
     t0 = time.monotonic()
     with pytest.raises(ControlPlaneError) as info:
         holder.digests_call(lease, timeout_s=0.25).result()
